@@ -1,0 +1,3 @@
+from megatron_rocm.main import main
+
+raise SystemExit(main())

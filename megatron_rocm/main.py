@@ -1,0 +1,211 @@
+"""The one argparse entry point: parses, then dispatches to ``commands/<verb>.py``.
+
+Only this module sees the ``argparse.Namespace``; every verb is a typed function that takes
+keyword arguments and returns an exit code, so verbs are trivial to call from tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from megatron_rocm import __version__
+from megatron_rocm.error_handler import error_handler
+from megatron_rocm.errors import EXIT_USAGE
+
+DEFAULT_SOURCE_HELP = (
+    "where upstream comes from: a git URL (default: https://github.com/NVIDIA/Megatron-LM.git), "
+    "a local clone or mirror path, or 'pypi' for a megatron-core sdist"
+)
+
+
+def _add_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", default=None, help=DEFAULT_SOURCE_HELP)
+
+
+def _add_series(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--series",
+        default=None,
+        metavar="DIR",
+        help="patch series folder (default: $MEGATRON_ROCM_SERIES or the bundled patches/)",
+    )
+    parser.add_argument(
+        "--megatron-version",
+        default=None,
+        metavar="X.Y.Z",
+        help="override the version read from megatron/core/package_info.py",
+    )
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rocm",
+        description="Port upstream Megatron-LM to AMD GPUs (ROCm) with a versioned patch series.",
+        epilog="Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage, "
+        "3 source or environment.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
+    _add_source(p)
+    p.add_argument("--ref", default=None, help="tag, branch or commit (default: newest release)")
+    p.add_argument("--dest", default=None, help="checkout folder (default: ./Megatron-LM)")
+    p.add_argument("--branch", default=None, help="fork branch name (default: rocm/<ref>)")
+    p.add_argument(
+        "--3way", dest="three_way", action="store_true", help="allow hunks that need a 3-way merge"
+    )
+    _add_series(p)
+    _add_json(p)
+
+    p = sub.add_parser("check", help="check the series against refs without a checkout")
+    _add_source(p)
+    p.add_argument("--ref", nargs="+", default=None, help="refs to check (default: newest release)")
+    _add_series(p)
+    _add_json(p)
+
+    p = sub.add_parser("export", help="turn a patched fork's commits back into diff files")
+    p.add_argument("--repo", default=".", help="the patched fork (default: current folder)")
+    p.add_argument(
+        "--new-variant",
+        action="store_true",
+        help="start a new variant at this tree's version instead of updating the matching one",
+    )
+    _add_series(p)
+    _add_json(p)
+
+    p = sub.add_parser("list", help="show the series, its variants and version ranges")
+    _add_series(p)
+    _add_json(p)
+
+    p = sub.add_parser("matrix", help="check the series against every upstream tag")
+    _add_source(p)
+    p.add_argument(
+        "--tags",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="glob patterns of tags/branches (default: release tags >= core_v0.12.0 and main)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["md", "html", "json", "junit"],
+        action="append",
+        default=None,
+        help="report format; repeat for several (default: md)",
+    )
+    p.add_argument("--out", default=None, help="report file, or folder when several formats")
+    p.add_argument("--no-scan", action="store_true", help="skip the new-CUDA-surface scan")
+    _add_series(p)
+
+    p = sub.add_parser("install", help="pip-install a patched tree (never touches torch)")
+    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
+    p.add_argument("--no-editable", action="store_true", help="a regular, not editable, install")
+    p.add_argument("--dry-run", action="store_true", help="print the steps, change nothing")
+    _add_json(p)
+
+    p = sub.add_parser("smoke", help="run the GPU smoke suite on a patched tree")
+    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
+    p.add_argument("--json", dest="json_file", default=None, metavar="FILE", help="JSON report")
+    p.add_argument("--junit", dest="junit_file", default=None, metavar="FILE", help="JUnit XML")
+    p.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run only these")
+    p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
+
+    p = sub.add_parser("doctor", help="report the ROCm/CUDA environment and flag problems")
+    _add_json(p)
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    # Imports are local so that `megatron-rocm apply` never imports torch-using modules.
+    if args.command == "apply":
+        from megatron_rocm.commands.apply import apply
+
+        return apply(
+            source=args.source,
+            ref=args.ref,
+            dest=args.dest,
+            branch=args.branch,
+            three_way=args.three_way,
+            series_dir=args.series,
+            version_override=args.megatron_version,
+            as_json=args.json,
+        )
+    if args.command == "check":
+        from megatron_rocm.commands.check import check
+
+        return check(
+            source=args.source,
+            refs=args.ref,
+            series_dir=args.series,
+            version_override=args.megatron_version,
+            as_json=args.json,
+        )
+    if args.command == "export":
+        from megatron_rocm.commands.export import export
+
+        return export(
+            repo_dir=args.repo,
+            new_variant=args.new_variant,
+            series_dir=args.series,
+            version_override=args.megatron_version,
+            as_json=args.json,
+        )
+    if args.command == "list":
+        from megatron_rocm.commands.list_series import list_series
+
+        return list_series(series_dir=args.series, as_json=args.json)
+    if args.command == "matrix":
+        from megatron_rocm.commands.matrix import matrix
+
+        return matrix(
+            source=args.source,
+            tag_patterns=args.tags,
+            formats=args.format or ["md"],
+            out=args.out,
+            scan=not args.no_scan,
+            series_dir=args.series,
+            version_override=args.megatron_version,
+        )
+    if args.command == "install":
+        from megatron_rocm.commands.install import install
+
+        return install(
+            tree_dir=args.dir, editable=not args.no_editable, dry_run=args.dry_run, as_json=args.json
+        )
+    if args.command == "smoke":
+        from megatron_rocm.commands.smoke import smoke
+
+        return smoke(
+            tree_dir=args.dir,
+            json_file=args.json_file,
+            junit_file=args.junit_file,
+            only=args.only,
+            steps=args.steps,
+        )
+    if args.command == "doctor":
+        from megatron_rocm.commands.doctor import doctor
+
+        return doctor(as_json=args.json)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    with error_handler() as result:
+        result.code = _dispatch(args)
+    return result.code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
