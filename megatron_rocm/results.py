@@ -1,0 +1,88 @@
+"""Value types for check/apply results, shared by the engine, the CLI and the matrix reports."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+
+class HunkLabel(str, enum.Enum):
+    """How one hunk lands on a tree. Ordered from best to worst by ``severity``."""
+
+    CLEAN = "clean"  # context and removed lines match at the recorded line
+    OFFSET = "offset"  # match exactly, at another line
+    FUZZ = "fuzz"  # match only after dropping outer context lines
+    ALREADY_APPLIED = "already-applied"  # the post-image is already there
+    NEEDS_3WAY = "needs-3-way"  # no direct match; a 3-way merge with the recorded base works
+    CONFLICT = "conflict"  # no way to place it
+    FILE_GONE = "file-gone"  # the file the hunk edits does not exist
+    OUT_OF_SCOPE = "out-of-scope"  # the source (e.g. a PyPI sdist) does not hold this file
+
+    @property
+    def applies(self) -> bool:
+        """Would ``apply`` accept it without --3way? (fuzz is accepted, and reported)."""
+        return self in (HunkLabel.CLEAN, HunkLabel.OFFSET, HunkLabel.FUZZ, HunkLabel.OUT_OF_SCOPE)
+
+    @property
+    def severity(self) -> int:
+        return list(HunkLabel).index(self)
+
+
+@dataclass
+class HunkResult:
+    path: str
+    index: int  # 1-based hunk number within the file
+    label: HunkLabel
+    old_start: int  # line recorded in the diff
+    found_at: int | None = None  # line where it matched (None: nowhere)
+    detail: str = ""  # for failures: the upstream lines that no longer match
+    text: str = ""  # the hunk itself, for reports
+
+
+@dataclass
+class PatchResult:
+    patch_id: str
+    variant: str | None  # diff file used; None when no variant covers the version
+    hunks: list[HunkResult] = field(default_factory=list)
+    error: str = ""  # e.g. "no variant for 0.11.0"
+
+    @property
+    def label(self) -> HunkLabel:
+        """The worst hunk label (an error without hunks counts as a conflict)."""
+        if self.error:
+            return HunkLabel.CONFLICT
+        relevant = [h.label for h in self.hunks if h.label is not HunkLabel.OUT_OF_SCOPE]
+        if not relevant:
+            return HunkLabel.OUT_OF_SCOPE if self.hunks else HunkLabel.CLEAN
+        if all(lbl is HunkLabel.ALREADY_APPLIED for lbl in relevant):
+            return HunkLabel.ALREADY_APPLIED
+        return max((lb for lb in relevant if lb is not HunkLabel.ALREADY_APPLIED),
+                   key=lambda lb: lb.severity, default=HunkLabel.CLEAN)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(
+            h.label.applies or h.label is HunkLabel.ALREADY_APPLIED for h in self.hunks
+        )
+
+
+@dataclass
+class RefReport:
+    ref: str
+    commit: str
+    version: str
+    patches: list[PatchResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.patches)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for p, pd in zip(self.patches, d["patches"]):
+            pd["label"] = p.label.value
+            pd["ok"] = p.ok
+            for hd in pd["hunks"]:
+                hd["label"] = HunkLabel(hd["label"]).value
+        d["ok"] = self.ok
+        return d
