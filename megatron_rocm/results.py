@@ -6,7 +6,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 
-class HunkLabel(str, enum.Enum):
+class HunkLabel(enum.StrEnum):
     """How one hunk lands on a tree. Ordered from best to worst by ``severity``."""
 
     CLEAN = "clean"  # context and removed lines match at the recorded line

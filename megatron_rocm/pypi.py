@@ -1,0 +1,156 @@
+"""Upstream from PyPI: ``megatron-core`` sdists turned into a local git repo, one tag each.
+
+Why: CI boxes and some users reach only a package index. The sdists hold ``megatron/core``
+(and ``megatron/training`` from 0.17); files outside that are reported out of scope. Each
+release becomes an orphan commit tagged ``core_v<version>`` in a cached repository, so the
+rest of the engine works on sdists exactly as on real clones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from megatron_rocm import gitcmd
+from megatron_rocm.errors import SourceError, UsageError
+from megatron_rocm.hunks import encode
+from megatron_rocm.series import parse_version
+
+PROJECT = "megatron-core"
+INDEX_ENV = "MEGATRON_ROCM_PYPI_URL"  # JSON API root, default https://pypi.org/pypi
+DEFAULT_INDEX = "https://pypi.org/pypi"
+SCOPES = ("megatron/core", "megatron/training")
+FIXED_DATE = "@1700000000 +0000"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MEGATRON_ROCM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "megatron-rocm",
+    )
+    return Path(base)
+
+
+def version_from_ref(ref: str) -> str:
+    """``core_v0.14.0`` or ``0.14.0`` -> ``0.14.0``."""
+    text = ref.removeprefix("core_v").removeprefix("v")
+    return str(parse_version(text))
+
+
+def _get(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310 - https index
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise UsageError(f"{PROJECT} has no release matching {url.rsplit('/', 2)[-2]} on PyPI") from None
+        raise SourceError(f"PyPI answered {e.code} for {url}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise SourceError(
+            f"cannot reach PyPI ({getattr(e, 'reason', e)}); use --source PATH with a local "
+            "clone of Megatron-LM, or set MEGATRON_ROCM_PYPI_URL to a reachable index"
+        ) from None
+
+
+def fetch_sdist(version: str) -> Path:
+    """Download (once; cached, sha256-checked) the sdist of ``megatron-core==version``."""
+    index = os.environ.get(INDEX_ENV, DEFAULT_INDEX).rstrip("/")
+    target_dir = cache_dir() / "sdists"
+    cached = sorted(target_dir.glob(f"megatron_core-{version}.tar.gz"))
+    if cached:
+        return cached[0]
+    meta = json.loads(_get(f"{index}/{PROJECT}/{version}/json"))
+    sdists = [u for u in meta.get("urls", []) if u.get("packagetype") == "sdist"]
+    if not sdists:
+        raise UsageError(f"{PROJECT} {version} has no sdist on PyPI")
+    info = sdists[0]
+    data = _get(info["url"])
+    want = info.get("digests", {}).get("sha256")
+    if want and hashlib.sha256(data).hexdigest() != want:
+        raise SourceError(f"sha256 mismatch for {info['filename']}; download corrupted")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    path = target_dir / f"megatron_core-{version}.tar.gz"
+    tmp = path.with_suffix(".part")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path
+
+
+def _sdist_files(path: Path) -> dict[str, tuple[str, bytes]]:
+    """Regular files of the sdist, path -> (mode, content), top folder stripped."""
+    files: dict[str, tuple[str, bytes]] = {}
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                rel = member.name.split("/", 1)[1] if "/" in member.name else ""
+                if not rel or rel.startswith("/") or ".." in rel.split("/"):
+                    continue
+                handle = tar.extractfile(member)
+                if handle is None:
+                    continue
+                mode = "100755" if member.mode & 0o111 else "100644"
+                files[rel] = (mode, handle.read())
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise SourceError(f"{path} is not a readable sdist ({e}); delete it to re-download") from None
+    return files
+
+
+def sdist_repo(refs: list[str]) -> Path:
+    """A cached bare repo with tag ``core_v<version>`` for each requested release."""
+    repo = cache_dir() / "pypi-megatron-core.git"
+    if not (repo / "HEAD").exists():
+        repo.parent.mkdir(parents=True, exist_ok=True)
+        gitcmd.git("init", "-q", "--bare", str(repo), cwd=repo.parent)
+        for scope in SCOPES:
+            gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=repo)
+    for ref in refs:
+        version = version_from_ref(ref)
+        tag = f"core_v{version}"
+        if gitcmd.rev_parse(repo, f"refs/tags/{tag}"):
+            continue
+        _import(repo, fetch_sdist(version), tag)
+    return repo
+
+
+def _import(repo: Path, sdist: Path, tag: str) -> None:
+    files = _sdist_files(sdist)
+    index = repo / f"index-{tag}"
+    env = {"GIT_INDEX_FILE": str(index)}
+    try:
+        lines = []
+        for rel, (mode, data) in sorted(files.items()):
+            blob = gitcmd.git_text("hash-object", "-w", "--stdin", cwd=repo, input=data)
+            lines.append(f"{mode} {blob}\t{rel}")
+        gitcmd.git("update-index", "--add", "--index-info", cwd=repo, env=env,
+                   input=encode("\n".join(lines) + "\n"))
+        tree = gitcmd.git_text("write-tree", cwd=repo, env=env)
+    finally:
+        index.unlink(missing_ok=True)
+    commit_env = {**gitcmd.IDENTITY, "GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
+    commit = gitcmd.git_text("commit-tree", tree, cwd=repo, env=commit_env,
+                             input=f"{PROJECT} {tag} (sdist from PyPI)\n".encode())
+    gitcmd.git("update-ref", f"refs/tags/{tag}", commit, cwd=repo)
+
+
+def release_versions() -> list[str]:
+    """Every final release of megatron-core on PyPI that has an sdist (newest last)."""
+    index = os.environ.get(INDEX_ENV, DEFAULT_INDEX).rstrip("/")
+    meta = json.loads(_get(f"{index}/{PROJECT}/json"))
+    out = []
+    for ver, files in meta.get("releases", {}).items():
+        v = parse_version(ver)
+        if v.is_prerelease or v.is_devrelease:
+            continue
+        if any(f.get("packagetype") == "sdist" for f in files):
+            out.append(v)
+    return [str(v) for v in sorted(out)]
+
+
+__all__ = ["fetch_sdist", "sdist_repo", "release_versions", "version_from_ref"]

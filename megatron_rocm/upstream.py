@@ -1,0 +1,127 @@
+"""Where upstream comes from: a git URL, a local clone/mirror, or PyPI sdists.
+
+Every source ends up as a local git repository the engine can read with ``cat-file``. Local
+sources are only ever read (or cloned from), never modified.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from megatron_rocm import gitcmd, pypi
+from megatron_rocm.errors import SourceError, UsageError
+from megatron_rocm.progress import CloneProgress
+
+DEFAULT_URL = "https://github.com/NVIDIA/Megatron-LM.git"
+RELEASE_TAG = re.compile(r"^core_v(\d+)\.(\d+)\.(\d+)$")
+SOURCE_HINT = (
+    "use --source with a local clone or mirror (--source ~/Megatron-LM), "
+    "a reachable git URL, or --source pypi"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "url" | "path" | "pypi"
+    location: str
+
+    @property
+    def label(self) -> str:
+        return "PyPI megatron-core sdists" if self.kind == "pypi" else self.location
+
+
+def classify(source: str | None) -> Source:
+    if source is None:
+        return Source("url", DEFAULT_URL)
+    if source == "pypi":
+        return Source("pypi", pypi.DEFAULT_INDEX)
+    if "://" in source or re.match(r"^[\w.-]+@[\w.-]+:", source):
+        return Source("url", source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SourceError(f"source {source!r} does not exist; {SOURCE_HINT}")
+    if not gitcmd.is_git_repo(path):
+        raise SourceError(f"source {source!r} is not a git repository; {SOURCE_HINT}")
+    return Source("path", str(path.resolve()))
+
+
+def release_tags(repo: Path) -> list[str]:
+    """Release tags ``core_vX.Y.Z`` sorted by version (newest last)."""
+    out = gitcmd.git_text("tag", "--list", "core_v*", cwd=repo).split()
+    tags = [t for t in out if RELEASE_TAG.match(t)]
+    return sorted(tags, key=lambda t: tuple(int(x) for x in RELEASE_TAG.match(t).groups()))  # type: ignore[union-attr]
+
+
+def _cache_mirror(url: str, quiet: bool) -> Path:
+    """A blobless bare mirror of ``url`` in the cache, fetched fresh on every use."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", url).strip("-")[-80:]
+    repo = pypi.cache_dir() / "repos" / f"{slug}.git"
+    try:
+        if (repo / "HEAD").exists():
+            git.Repo(repo).remote("origin").fetch(
+                ["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"],
+                progress=CloneProgress(quiet), prune=True,
+            )
+        else:
+            repo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=repo.name + ".", dir=repo.parent))
+            try:
+                git.Repo.clone_from(url, tmp, progress=CloneProgress(quiet),
+                                    multi_options=["--bare", "--filter=blob:none"],
+                                    env=gitcmd.sanitized_env())
+                tmp.replace(repo)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except git.GitCommandError as e:
+        raise SourceError(f"cannot clone {url}: {_git_reason(e)}; {SOURCE_HINT}") from None
+    return repo
+
+
+def _git_reason(e: git.GitCommandError) -> str:
+    lines = [ln.strip() for ln in str(e.stderr or "").splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if "fatal" in ln or "error" in ln]
+    text = (fatal or lines or [str(e.status)])[-1]
+    return text.removeprefix("stderr: ").strip("'")
+
+
+def reading_repo(source: Source, refs: list[str] | None, quiet: bool = False) -> Path:
+    """A local repo holding ``refs`` for in-memory checks (no work tree needed)."""
+    if source.kind == "path":
+        return Path(source.location)
+    if source.kind == "url":
+        return _cache_mirror(source.location, quiet)
+    if not refs:
+        refs = [pypi.release_versions()[-1]]
+    return pypi.sdist_repo(refs)
+
+
+def default_ref(repo: Path) -> str:
+    tags = release_tags(repo)
+    if not tags:
+        raise UsageError(f"{repo} has no core_vX.Y.Z release tags; pass --ref")
+    return tags[-1]
+
+
+def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False) -> Path:
+    """Clone ``source`` into ``dest`` (a fresh folder the caller renames into place)."""
+    if source.kind == "pypi":
+        origin = str(pypi.sdist_repo([ref] if ref else [pypi.release_versions()[-1]]))
+    else:
+        origin = source.location
+    if not quiet:
+        print(f"cloning {source.label}", flush=True)
+    try:
+        git.Repo.clone_from(origin, dest, progress=CloneProgress(quiet), no_checkout=True,
+                            env=gitcmd.sanitized_env())
+    except git.GitCommandError as e:
+        raise SourceError(f"cannot clone {source.label}: {_git_reason(e)}; {SOURCE_HINT}") from None
+    if source.kind == "pypi":
+        for scope in pypi.SCOPES:
+            gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=dest)
+    return dest
