@@ -105,6 +105,7 @@ def is_git_repo(path: str | Path) -> bool:
     p = Path(path)
     if not p.is_dir():
         return False
+    git_binary()  # a missing git is its own error, not "not a repository"
     try:
         out = git_text("rev-parse", "--git-dir", cwd=p)
     except (GitError, SourceError):

@@ -124,9 +124,14 @@ def _nearest(lines: list[str], seq: list[str], expected: int, lo: int) -> int | 
 
 
 def _mismatch(lines: list[str], old: list[str], expected: int) -> str:
-    """Name the first upstream line that no longer matches the hunk's preimage."""
+    """Name the first upstream line that no longer matches, where the hunk fits best."""
+    best, best_score = expected, -1
+    for pos in range(max(0, len(lines) - len(old) + 1)):
+        score = sum(1 for k, want in enumerate(old) if lines[pos + k] == want)
+        if score > best_score or (score == best_score and abs(pos - expected) < abs(best - expected)):
+            best, best_score = pos, score
     for k, want in enumerate(old):
-        pos = expected + k
+        pos = best + k
         have = lines[pos] if 0 <= pos < len(lines) else "<end of file>"
         if have != want:
             return f"line {pos + 1}: expected {want.rstrip()!r}, upstream has {have.rstrip()!r}"

@@ -1,0 +1,170 @@
+"""Bad input: one clear line on stderr, a documented exit code, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from toyrepo import make_series, make_upstream, run
+
+from megatron_rocm.main import build_parser, main
+
+VERBS = ["apply", "check", "export", "list", "matrix", "install", "smoke", "doctor"]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help(verb, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([verb, "--help"])
+    assert e.value.code == 0
+    assert f"megatron-rocm {verb}" in capsys.readouterr().out
+
+
+def test_every_verb_is_dispatched():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted(VERBS)
+
+
+def test_no_command_is_usage_error(capsys):
+    assert main([]) == 2
+
+
+@pytest.fixture
+def toy(tmp_path):
+    upstream = make_upstream(tmp_path)
+    return tmp_path, upstream, make_series(tmp_path, upstream)
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_unknown_ref(toy, capsys):
+    _, upstream, series = toy
+    assert main(["check", "--source", str(upstream), "--series", str(series), "--ref",
+                 "core_v9.9.9"]) == 2
+    assert "unknown ref 'core_v9.9.9'" in _err(capsys)
+
+
+def test_missing_source_says_how_to_use_source(toy, tmp_path, capsys):
+    assert main(["check", "--series", str(toy[2]), "--source", str(tmp_path / "nope"),
+                 "--ref", "main"]) == 3
+    assert "--source" in _err(capsys)
+
+
+def test_source_not_a_git_repository(toy, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["check", "--series", str(toy[2]), "--source", str(empty), "--ref",
+                 "main"]) == 3
+    assert "not a git repository" in _err(capsys)
+
+
+def test_unreachable_url(toy, tmp_path, capsys):
+    url = "file://" + str(tmp_path / "missing.git")
+    assert main(["check", "--series", str(toy[2]), "--source", url, "--ref", "main"]) == 3
+    assert "cannot clone" in _err(capsys)
+
+
+def test_corrupt_diff(toy, capsys):
+    _, upstream, series = toy
+    (series / "p-norm" / "v0.1.diff").write_text("this is not a diff\n")
+    assert main(["check", "--source", str(upstream), "--series", str(series)]) == 2
+    assert "p-norm/v0.1.diff" in _err(capsys)
+
+
+def test_truncated_diff(toy, capsys):
+    _, upstream, series = toy
+    path = series / "p-norm" / "v0.1.diff"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:-3]))
+    assert main(["check", "--source", str(upstream), "--series", str(series)]) == 2
+    assert "malformed" in _err(capsys)
+
+
+def test_series_naming_missing_patch(toy, capsys):
+    _, upstream, series = toy
+    (series / "series").write_text("p-softmax\np-ghost\n")
+    assert main(["list", "--series", str(series)]) == 2
+    assert "p-ghost" in _err(capsys)
+
+
+def test_variant_naming_missing_diff(toy, capsys):
+    _, _, series = toy
+    (series / "p-norm" / "v0.1.diff").unlink()
+    assert main(["list", "--series", str(series)]) == 2
+    assert "does not exist" in _err(capsys)
+
+
+def test_overlapping_version_ranges(toy, capsys):
+    _, _, series = toy
+    toml = series / "p-norm" / "patch.toml"
+    toml.write_text(toml.read_text() + '\n[[variant]]\ndiff = "v0.1.diff"\nsince = "0.3.0"\n')
+    assert main(["list", "--series", str(series)]) == 2
+    assert "overlap" in _err(capsys)
+
+
+def test_malformed_toml(toy, capsys):
+    _, _, series = toy
+    (series / "p-norm" / "patch.toml").write_text("id = [unclosed\n")
+    assert main(["list", "--series", str(series)]) == 2
+    assert "malformed TOML" in _err(capsys)
+
+
+def test_destination_exists_and_is_not_ours(toy, capsys):
+    root, upstream, series = toy
+    dest = root / "mine"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("keep me\n")
+    assert main(["apply", "--source", str(upstream), "--series", str(series), "--dest",
+                 str(dest)]) == 2
+    assert "not a git clone of Megatron-LM" in _err(capsys)
+    assert (dest / "notes.txt").read_text() == "keep me\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+def test_permission_denied(toy, capsys):
+    root, upstream, series = toy
+    locked = root / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["apply", "--source", str(upstream), "--series", str(series), "--dest",
+                 str(locked / "fork")]) == 3
+    assert "permission denied" in _err(capsys)
+
+
+def test_missing_git_binary(toy, capsys, monkeypatch):
+    _, upstream, series = toy
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main(["check", "--source", str(upstream), "--series", str(series)]) == 3
+    assert "git is not installed" in _err(capsys)
+
+
+def test_export_not_a_repository(tmp_path, toy, capsys):
+    _, _, series = toy
+    assert main(["export", "--repo", str(tmp_path / "x"), "--series", str(series)]) == 2
+    assert "not a git repository" in _err(capsys)
+
+
+def test_internal_error_is_one_line_with_log(monkeypatch, capsys, tmp_path):
+    import megatron_rocm.commands.list_series as ls
+
+    monkeypatch.setattr(ls, "load_series", lambda *_: 1 / 0)
+    assert main(["list"]) == 4
+    err = _err(capsys)
+    assert "internal error: ZeroDivisionError" in err and "megatron-rocm.log" in err
+
+
+def test_branch_checkout_conflict_with_untracked_file_changes_nothing(toy, capsys):
+    root, upstream, series = toy
+    dest = root / "clone"
+    run("clone", "-q", str(upstream), str(dest), cwd=root)
+    # an untracked file where the fork would write (simulate a user's scratch copy)
+    run("checkout", "-q", "core_v0.4.0", cwd=dest)  # norm.py absent at v0.4.0
+    (dest / "megatron/core/norm.py").write_text("scratch\n")
+    assert main(["apply", "--source", str(upstream), "--series", str(series), "--ref",
+                 "core_v0.2.0", "--dest", str(dest)]) == 2
+    assert (dest / "megatron/core/norm.py").read_text() == "scratch\n"
+    assert "rocm/core_v0.2.0" not in run("branch", "--list", cwd=dest)

@@ -1,0 +1,92 @@
+"""export: zero diff when unchanged, updated diffs, new patches, new variants."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+
+import pytest
+from toyrepo import make_series, make_upstream, run
+
+from megatron_rocm.main import main
+
+
+def _tree_equal(a, b) -> bool:
+    cmp = filecmp.dircmp(a, b)
+    stack = [cmp]
+    while stack:
+        c = stack.pop()
+        if c.left_only or c.right_only or c.diff_files or c.funny_files:
+            return False
+        stack.extend(c.subdirs.values())
+    return True
+
+
+@pytest.fixture
+def fork(tmp_path):
+    upstream = make_upstream(tmp_path)
+    series = make_series(tmp_path, upstream)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(series, pristine)
+    dest = tmp_path / "fork"
+    assert main(["apply", "--source", str(upstream), "--series", str(series), "--ref",
+                 "core_v0.2.0", "--dest", str(dest)]) == 0
+    return dest, series, pristine
+
+
+def test_export_of_unchanged_fork_is_byte_identical(fork, capsys):
+    dest, series, pristine = fork
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    assert "0 changed" in capsys.readouterr().out
+    assert _tree_equal(series, pristine)
+
+
+def test_export_after_editing_a_patch_rewrites_only_that_diff(fork, capsys):
+    dest, series, pristine = fork
+    # amend the p-softmax commit (the first one) and replay the rest on top, as a developer
+    # would with an interactive rebase; the trailer stays in the amended message
+    first = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).splitlines()[0]
+    run("checkout", "-q", first, cwd=dest)
+    path = dest / "megatron/core/fusions/softmax.py"
+    path.write_text(path.read_text().replace("softmax_30 = 30", "softmax_30 = 'also'"))
+    run("commit", "-q", "-a", "--amend", "--no-edit", cwd=dest)
+    amended = run("rev-parse", "HEAD", cwd=dest)
+    run("checkout", "-q", "rocm/core_v0.2.0", cwd=dest)
+    run("rebase", "-q", "--onto", amended, first, cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--json"]) == 0
+    diff = (series / "p-softmax" / "v0.1.diff").read_text()
+    assert "+softmax_30 = 'also'" in diff
+    assert (series / "p-norm" / "v0.1.diff").read_bytes() == \
+        (pristine / "p-norm" / "v0.1.diff").read_bytes()
+    # exporting again right away changes nothing more
+    snapshot = (series / "p-softmax" / "v0.1.diff").read_bytes()
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    assert (series / "p-softmax" / "v0.1.diff").read_bytes() == snapshot
+
+
+def test_new_commit_on_top_becomes_a_new_patch(fork, capsys):
+    dest, series, _ = fork
+    (dest / "README.md").write_text("rocm readme\n")
+    run("commit", "-qam", "Document ROCm usage", cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    assert "document-rocm-usage" in (series / "series").read_text()
+    assert main(["list", "--series", str(series)]) == 0
+    assert "Document ROCm usage" in capsys.readouterr().out
+
+
+def test_export_new_variant_splits_the_range(fork, capsys):
+    dest, series, _ = fork
+    assert main(["export", "--repo", str(dest), "--series", str(series),
+                 "--new-variant"]) == 0
+    toml = (series / "p-softmax" / "patch.toml").read_text()
+    assert 'until = "0.2.0"' in toml and 'diff = "v0.2.diff"' in toml
+    # the series still applies to both ranges
+    assert main(["check", "--source", str(dest), "--series", str(series), "--ref",
+                 "core_v0.1.0", "core_v0.2.0"]) == 0
+
+
+def test_export_outside_a_fork_is_a_clear_error(tmp_path, capsys):
+    repo = make_upstream(tmp_path)
+    series = make_series(tmp_path, repo)
+    assert main(["export", "--repo", str(repo), "--series", str(series)]) == 2
+    assert "not a megatron-rocm fork" in capsys.readouterr().err
