@@ -79,7 +79,7 @@ def repo_scope(repo: Path) -> list[str]:
     return out
 
 
-def _in_scope(path: str, scope: list[str]) -> bool:
+def in_scope(path: str, scope: list[str]) -> bool:
     return not scope or any(path == s or path.startswith(s.rstrip("/") + "/") for s in scope)
 
 
@@ -155,7 +155,7 @@ def plan(repo: Path, cat: gitcmd.CatFile, ref: str, series: Series,
             continue
         for fd in _load_diff(patch, variant):
             data = current(fd.path)
-            if data is None and not fd.is_new and not _in_scope(fd.path, scope):
+            if data is None and not fd.is_new and not in_scope(fd.path, scope):
                 result.hunks += apply_file(None, fd).results
                 for r in result.hunks[-len(fd.hunks):]:
                     r.label = HunkLabel.OUT_OF_SCOPE

@@ -68,10 +68,14 @@ def _slug(subject: str) -> str:
 
 
 def _unchanged(cat: gitcmd.CatFile, patch: Patch, variant: Variant, c: ForkCommit,
-               touched: list[str]) -> bool:
-    """Does the stored diff, applied to the parent, give exactly this commit's files?"""
+               touched: list[str], scope: list[str]) -> bool:
+    """Does the stored diff, applied to the parent, give exactly this commit's files?
+
+    On a partial tree (an sdist: ``scope`` set) files outside the scope are left out.
+    """
     fds = parse_diff(patch.diff_path(variant).read_text(encoding="utf-8",
                                                          errors="surrogateescape"))
+    fds = [fd for fd in fds if engine.in_scope(fd.path, scope)]
     if sorted(fd.path for fd in fds) != sorted(touched):
         return False
     for fd in fds:
@@ -116,6 +120,7 @@ def _add_variant(patch: Patch, version: Version, split: bool) -> Variant:
 def export_fork(repo: Path, series: Series, version_override: str | None,
                 new_variant: bool) -> tuple[Version, list[ExportItem]]:
     base, commits = fork_commits(repo)
+    scope = engine.repo_scope(repo)
     items: list[ExportItem] = []
     with gitcmd.CatFile(repo) as cat:
         version = (Version(version_override) if version_override
@@ -134,9 +139,13 @@ def export_fork(repo: Path, series: Series, version_override: str | None,
             patch = series.get(c.patch_id)
             variant = patch.variant_for(version)
             if variant is not None and not variant.skip and not new_variant:
-                if _unchanged(cat, patch, variant, c, touched):
+                if _unchanged(cat, patch, variant, c, touched, scope):
                     items.append(ExportItem(patch.id, "unchanged", variant.diff))
                     continue
+                if scope:
+                    raise UsageError(
+                        f"patch {patch.id} changed, but this fork holds only {', '.join(scope)} "
+                        "(a PyPI sdist); export from a full clone so no file is dropped")
                 patch.diff_path(variant).write_bytes(text)
                 items.append(ExportItem(patch.id, "updated", variant.diff))
                 continue
