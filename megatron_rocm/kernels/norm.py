@@ -1,0 +1,162 @@
+"""LayerNorm / RMSNorm without Apex or TransformerEngine.
+
+Upstream's only Apex-free norm, ``WrappedTorchNorm``, asserts that sequence parallelism,
+zero-centred gamma, ``persist_layer_norm`` and ``memory_efficient_layer_norm`` are all off
+(``persist_layer_norm`` defaults to True in the training arguments), so a stock ROCm install
+cannot build a model with the default flags. ``FusedNorm`` supports all of them:
+
+* the math is torch's fused ``layer_norm`` / ``rms_norm`` kernels (CUDA and HIP builds ship
+  them; a Triton kernel would only pay if it beat these, see docs/kernels.md);
+* zero-centred gamma stores ``weight - 1`` (initialised to zero) and normalises with
+  ``1 + weight``, as Apex and TE do;
+* sequence parallelism needs no change in the math: Megatron all-reduces the grads of params
+  flagged ``sequence_parallel``, so we only set the flag;
+* the persistent / memory-efficient flags select Apex kernel variants: accepted, ignored
+  (the fused torch kernels already keep only what backward needs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_NORMS = ("LayerNorm", "RMSNorm")
+
+
+class FusedNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm over the last dimension with Megatron's parameter conventions.
+
+    State-dict keys are ``weight`` (and ``bias`` for LayerNorm), the same names as
+    ``torch.nn.LayerNorm``, Apex's ``FusedLayerNorm`` and TE's norms, so checkpoints move
+    between implementations.
+    """
+
+    # main's LayerNormInterface: this norm does not fuse the residual add.
+    returns_residual = False
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | int | None = None,
+        persist_layer_norm: bool = False,
+        memory_efficient_layer_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if normalization not in _NORMS:
+            raise ValueError(f"normalization must be one of {_NORMS}, got {normalization!r}")
+        if normalization == "RMSNorm" and not hasattr(F, "rms_norm"):
+            raise RuntimeError("RMSNorm needs torch >= 2.4 (torch.nn.functional.rms_norm)")
+        self.normalization = normalization
+        self.hidden_size = int(hidden_size)
+        self.normalized_shape = (self.hidden_size,)
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.sequence_parallel = bool(sequence_parallel)
+        factory = {"device": device, "dtype": params_dtype}
+        self.weight = torch.nn.Parameter(torch.empty(self.hidden_size, **factory))
+        if normalization == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.empty(self.hidden_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters():
+            # Megatron all-reduces grads of params carrying this flag across the TP group.
+            param.sequence_parallel = self.sequence_parallel
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            if self.zero_centered_gamma:
+                self.weight.zero_()
+            else:
+                self.weight.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def _gamma(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        # An fp32 input with low-precision params (fp32 residual stream) upcasts exactly; the
+        # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
+        if weight.dtype != x.dtype and x.dtype == torch.float32:
+            weight = weight.to(x.dtype)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._gamma(x)
+        if self.normalization == "LayerNorm":
+            bias = self.bias
+            if bias.dtype != weight.dtype and x.dtype == torch.float32:
+                bias = bias.to(x.dtype)
+            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalization}, hidden_size={self.hidden_size}, eps={self.eps}, "
+            f"zero_centered_gamma={self.zero_centered_gamma}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+def _config_device(config: Any) -> torch.device | str | int | None:
+    """Where TE would create the params: cpu / meta / the current GPU (tags 0.12 .. main)."""
+    if getattr(config, "use_cpu_initialization", False):
+        return "cpu"
+    if getattr(config, "init_model_with_meta_device", False):
+        return "meta"
+    if torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return None
+
+
+def build_norm(
+    config: Any,
+    hidden_size: int,
+    eps: float = 1e-5,
+    persist_layer_norm: bool = False,
+    zero_centered_gamma: bool = False,
+    normalization: str = "LayerNorm",
+) -> FusedNorm:
+    """A ``FusedNorm`` from a TransformerConfig; same signature as ``WrappedTorchNorm``.
+
+    The last three arguments are the unused ones of ``WrappedTorchNorm.__new__``: like
+    upstream, the config is the source of truth.
+    """
+    return FusedNorm(
+        hidden_size,
+        eps=eps,
+        normalization=getattr(config, "normalization", "LayerNorm"),
+        zero_centered_gamma=getattr(config, "layernorm_zero_centered_gamma", False),
+        sequence_parallel=getattr(config, "sequence_parallel", False),
+        params_dtype=getattr(config, "params_dtype", torch.float32),
+        device=_config_device(config),
+    )
+
+
+def norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    normalization: str = "LayerNorm",
+) -> torch.Tensor:
+    """Unfused fp32 math: the parity oracle for tests and the naive baseline for benchmarks."""
+    xf = x.float()
+    if normalization == "LayerNorm":
+        mean = xf.mean(-1, keepdim=True)
+        var = (xf - mean).pow(2).mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt(var + eps)
+    else:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,134 @@
+"""``FusedAdam`` with Apex/TE keyword names, backed by torch's own fused Adam.
+
+Without Apex or TE upstream falls back to ``torch.optim.AdamW`` with default settings, i.e.
+the for-loop/foreach implementation and always decoupled weight decay. torch ships a fused
+multi-tensor Adam for CUDA and ROCm (``fused=True``); this class selects it and translates the
+Apex/TE constructor so Megatron's ``Adam(**kwargs)`` call works unchanged:
+
+* ``adam_w_mode=True`` is AdamW (decoupled decay), ``False`` is Adam with L2 decay — Apex's
+  meaning, mapped to torch's ``decoupled_weight_decay``;
+* ``set_grad_none`` becomes the default of ``zero_grad``;
+* ``capturable``, ``amsgrad`` pass through; ``fused``/``foreach`` requests are overridden by
+  the device policy (fused on GPU, foreach on CPU);
+* features torch's Adam cannot reproduce raise ``NotImplementedError`` instead of silently
+  changing the math: ``bias_correction=False``, TE's precision-aware options
+  (``master_weights``, ``use_decoupled_grad``, non-fp32 state dtypes).
+
+State follows torch (a per-parameter ``step`` tensor). Megatron's ``init_state_fn`` only
+creates ``exp_avg``/``exp_avg_sq`` (Apex keeps ``step`` in the param group), so a missing
+per-parameter ``step`` is filled from ``group["step"]`` (or 0) before each step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+_FP32_ONLY = ("exp_avg_dtype", "exp_avg_sq_dtype", "master_weight_dtype")
+# Accepted with no effect: they select Apex/TE kernel variants or precision tricks that only
+# matter together with options refused above.
+_NO_EFFECT = ("fused", "foreach", "store_param_remainders", "grad_scaler", "loss_scale")
+
+
+def _is_gpu(param: torch.Tensor) -> bool:
+    return param.device.type == "cuda"
+
+
+class FusedAdam(torch.optim.Adam):
+    """Adam/AdamW with Apex's constructor; ``torch.optim.Adam(fused=True)`` on GPU."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        use_decoupled_grad: bool = False,
+        **ignored: Any,
+    ) -> None:
+        if not bias_correction:
+            raise NotImplementedError("FusedAdam(bias_correction=False) is not supported")
+        if master_weights or use_decoupled_grad:
+            raise NotImplementedError(
+                "TE's precision-aware options (master_weights, use_decoupled_grad) are not "
+                "supported; turn off --use-precision-aware-optimizer"
+            )
+        for name in _FP32_ONLY:
+            dtype = ignored.pop(name, None)
+            if dtype not in (None, torch.float32):
+                raise NotImplementedError(f"FusedAdam({name}={dtype}): only fp32 state")
+        unknown = sorted(set(ignored) - set(_NO_EFFECT))
+        if unknown:
+            raise TypeError(f"FusedAdam got unexpected keyword arguments {unknown}")
+        if "decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters:
+            raise RuntimeError("FusedAdam needs torch >= 2.6 (Adam(decoupled_weight_decay=...))")
+        params = list(params)
+        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        on_gpu = bool(tensors) and all(_is_gpu(p) for p in tensors)
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            capturable=capturable,
+            fused=on_gpu or None,
+            foreach=None if on_gpu else True,
+            decoupled_weight_decay=adam_w_mode,
+        )
+        self.adam_w_mode = adam_w_mode
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _fill_missing_steps(self) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state and "step" not in state:
+                    fused = group.get("fused") or group.get("capturable")
+                    device = param.device if fused else "cpu"
+                    step = float(group.get("step", 0))
+                    state["step"] = torch.tensor(step, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        self._fill_missing_steps()
+        return super().step(closure)
+
+
+def adam_reference_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+) -> None:
+    """One textbook Adam(W) update in place (Apex's FusedAdam math), the parity oracle."""
+    beta1, beta2 = betas
+    if adam_w_mode:
+        param.mul_(1 - lr * weight_decay)
+    else:
+        grad = grad + weight_decay * param
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    m_hat = exp_avg / (1 - beta1**step)
+    v_hat = exp_avg_sq / (1 - beta2**step)
+    param.sub_(lr * m_hat / (v_hat.sqrt() + eps))
