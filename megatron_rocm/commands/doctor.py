@@ -1,0 +1,62 @@
+"""``megatron-rocm doctor``: report the GPU stack and flag environment mistakes with a fix each.
+
+Exit codes: 0 nothing wrong, 1 problems found, 3 torch is not installed (nothing to check).
+"""
+
+from __future__ import annotations
+
+import json
+
+from megatron_rocm import envcheck
+from megatron_rocm.errors import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK
+from megatron_rocm.platform import torch_or_none
+
+
+def _human(snap: envcheck.Snapshot) -> str:
+    lines = []
+    if snap.torch is None:
+        lines.append("torch:        NOT INSTALLED")
+        lines.append(f"              install the ROCm build: {envcheck.ROCM_TORCH_HINT}")
+    else:
+        build = (
+            f"ROCm/HIP {snap.hip}" if snap.hip else (f"CUDA {snap.cuda}" if snap.cuda else "CPU")
+        )
+        lines.append(f"torch:        {snap.torch} ({build} build)")
+        lines.append(f"collectives:  {snap.collectives or 'none (no NCCL/RCCL in this build)'}")
+        lines.append(f"triton:       {snap.triton or 'not installed'}")
+        lines.append(f"GPUs:         {len(snap.gpus)}")
+        for g in snap.gpus:
+            lines.append(f"  [{g.index}] {g.name}  {g.arch}  {g.memory_gib} GiB")
+    lines.append(f"ROCm stack:   {'present' if snap.rocm_installed else 'not found'}")
+    lines.append("environment:")
+    if not snap.env:
+        lines.append("  (none of the watched variables is set)")
+    for k, v in snap.env.items():
+        lines.append(f"  {k}={v}")
+    if snap.problems:
+        lines.append(f"problems ({len(snap.problems)}):")
+        for p in snap.problems:
+            lines.append(f"  - {p.message}\n    fix: {p.fix}")
+    else:
+        lines.append("no problems found")
+    return "\n".join(lines)
+
+
+def doctor(as_json: bool = False) -> int:
+    """Collect, judge, print. Never raises for a bad environment: reporting it is the job."""
+    torch = torch_or_none()
+    snap = envcheck.collect(torch)
+    snap.problems = envcheck.problems(snap)
+    if torch is None:
+        snap.problems.insert(
+            0,
+            envcheck.Problem(
+                "no-torch",
+                "torch is not installed",
+                f"install the ROCm build: {envcheck.ROCM_TORCH_HINT}",
+            ),
+        )
+    print(json.dumps(snap.to_dict(), indent=2) if as_json else _human(snap))
+    if torch is None:
+        return EXIT_ENVIRONMENT
+    return EXIT_FAILED if snap.problems else EXIT_OK

@@ -1,0 +1,59 @@
+"""``megatron-rocm install [DIR]``: pip-install a patched tree; the installed torch stays as is.
+
+See ``megatron_rocm.installer`` for the guards (constraints pinning torch, --no-deps, NVIDIA-only
+dependencies refused, rollback on failure). ``--dry-run`` prints the plan and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+from megatron_rocm import installer
+from megatron_rocm.errors import EXIT_OK
+
+
+def _workdir() -> Path:
+    """Per-run folder for the constraints file and the pip lists before/after (an audit trail)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron-rocm" / "install" / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _show_plan(p: installer.Plan) -> None:
+    pins = ", ".join(f"{n}=={v}" for n, v in p.pins.items())
+    print(f"tree:        {p.tree}")
+    print(f"constraints: {pins}  ({p.constraints})")
+    for k, step in enumerate(p.steps, 1):
+        print(f"[{k}/{len(p.steps)}] {step.title}")
+        if step.argv:
+            print("      $ " + shlex.join(step.argv))
+
+
+def install(
+    tree_dir: str = ".", editable: bool = True, dry_run: bool = False, as_json: bool = False
+) -> int:
+    p = installer.plan(tree_dir, editable, _workdir())
+    if dry_run:
+        if as_json:
+            print(json.dumps({**p.to_dict(), "dry_run": True}, indent=2))
+        else:
+            _show_plan(p)
+            print("dry run: nothing changed")
+        return EXIT_OK
+    done, built = installer.execute(p, log=(lambda _line: None) if as_json else print)
+    if as_json:
+        print(
+            json.dumps(
+                {**p.to_dict(), "dry_run": False, "done": done, "built": [str(b) for b in built]},
+                indent=2,
+            )
+        )
+    else:
+        print(
+            f"installed {p.tree} ({'editable' if editable else 'regular'}); "
+            f"torch {p.torch} untouched; next: megatron-rocm smoke {p.tree}"
+        )
+    return EXIT_OK

@@ -1,0 +1,63 @@
+"""``megatron-rocm smoke [DIR]``: does the patched tree import, compute and train here?
+
+Exit 0 only when no check failed; skips (no GPU, one GPU) are listed with their reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
+from megatron_rocm.installer import ROCM_TORCH, megatron_tree
+from megatron_rocm.platform import torch_or_none
+
+NEEDS_TREE = ("imports", "training", "collectives.tensor_parallel")
+
+
+def _tree_for(checks: list, tree_dir: str) -> Path | None:
+    """A tree is required when a selected check needs one; otherwise used only if valid."""
+    if any(c.name == p or c.name.startswith(p + ".") for c in checks for p in NEEDS_TREE):
+        try:
+            return megatron_tree(tree_dir)
+        except UsageError as e:
+            raise UsageError(f"{e}; to check the kernels alone use --only kernels") from e
+    try:
+        return megatron_tree(tree_dir)
+    except UsageError:
+        return None
+
+
+def smoke(
+    tree_dir: str = ".",
+    json_file: str | None = None,
+    junit_file: str | None = None,
+    only: list[str] | None = None,
+    steps: int = 30,
+) -> int:
+    if steps < 4:
+        raise UsageError(
+            f"--steps must be at least 4 (got {steps}): loss is compared between "
+            "the first and the last two steps"
+        )
+    torch = torch_or_none()
+    if torch is None:
+        raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
+    from megatron_rocm.smoke import report, runner
+
+    checks = runner.select(runner.load_checks(), only)
+    ctx = runner.make_context(_tree_for(checks, tree_dir), steps)
+    device = report.device_description()
+    print(
+        f"smoke: {len(checks)} checks on {device}, torch {torch.__version__}"
+        + (f", tree {ctx.tree}" if ctx.tree else ", no tree")
+        + (f", FAULT INJECTION {ctx.fault}" if ctx.fault else "")
+    )
+    result = runner.Report(device=device, torch=str(torch.__version__))
+    result.checks = runner.run_checks(ctx, checks)
+    report.write(result, json_file, junit_file)
+    counts = {
+        s: sum(c.status == s for c in result.checks)
+        for s in (runner.PASS, runner.FAIL, runner.SKIP)
+    }
+    print(f"smoke: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+    return EXIT_FAILED if result.failed else EXIT_OK

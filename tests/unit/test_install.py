@@ -1,0 +1,178 @@
+"""install: planning and constraint logic as units, rollback with a scripted pip, and one slow
+real ``pip install --no-deps --target`` of a fake tree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rocm import installer
+from megatron_rocm.commands import install as install_cmd
+from megatron_rocm.errors import FatalError, SourceError, UsageError
+
+HAVE = {
+    "torch": "2.13.0+cpu",
+    "torchvision": "0.28.0",
+    "setuptools": "84.0",
+    "packaging": "25.0",
+    "megatron-rocm": "0.1.0",
+}
+
+
+def make_tree(
+    root: Path, deps: list[str] | None = None, helpers: bool = False, build: str = '["setuptools"]'
+) -> Path:
+    """A minimal stand-in for a Megatron-LM checkout: package_info plus a pyproject."""
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (root / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text("MAJOR, MINOR, PATCH = 0, 16, 0\n")
+    if helpers:
+        (core / "datasets").mkdir()
+        (core / "datasets" / "helpers.cpp").write_text("// helpers\n")
+    project = (
+        f"dependencies = {json.dumps(deps)}\n"
+        if deps is not None
+        else 'dynamic = ["dependencies"]\n'
+    )
+    (root / "pyproject.toml").write_text(
+        f'[build-system]\nrequires = {build}\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "fake-megatron-core"\nversion = "0.16.0"\n{project}\n'
+        '[tool.setuptools.packages.find]\ninclude = ["megatron*"]\n'
+    )
+    return root
+
+
+def test_plan_pins_torch_and_installs_tree_without_deps(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", ["torch>=2.6.0", "numpy", "packaging>=24.2"])
+    p = installer.plan(tree, editable=True, workdir=tmp_path / "w", have=HAVE)
+    assert p.pins == {"torch": "2.13.0+cpu", "torchvision": "0.28.0"}
+    assert p.deps == ["numpy", "packaging>=24.2"]  # torch is never passed to pip
+    assert not p.build_isolation  # setuptools is already here: build offline
+    tree_step = p.steps[-2].argv
+    assert tree_step[-2:] == ["-e", str(tree)]
+    assert "--no-deps" in tree_step and tree_step[3:6] == ["install", "-c", str(p.constraints)]
+    assert all("-c" in s.argv for s in p.steps if s.argv)
+    assert not p.constraints.exists()  # planning writes nothing
+
+
+def test_megatron_rocm_itself_is_installed_when_missing(tmp_path: Path) -> None:
+    have = {k: v for k, v in HAVE.items() if k != "megatron-rocm"}
+    p = installer.plan(make_tree(tmp_path / "t", []), True, tmp_path / "w", have=have)
+    self_step = next(s for s in p.steps if "megatron-rocm" in s.title)
+    assert self_step.argv[-1] == str(installer.PACKAGE_ROOT) and "-c" in self_step.argv
+
+
+def test_constraints_file_content(tmp_path: Path) -> None:
+    p = installer.plan(make_tree(tmp_path / "t", []), True, tmp_path / "w", have=HAVE)
+    installer.write_constraints(p)
+    assert p.constraints.read_text() == "torch==2.13.0+cpu\ntorchvision==0.28.0\n"
+
+
+def test_torch_missing_says_how_to_install_rocm_torch(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"--index-url https://download.pytorch.org/whl/rocm6"):
+        installer.plan(make_tree(tmp_path / "t", []), True, tmp_path, have={"numpy": "2"})
+
+
+def test_not_a_tree_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="not a Megatron-LM tree"):
+        installer.plan(tmp_path, True, tmp_path, have=HAVE)
+
+
+@pytest.mark.parametrize(
+    "dep",
+    ["transformer-engine[pytorch]>=2.9", "nvidia-modelopt[torch]", "apex", "nv-grouped-gemm~=1.1"],
+)
+def test_nvidia_only_dependencies_are_refused(tmp_path: Path, dep: str) -> None:
+    with pytest.raises(SourceError, match="NVIDIA-only"):
+        installer.plan(make_tree(tmp_path / "t", ["numpy", dep]), True, tmp_path, have=HAVE)
+
+
+def test_marker_excluded_dependency_is_ignored(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", ['nvidia-modelopt; sys_platform == "nonexistent"', "numpy"])
+    assert installer.plan(tree, True, tmp_path, have=HAVE).deps == ["numpy"]
+
+
+def test_torch_requirement_not_met(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="needs torch>=3.0"):
+        installer.plan(make_tree(tmp_path / "t", ["torch>=3.0"]), True, tmp_path, have=HAVE)
+
+
+def test_dynamic_dependencies_come_from_core_requirements(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", None)
+    (tree / "megatron/core/requirements.txt").write_text("torch\npackaging  # comment\n\n")
+    assert installer.plan(tree, True, tmp_path, have=HAVE).deps == ["packaging"]
+
+
+def test_helpers_step_and_pybind11(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", [], helpers=True, build='["setuptools", "pybind11"]')
+    p = installer.plan(tree, False, tmp_path, have=HAVE)
+    assert p.deps == ["pybind11"] and p.build_isolation  # pybind11 is missing here
+    assert [s.kind for s in p.steps] == ["pip", "helpers", "pip", "verify"]
+    assert "-e" not in p.steps[2].argv
+
+
+class ScriptedPip:
+    """Plays pip: records commands, fails on the one containing ``fail_on``."""
+
+    def __init__(self, fail_on: str) -> None:
+        self.calls: list[list[str]] = []
+        self.fail_on = fail_on
+        self.packages = {"torch": "2.13.0+cpu", "numpy": "1.26.0"}
+
+    def __call__(self, argv):
+        argv = list(argv)
+        self.calls.append(argv)
+        if argv[3:5] == ["list", "--format=json"]:
+            out = json.dumps([{"name": n, "version": v} for n, v in self.packages.items()])
+            return subprocess.CompletedProcess(argv, 0, out, "")
+        if self.fail_on in " ".join(argv):
+            return subprocess.CompletedProcess(argv, 1, "", "error: boom")
+        if argv[3] == "install" and "numpy" in argv:  # the deps step: upgrades and adds
+            self.packages.update(numpy="2.0.0", pybind11="3.0.1")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+
+def test_failed_step_rolls_back_and_names_the_step(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+    pip = ScriptedPip(fail_on=str(tree))
+    with pytest.raises(FatalError, match=r"step 2/3 \(install the tree.*exit 1: error: boom") as e:
+        installer.execute(p, run=pip, log=lambda _: None)
+    assert "uninstalled pybind11" in str(e.value) and "restored numpy==1.26.0" in str(e.value)
+    assert [c[3:] for c in pip.calls if c[3] == "uninstall"] == [["uninstall", "-y", "pybind11"]]
+    assert (tmp_path / "w" / "pip-list-before.json").is_file()
+
+
+def test_dry_run_prints_steps_and_changes_nothing(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(installer, "installed", lambda: dict(HAVE))
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    assert install_cmd.install(str(tree), dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "[1/3] install the tree's dependencies" in out and "--no-deps" in out
+    assert not (tmp_path / "cache").exists()
+    assert install_cmd.install(str(tree), dry_run=True, as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["pins"]["torch"] == "2.13.0+cpu"
+
+
+@pytest.mark.slow
+def test_real_pip_installs_fake_tree_offline(tmp_path: Path) -> None:
+    """The tree step's exact pip arguments, plus --target, against real pip (no network)."""
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    have = installer.installed()
+    if "setuptools" not in have:
+        pytest.skip("needs setuptools for an offline build")
+    p = installer.plan(tree, editable=False, workdir=tmp_path / "w", have={**have, **HAVE})
+    installer.write_constraints(p)
+    argv = [*p.steps[-2].argv, "--target", str(tmp_path / "site"), "--no-index"]
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "site/megatron/core/package_info.py").is_file()
+    assert not (tmp_path / "site/numpy").exists()  # --no-deps held
+    assert sys.executable == argv[0]
