@@ -132,7 +132,9 @@ def plan(repo: Path, cat: gitcmd.CatFile, ref: str, series: Series,
     """Apply the whole series to ``ref`` in memory; never raises for hunks that fail."""
     commit = resolve_commit(repo, ref)
     version = parse_version(version_override) if version_override else tree_version(cat, commit)
-    scope = repo_scope(repo)
+    # A partial source (sdist) holds only some folders, and which ones depends on the release.
+    scope = [s for s in repo_scope(repo) if gitcmd.git_ok("cat-file", "-e", f"{commit}:{s}",
+                                                          cwd=repo)]
     report = RefReport(ref=ref, commit=commit, version=str(version))
     overlay: dict[str, bytes | None] = {}
     modes: dict[str, str] = {}

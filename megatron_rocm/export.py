@@ -33,7 +33,7 @@ class ForkCommit:
 @dataclass
 class ExportItem:
     patch_id: str
-    action: str  # unchanged | updated | new-variant | new-patch | missing
+    action: str  # unchanged | updated | new-variant | new-patch | no-change | missing
     diff: str = ""
 
 
@@ -75,7 +75,8 @@ def _unchanged(cat: gitcmd.CatFile, patch: Patch, variant: Variant, c: ForkCommi
     """
     fds = parse_diff(patch.diff_path(variant).read_text(encoding="utf-8",
                                                          errors="surrogateescape"))
-    fds = [fd for fd in fds if engine.in_scope(fd.path, scope)]
+    fds = [fd for fd in fds if fd.is_new or engine.in_scope(fd.path, scope)
+           or cat.read(f"{c.parent}:{fd.path}") is not None]
     if sorted(fd.path for fd in fds) != sorted(touched):
         return False
     for fd in fds:
@@ -120,7 +121,8 @@ def _add_variant(patch: Patch, version: Version, split: bool) -> Variant:
 def export_fork(repo: Path, series: Series, version_override: str | None,
                 new_variant: bool) -> tuple[Version, list[ExportItem]]:
     base, commits = fork_commits(repo)
-    scope = engine.repo_scope(repo)
+    scope = [s for s in engine.repo_scope(repo)
+             if gitcmd.git_ok("cat-file", "-e", f"{base}:{s}", cwd=repo)]
     items: list[ExportItem] = []
     with gitcmd.CatFile(repo) as cat:
         version = (Version(version_override) if version_override
@@ -153,10 +155,17 @@ def export_fork(repo: Path, series: Series, version_override: str | None,
             patch.diff_path(variant).write_bytes(text)
             (patch.folder / "patch.toml").write_text(format_patch_toml(patch), encoding="utf-8")
             items.append(ExportItem(patch.id, "new-variant", variant.diff))
-        for patch in series.patches:
-            v = patch.variant_for(version)
-            if patch.id not in seen and v is not None and not v.skip:
-                items.append(ExportItem(patch.id, "missing", v.diff))
+        unseen = [p for p in series.patches if p.id not in seen]
+        if unseen:
+            # A patch with no commit is fine when it changes nothing on this base (out of a
+            # partial source's scope, or already upstream); otherwise the fork dropped it.
+            base_plan = engine.plan(repo, cat, base, series, str(version))
+            changes = {pp.patch.id: bool(pp.files) for pp in base_plan.patches}
+            for patch in unseen:
+                v = patch.variant_for(version)
+                if v is not None and not v.skip:
+                    action = "missing" if changes.get(patch.id) else "no-change"
+                    items.append(ExportItem(patch.id, action, v.diff))
     return version, items
 
 

@@ -8,11 +8,13 @@ rest of the engine works on sdists exactly as on real clones.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tarfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -47,8 +49,6 @@ def _get(url: str) -> bytes:
         with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310 - https index
             return resp.read()
     except urllib.error.HTTPError as e:
-        if e.code == 404:
-            raise UsageError(f"{PROJECT} has no release matching {url.rsplit('/', 2)[-2]} on PyPI") from None
         raise SourceError(f"PyPI answered {e.code} for {url}") from None
     except (urllib.error.URLError, OSError) as e:
         raise SourceError(
@@ -64,12 +64,15 @@ def fetch_sdist(version: str) -> Path:
     cached = sorted(target_dir.glob(f"megatron_core-{version}.tar.gz"))
     if cached:
         return cached[0]
-    meta = json.loads(_get(f"{index}/{PROJECT}/{version}/json"))
-    sdists = [u for u in meta.get("urls", []) if u.get("packagetype") == "sdist"]
+    files = _releases(index).get(version)
+    if files is None:
+        raise UsageError(f"{PROJECT} has no release {version} on PyPI")
+    sdists = [u for u in files if u.get("packagetype") == "sdist"]
     if not sdists:
         raise UsageError(f"{PROJECT} {version} has no sdist on PyPI")
     info = sdists[0]
-    data = _get(info["url"])
+    # Mirrors and proxies may serve relative file URLs: resolve against the JSON page.
+    data = _get(urllib.parse.urljoin(f"{index}/{PROJECT}/json", info["url"]))
     want = info.get("digests", {}).get("sha256")
     if want and hashlib.sha256(data).hexdigest() != want:
         raise SourceError(f"sha256 mismatch for {info['filename']}; download corrupted")
@@ -79,6 +82,12 @@ def fetch_sdist(version: str) -> Path:
     tmp.write_bytes(data)
     tmp.replace(path)
     return path
+
+
+@functools.lru_cache(maxsize=4)
+def _releases(index: str) -> dict[str, list[dict]]:
+    """The project's release -> files map (one request; per-version pages are not needed)."""
+    return json.loads(_get(f"{index}/{PROJECT}/json")).get("releases", {})
 
 
 def _sdist_files(path: Path) -> dict[str, tuple[str, bytes]]:
@@ -142,9 +151,8 @@ def _import(repo: Path, sdist: Path, tag: str) -> None:
 def release_versions() -> list[str]:
     """Every final release of megatron-core on PyPI that has an sdist (newest last)."""
     index = os.environ.get(INDEX_ENV, DEFAULT_INDEX).rstrip("/")
-    meta = json.loads(_get(f"{index}/{PROJECT}/json"))
     out = []
-    for ver, files in meta.get("releases", {}).items():
+    for ver, files in _releases(index).items():
         v = parse_version(ver)
         if v.is_prerelease or v.is_devrelease:
             continue

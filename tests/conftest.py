@@ -7,15 +7,9 @@ them: $MEGATRON_ROCM_TEST_CACHE or ~/.cache/megatron-rocm-tests.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+import cache_paths  # noqa: F401 - imported before HOME is replaced, so it sees the real one
 import pytest
-
-REAL_HOME = os.path.expanduser("~")
-DOWNLOAD_CACHE = Path(
-    os.environ.get("MEGATRON_ROCM_TEST_CACHE")
-    or os.path.join(REAL_HOME, ".cache", "megatron-rocm-tests")
-)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ def export(*, repo_dir: str, new_variant: bool, series_dir: str | None,
     else:
         for i in items:
             print(f"  {i.action:<12} {i.patch_id:<24} {i.diff}")
-        changed = [i for i in items if i.action not in ("unchanged", "missing")]
+        changed = [i for i in items if i.action not in ("unchanged", "missing", "no-change")]
         print(f"exported {len(items) - len(missing)} patches for megatron-core {version} into "
               f"{series.folder}: {len(changed)} changed")
         for i in missing:
