@@ -1,0 +1,90 @@
+"""``megatron-rocm matrix``: check the series against every selected upstream tag, report it.
+
+Exit codes: 0 every selected ref applies, 1 at least one breaks, 2 usage (e.g. a --tags
+pattern that matches nothing), 3 source problems.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from pathlib import Path
+
+from megatron_rocm import gitcmd, pypi, upstream
+from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, UsageError
+from megatron_rocm.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
+from megatron_rocm.report import FORMATS, render, write_reports
+from megatron_rocm.series import load_series, parse_version
+
+
+def _pypi_refs(patterns: list[str] | None) -> tuple[Path, list[RefSpec]]:
+    """PyPI sdists: one tag per release >= 0.12.0 (no branches exist there)."""
+    names = [
+        f"core_v{v}" for v in pypi.release_versions() if parse_version(v).release[:3] >= MIN_RELEASE
+    ]
+    if patterns:
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+                raise UsageError(f"--tags {pat!r} matches no megatron-core release on PyPI")
+        names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    repo = pypi.sdist_repo(names)
+    refs = select_refs(repo, names)
+    return repo, refs
+
+
+def _output(m: Matrix, formats: list[str], out: str | None) -> None:
+    formats = list(dict.fromkeys(formats))
+    if out is None:
+        if len(formats) > 1:
+            raise UsageError("several --format values need --out DIR")
+        sys.stdout.write(render(m, formats[0]))
+        return
+    target = Path(out)
+    if len(formats) == 1 and not (target.is_dir() or out.endswith(("/", "\\"))):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render(m, formats[0]), encoding="utf-8")
+        paths = [target]
+    else:
+        paths = write_reports(m, formats, target)
+    for p in paths:
+        print(f"wrote {p}")
+    print(m.summary())
+
+
+def matrix(
+    *,
+    source: str | None,
+    tag_patterns: list[str] | None,
+    formats: list[str],
+    out: str | None,
+    scan: bool,
+    series_dir: str | None,
+    version_override: str | None,
+) -> int:
+    series = load_series(series_dir)  # fail fast on a broken series, before any clone
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise UsageError(f"unknown report format {unknown[0]!r} (choose from {', '.join(FORMATS)})")
+    if out is None and len(set(formats)) > 1:
+        raise UsageError("several --format values need --out DIR")
+    src = upstream.classify(source)
+    if src.kind == "pypi":
+        repo, refs = _pypi_refs(tag_patterns)
+    else:
+        repo = upstream.reading_repo(src, None, quiet=out is None)
+        refs = select_refs(repo, tag_patterns)
+        if (
+            scan
+            and gitcmd.git_text("config", "--get", "remote.origin.promisor", cwd=repo, check=False)
+            == "true"
+        ):
+            print(
+                "note: the source is a blobless clone; the CUDA-surface scan downloads the "
+                "blobs it reads (use a full mirror or --no-scan for speed)",
+                file=sys.stderr,
+            )
+    m = build_matrix(
+        repo, refs, series, source=src.label, version_override=version_override, scan=scan
+    )
+    _output(m, formats, out)
+    return EXIT_OK if m.ok else EXIT_FAILED
