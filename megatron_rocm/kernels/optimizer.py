@@ -37,8 +37,13 @@ def _is_gpu(param: torch.Tensor) -> bool:
     return param.device.type == "cuda"
 
 
-class FusedAdam(torch.optim.Adam):
-    """Adam/AdamW with Apex's constructor; ``torch.optim.Adam(fused=True)`` on GPU."""
+class FusedAdam(torch.optim.AdamW):
+    """Adam/AdamW with Apex's constructor; ``torch.optim.Adam(fused=True)`` on GPU.
+
+    It is a ``torch.optim.AdamW`` subclass because Megatron's DistributedOptimizer (core_v0.12
+    to 0.14, without Apex/TE) asserts ``isinstance(optimizer, torch.optim.AdamW)``; the Adam
+    constructor is called directly so ``adam_w_mode=False`` still gives L2 (coupled) decay.
+    """
 
     def __init__(
         self,
@@ -75,7 +80,8 @@ class FusedAdam(torch.optim.Adam):
         params = list(params)
         tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
         on_gpu = bool(tensors) and all(_is_gpu(p) for p in tensors)
-        super().__init__(
+        torch.optim.Adam.__init__(
+            self,
             params,
             lr=lr,
             betas=betas,
@@ -89,6 +95,10 @@ class FusedAdam(torch.optim.Adam):
         )
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # AdamW's __setstate__ forces decoupled decay on load; keep what adam_w_mode chose.
+        torch.optim.Adam.__setstate__(self, state)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)

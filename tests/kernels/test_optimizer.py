@@ -172,3 +172,14 @@ def test_gpu_uses_fused_kernel(cuda_device: torch.device, adam_w_mode: bool) -> 
             adam_reference_step(ref[i], grad, m[i], v[i], step, adam_w_mode=adam_w_mode, **HYPER)
     for param, expected in zip(params, ref):
         torch.testing.assert_close(param.detach(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_adam_is_an_adamw_for_megatrons_distributed_optimizer():
+    """core_v0.12-0.14 DistributedOptimizer asserts isinstance(optimizer, torch.optim.AdamW)."""
+    from megatron_rocm.kernels.optimizer import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], lr=0.1, weight_decay=0.5, adam_w_mode=False)
+    assert isinstance(opt, torch.optim.AdamW)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
