@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU validation of the series, as a new user would do it, on one machine with a GPU.
+#
+#   scripts/gpu_validate.sh SOURCE OUTDIR [REF ...]
+#
+# SOURCE is a Megatron-LM clone or mirror (with tags). For each REF: `megatron-rocm apply`,
+# the UNPATCHED tree run with default flags (records where it stops), the PATCHED tree trained
+# (small GPT, 50 iterations, default fusion flags). Then a small Llama on the newest ref, the
+# smoke suite, and the throughput comparison of a 0.85B Llama: patched defaults vs upstream with
+# every fusion off. Results: OUTDIR/*.json and OUTDIR/summary.txt.
+set -u
+SRC=$1; OUT=$2; shift 2
+REFS=("$@"); [ ${#REFS[@]} -gt 0 ] || REFS=(core_v0.12.0 core_v0.14.0 core_v0.16.0 core_v0.19.0 main)
+W=${WORK:-/tmp/mrocm-validate}; mkdir -p "$W" "$OUT"
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
+
+log "device: $($PY -c 'import torch;print(torch.cuda.get_device_name(0), torch.__version__, torch.version.cuda or torch.version.hip)')"
+for R in "${REFS[@]}"; do
+  $PY -m megatron_rocm apply --source "$SRC" --ref "$R" --dest "$W/p-$R" --json > "$OUT/apply-$R.json" \
+    && log "apply $R: ok" || log "apply $R: FAILED"
+  git clone -q "$SRC" "$W/u-$R" && git -C "$W/u-$R" checkout -q "$R"
+done
+
+# Unpatched (default flags) and patched small GPT runs, all at once on the one GPU.
+pids=()
+for R in "${REFS[@]}"; do
+  (cd "$HERE" && $PY scripts/train_small.py "$W/u-$R" --preset gpt --iters 3 \
+     --log "$OUT/unpatched-$R.log" > "$OUT/unpatched-$R.json" 2>&1) & pids+=($!)
+  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset gpt --iters 50 \
+     --log "$OUT/patched-gpt-$R.log" > "$OUT/patched-gpt-$R.json" 2>&1) & pids+=($!)
+done
+NEWEST=${REFS[$((${#REFS[@]} - 1))]}
+for R in core_v0.19.0 "$NEWEST"; do
+  [ -d "$W/p-$R" ] || continue
+  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset llama --iters 50 \
+     --log "$OUT/patched-llama-$R.log" > "$OUT/patched-llama-$R.json" 2>&1) & pids+=($!)
+done
+wait "${pids[@]}"
+for R in "${REFS[@]}"; do
+  err=$(grep -hE "^[A-Za-z_.]*(Error|Exception)\b" "$OUT/unpatched-$R.log" 2>/dev/null | tail -1)
+  log "unpatched $R default flags: ${err:-no error found (see log)}"
+  log "patched gpt $R: $(tail -1 "$OUT/patched-gpt-$R.json")"
+done
+for f in "$OUT"/patched-llama-*.json; do log "$(basename "$f"): $(tail -1 "$f")"; done
+
+# The smoke suite on the newest patched tree.
+$PY -m megatron_rocm smoke "$W/p-$NEWEST" --json "$OUT/smoke.json" --junit "$OUT/smoke.xml" \
+  > "$OUT/smoke.txt" 2>&1; log "smoke $NEWEST: exit $? ($(tail -1 "$OUT/smoke.txt"))"
+
+# Throughput: 0.85B Llama-style, same GPU, same run; patched defaults vs upstream unfused.
+T=${THROUGHPUT_REF:-core_v0.19.0}
+if [ -d "$W/p-$T" ] && [ "${SKIP_THROUGHPUT:-0}" != 1 ]; then
+  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$T" --preset llama --preset-size 0.85b \
+     --iters "${TP_ITERS:-20}" --log "$OUT/tput-patched.log" > "$OUT/tput-patched.json" 2>&1)
+  log "0.85b patched $T: $(tail -1 "$OUT/tput-patched.json")"
+  (cd "$HERE" && $PY scripts/train_small.py "$W/u-$T" --preset llama --preset-size 0.85b \
+     --unfused --iters "${TP_ITERS:-20}" --log "$OUT/tput-unfused.log" > "$OUT/tput-unfused.json" 2>&1)
+  log "0.85b upstream unfused $T: $(tail -1 "$OUT/tput-unfused.json")"
+fi
