@@ -32,7 +32,10 @@ def _dtypes(ctx: Context) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16] if ctx.on_gpu else [torch.float32]
 
 
-def _path(ctx: Context, t: Tensor) -> str:
+def _path(ctx: Context, t: Tensor, triton_op: bool) -> str:
+    """What ran: our Triton kernel, or torch's native ops (fused ones on the GPU)."""
+    if not triton_op:
+        return f"torch native, {t.device.type}"
     try:
         from megatron_rocm.kernels._runtime import use_triton
 
@@ -66,8 +69,9 @@ class _Tally:
         self.cases += 1
         self.worst = max(self.worst, err / (scale or 1.0))
 
-    def summary(self, ctx: Context, sample: Tensor) -> str:
-        return f"{self.cases} comparisons, worst rel err {self.worst:.2e} ({_path(ctx, sample)})"
+    def summary(self, ctx: Context, sample: Tensor, triton_op: bool = False) -> str:
+        path = _path(ctx, sample, triton_op)
+        return f"{self.cases} comparisons, worst rel err {self.worst:.2e} ({path})"
 
 
 def _leaf(shape: tuple[int, ...], dtype: torch.dtype, ctx: Context, scale: float = 1.0) -> Tensor:
@@ -118,7 +122,7 @@ def softmax_causal(ctx: Context) -> str:
                 [x],
                 fault,
             )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device))
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
 
 
 @register("kernels.softmax.masked")
@@ -140,7 +144,7 @@ def softmax_masked(ctx: Context) -> str:
                 [x],
                 fault,
             )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device))
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
 
 
 @register("kernels.softmax.scaled")
@@ -162,7 +166,7 @@ def softmax_scaled(ctx: Context) -> str:
     avail = k.is_kernel_available(torch.bfloat16, 4096, 16384)
     if ctx.on_gpu and not avail:
         raise CheckFailed("is_kernel_available(bf16, 4096, 16384) is False on a GPU")
-    return tally.summary(ctx, torch.empty(0, device=ctx.device))
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
 
 
 def _norm_check(ctx: Context, normalization: str) -> str:
