@@ -27,8 +27,10 @@ from megatron_rocm.series import Patch, Series, Variant, parse_version, release_
 PACKAGE_INFO = "megatron/core/package_info.py"
 TRAILER = "Megatron-ROCm-Patch"
 SCOPE_CONFIG = "megatron-rocm.scope"  # set on repos built from sdists: the paths they hold
-_FIELD_RE = {k: re.compile(rf"^{k}\s*=\s*['\"]?([0-9A-Za-z]*)['\"]?", re.M)
-             for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")}
+_FIELD_RE = {
+    k: re.compile(rf"^{k}\s*=\s*['\"]?([0-9A-Za-z]*)['\"]?", re.M)
+    for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")
+}
 
 
 @dataclass
@@ -73,9 +75,7 @@ def resolve_commit(repo: Path, ref: str) -> str:
 
 
 def repo_scope(repo: Path) -> list[str]:
-    out = gitcmd.git(
-        "config", "--get-all", SCOPE_CONFIG, cwd=repo, check=False
-    ).decode().split()
+    out = gitcmd.git("config", "--get-all", SCOPE_CONFIG, cwd=repo, check=False).decode().split()
     return out
 
 
@@ -102,13 +102,17 @@ def _merge3(repo: Path, ours: bytes, base: bytes, theirs: bytes) -> bytes | None
             paths.append(str(p))
         proc = subprocess.run(
             [gitcmd.git_binary(), "merge-file", "-p", *paths],
-            cwd=repo, capture_output=True, env=gitcmd.sanitized_env(), check=False,
+            cwd=repo,
+            capture_output=True,
+            env=gitcmd.sanitized_env(),
+            check=False,
         )
     return proc.stdout if proc.returncode == 0 else None
 
 
-def _try_three_way(repo: Path, cat: gitcmd.CatFile, fd: FileDiff, current: bytes | None,
-                   outcome_results: list) -> bytes | None:
+def _try_three_way(
+    repo: Path, cat: gitcmd.CatFile, fd: FileDiff, current: bytes | None, outcome_results: list
+) -> bytes | None:
     """Relabel conflicting hunks needs-3-way when the recorded base merges cleanly."""
     if current is None or not fd.old_blob:
         return None
@@ -127,14 +131,21 @@ def _try_three_way(repo: Path, cat: gitcmd.CatFile, fd: FileDiff, current: bytes
     return merged
 
 
-def plan(repo: Path, cat: gitcmd.CatFile, ref: str, series: Series,
-         version_override: str | None = None, three_way: bool = False) -> Plan:
+def plan(
+    repo: Path,
+    cat: gitcmd.CatFile,
+    ref: str,
+    series: Series,
+    version_override: str | None = None,
+    three_way: bool = False,
+) -> Plan:
     """Apply the whole series to ``ref`` in memory; never raises for hunks that fail."""
     commit = resolve_commit(repo, ref)
     version = parse_version(version_override) if version_override else tree_version(cat, commit)
     # A partial source (sdist) holds only some folders, and which ones depends on the release.
-    scope = [s for s in repo_scope(repo) if gitcmd.git_ok("cat-file", "-e", f"{commit}:{s}",
-                                                          cwd=repo)]
+    scope = [
+        s for s in repo_scope(repo) if gitcmd.git_ok("cat-file", "-e", f"{commit}:{s}", cwd=repo)
+    ]
     report = RefReport(ref=ref, commit=commit, version=str(version))
     overlay: dict[str, bytes | None] = {}
     modes: dict[str, str] = {}
@@ -159,7 +170,7 @@ def plan(repo: Path, cat: gitcmd.CatFile, ref: str, series: Series,
             data = current(fd.path)
             if data is None and not fd.is_new and not in_scope(fd.path, scope):
                 result.hunks += apply_file(None, fd).results
-                for r in result.hunks[-len(fd.hunks):]:
+                for r in result.hunks[-len(fd.hunks) :]:
                     r.label = HunkLabel.OUT_OF_SCOPE
                     r.detail = f"{fd.path} is not part of this source"
                 continue
@@ -170,9 +181,12 @@ def plan(repo: Path, cat: gitcmd.CatFile, ref: str, series: Series,
                 if merged is not None and three_way:
                     new = merged
             result.hunks += outcome.results
-            acceptable = all(r.label.applies or r.label is HunkLabel.ALREADY_APPLIED
-                             or (three_way and r.label is HunkLabel.NEEDS_3WAY)
-                             for r in outcome.results)
+            acceptable = all(
+                r.label.applies
+                or r.label is HunkLabel.ALREADY_APPLIED
+                or (three_way and r.label is HunkLabel.NEEDS_3WAY)
+                for r in outcome.results
+            )
             if acceptable and new != data:
                 pp.files[fd.path] = new
                 overlay[fd.path] = new
@@ -223,14 +237,26 @@ def write_commits(p: Plan) -> list[tuple[PatchPlan, str]]:
                 blob = gitcmd.git_text("hash-object", "-w", "--stdin", cwd=repo, input=data)
                 mode = pp.modes.get(path) or _mode(repo, parent, path)
                 entries.append(f"{mode} {blob}\t{path}")
-            gitcmd.git("update-index", "--index-info", cwd=repo, env=ienv,
-                       input=encode("\n".join(entries) + "\n"))
+            gitcmd.git(
+                "update-index",
+                "--index-info",
+                cwd=repo,
+                env=ienv,
+                input=encode("\n".join(entries) + "\n"),
+            )
             tree = gitcmd.git_text("write-tree", cwd=repo, env=ienv)
         finally:
             if os.path.exists(index):
                 os.unlink(index)
-        parent = gitcmd.git_text("commit-tree", tree, "-p", parent, cwd=repo, env=env,
-                                 input=encode(commit_message(pp.patch)))
+        parent = gitcmd.git_text(
+            "commit-tree",
+            tree,
+            "-p",
+            parent,
+            cwd=repo,
+            env=env,
+            input=encode(commit_message(pp.patch)),
+        )
         made.append((pp, parent))
         _kill_hook(len(made))
     return made

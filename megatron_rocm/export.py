@@ -53,10 +53,18 @@ def fork_commits(repo: Path) -> tuple[str, list[ForkCommit]]:
         if len(ids) < 2:
             break
         if len(ids) > 2:
-            raise UsageError(f"merge commit {ids[0][:12]} in the fork; export needs a linear branch")
+            raise UsageError(
+                f"merge commit {ids[0][:12]} in the fork; export needs a linear branch"
+            )
         seen_trailer = seen_trailer or m is not None
-        commits.append(ForkCommit(ids[0], ids[1], m.group(1) if m else None,
-                                  body.strip().splitlines()[0] if body.strip() else ""))
+        commits.append(
+            ForkCommit(
+                ids[0],
+                ids[1],
+                m.group(1) if m else None,
+                body.strip().splitlines()[0] if body.strip() else "",
+            )
+        )
     raise UsageError(
         f"{repo} is not a megatron-rocm fork: no commit on HEAD carries a "
         f"'{engine.TRAILER}:' trailer (run `megatron-rocm apply` first)"
@@ -67,16 +75,26 @@ def _slug(subject: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:40] or "patch"
 
 
-def _unchanged(cat: gitcmd.CatFile, patch: Patch, variant: Variant, c: ForkCommit,
-               touched: list[str], scope: list[str]) -> bool:
+def _unchanged(
+    cat: gitcmd.CatFile,
+    patch: Patch,
+    variant: Variant,
+    c: ForkCommit,
+    touched: list[str],
+    scope: list[str],
+) -> bool:
     """Does the stored diff, applied to the parent, give exactly this commit's files?
 
     On a partial tree (an sdist: ``scope`` set) files outside the scope are left out.
     """
-    fds = parse_diff(patch.diff_path(variant).read_text(encoding="utf-8",
-                                                         errors="surrogateescape"))
-    fds = [fd for fd in fds if fd.is_new or engine.in_scope(fd.path, scope)
-           or cat.read(f"{c.parent}:{fd.path}") is not None]
+    fds = parse_diff(patch.diff_path(variant).read_text(encoding="utf-8", errors="surrogateescape"))
+    fds = [
+        fd
+        for fd in fds
+        if fd.is_new
+        or engine.in_scope(fd.path, scope)
+        or cat.read(f"{c.parent}:{fd.path}") is not None
+    ]
     if sorted(fd.path for fd in fds) != sorted(touched):
         return False
     for fd in fds:
@@ -118,21 +136,25 @@ def _add_variant(patch: Patch, version: Version, split: bool) -> Variant:
     return new
 
 
-def export_fork(repo: Path, series: Series, version_override: str | None,
-                new_variant: bool) -> tuple[Version, list[ExportItem]]:
+def export_fork(
+    repo: Path, series: Series, version_override: str | None, new_variant: bool
+) -> tuple[Version, list[ExportItem]]:
     base, commits = fork_commits(repo)
-    scope = [s for s in engine.repo_scope(repo)
-             if gitcmd.git_ok("cat-file", "-e", f"{base}:{s}", cwd=repo)]
+    scope = [
+        s
+        for s in engine.repo_scope(repo)
+        if gitcmd.git_ok("cat-file", "-e", f"{base}:{s}", cwd=repo)
+    ]
     items: list[ExportItem] = []
     with gitcmd.CatFile(repo) as cat:
-        version = (Version(version_override) if version_override
-                   else engine.tree_version(cat, base))
+        version = Version(version_override) if version_override else engine.tree_version(cat, base)
         seen: set[str] = set()
         for c in commits:
             if c.patch_id in seen:
                 raise UsageError(f"patch {c.patch_id} has more than one commit; squash them")
-            touched = gitcmd.git_text("diff", "--name-only", "--no-renames", c.parent, c.commit,
-                                      cwd=repo).splitlines()
+            touched = gitcmd.git_text(
+                "diff", "--name-only", "--no-renames", c.parent, c.commit, cwd=repo
+            ).splitlines()
             text = gitcmd.diff(repo, c.parent, c.commit)
             if c.patch_id is None:
                 items.append(_new_patch(series, c, version, text))
@@ -147,7 +169,8 @@ def export_fork(repo: Path, series: Series, version_override: str | None,
                 if scope:
                     raise UsageError(
                         f"patch {patch.id} changed, but this fork holds only {', '.join(scope)} "
-                        "(a PyPI sdist); export from a full clone so no file is dropped")
+                        "(a PyPI sdist); export from a full clone so no file is dropped"
+                    )
                 patch.diff_path(variant).write_bytes(text)
                 items.append(ExportItem(patch.id, "updated", variant.diff))
                 continue
@@ -181,7 +204,8 @@ def _new_patch(series: Series, c: ForkCommit, version: Version, text: bytes) -> 
     (folder / "patch.toml").write_text(format_patch_toml(patch), encoding="utf-8")
     listing = series.folder / "series"
     content = listing.read_text(encoding="utf-8")
-    listing.write_text(content + ("" if content.endswith("\n") else "\n") + pid + "\n",
-                       encoding="utf-8")
+    listing.write_text(
+        content + ("" if content.endswith("\n") else "\n") + pid + "\n", encoding="utf-8"
+    )
     series.patches.append(patch)
     return ExportItem(pid, "new-patch", variant.diff)

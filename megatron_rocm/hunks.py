@@ -98,8 +98,14 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
         mode = _MODE_RE.search(info)
         path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
         old_blob = index.group(1) if index and len(index.group(1)) == 40 else None
-        fd = FileDiff(path, pf.is_added_file, pf.is_removed_file, old_blob,
-                      mode.group(1) if mode else None, [_hunk(h) for h in pf])
+        fd = FileDiff(
+            path,
+            pf.is_added_file,
+            pf.is_removed_file,
+            old_blob,
+            mode.group(1) if mode else None,
+            [_hunk(h) for h in pf],
+        )
         files.append(fd)
     return files
 
@@ -128,7 +134,9 @@ def _mismatch(lines: list[str], old: list[str], expected: int) -> str:
     best, best_score = expected, -1
     for pos in range(max(0, len(lines) - len(old) + 1)):
         score = sum(1 for k, want in enumerate(old) if lines[pos + k] == want)
-        if score > best_score or (score == best_score and abs(pos - expected) < abs(best - expected)):
+        if score > best_score or (
+            score == best_score and abs(pos - expected) < abs(best - expected)
+        ):
             best, best_score = pos, score
     for k, want in enumerate(old):
         pos = best + k
@@ -146,20 +154,29 @@ class FileOutcome:
 
 def apply_file(lines: list[str] | None, fd: FileDiff) -> FileOutcome:
     """Apply one file's hunks to ``lines`` (None = file absent); label each hunk."""
-    def result(i: int, h: Hunk, label: HunkLabel, at: int | None = None, detail: str = "") -> HunkResult:
+
+    def result(
+        i: int, h: Hunk, label: HunkLabel, at: int | None = None, detail: str = ""
+    ) -> HunkResult:
         return HunkResult(fd.path, i + 1, label, h.old_start, at, detail, h.text)
 
     if fd.is_new:
         new = [ln for h in fd.hunks for ln in h.new]
         if lines is None:
-            return FileOutcome(new, [result(i, h, HunkLabel.CLEAN, 1) for i, h in enumerate(fd.hunks)])
+            return FileOutcome(
+                new, [result(i, h, HunkLabel.CLEAN, 1) for i, h in enumerate(fd.hunks)]
+            )
         label = HunkLabel.ALREADY_APPLIED if lines == new else HunkLabel.CONFLICT
         detail = "" if label is HunkLabel.ALREADY_APPLIED else "file to be created already exists"
-        return FileOutcome(lines, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)])
+        return FileOutcome(
+            lines, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)]
+        )
     if lines is None:
         label = HunkLabel.ALREADY_APPLIED if fd.is_deleted else HunkLabel.FILE_GONE
         detail = "" if fd.is_deleted else f"{fd.path} does not exist in this tree"
-        return FileOutcome(None, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)])
+        return FileOutcome(
+            None, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)]
+        )
 
     out = list(lines)
     results: list[HunkResult] = []

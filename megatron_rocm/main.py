@@ -177,7 +177,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from megatron_rocm.commands.install import install
 
         return install(
-            tree_dir=args.dir, editable=not args.no_editable, dry_run=args.dry_run, as_json=args.json
+            tree_dir=args.dir,
+            editable=not args.no_editable,
+            dry_run=args.dry_run,
+            as_json=args.json,
         )
     if args.command == "smoke":
         from megatron_rocm.commands.smoke import smoke

@@ -31,8 +31,10 @@ def first_failure(p: PatchResult) -> str:
         return f"patch {p.patch_id}: {p.error}"
     for h in p.hunks:
         if not (h.label.applies or h.label is HunkLabel.ALREADY_APPLIED):
-            return (f"patch {p.patch_id} ({p.variant}): {h.path} hunk {h.index} "
-                    f"{h.label.value}: {h.detail}")
+            return (
+                f"patch {p.patch_id} ({p.variant}): {h.path} hunk {h.index} "
+                f"{h.label.value}: {h.detail}"
+            )
     return f"patch {p.patch_id}: ok"
 
 
@@ -48,5 +50,7 @@ def print_ref_report(r: RefReport, verbose: bool = False) -> None:
                 if h.label is not HunkLabel.CLEAN:
                     where = f"line {h.found_at}" if h.found_at else "nowhere"
                     extra = f": {h.detail}" if h.detail else ""
-                    print(f"      {h.path} hunk {h.index} (@{h.old_start}) "
-                          f"{h.label.value} at {where}{extra}")
+                    print(
+                        f"      {h.path} hunk {h.index} (@{h.old_start}) "
+                        f"{h.label.value} at {where}{extra}"
+                    )

@@ -107,7 +107,9 @@ def _sdist_files(path: Path) -> dict[str, tuple[str, bytes]]:
                 mode = "100755" if member.mode & 0o111 else "100644"
                 files[rel] = (mode, handle.read())
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise SourceError(f"{path} is not a readable sdist ({e}); delete it to re-download") from None
+        raise SourceError(
+            f"{path} is not a readable sdist ({e}); delete it to re-download"
+        ) from None
     return files
 
 
@@ -137,14 +139,29 @@ def _import(repo: Path, sdist: Path, tag: str) -> None:
         for rel, (mode, data) in sorted(files.items()):
             blob = gitcmd.git_text("hash-object", "-w", "--stdin", cwd=repo, input=data)
             lines.append(f"{mode} {blob}\t{rel}")
-        gitcmd.git("update-index", "--add", "--index-info", cwd=repo, env=env,
-                   input=encode("\n".join(lines) + "\n"))
+        gitcmd.git(
+            "update-index",
+            "--add",
+            "--index-info",
+            cwd=repo,
+            env=env,
+            input=encode("\n".join(lines) + "\n"),
+        )
         tree = gitcmd.git_text("write-tree", cwd=repo, env=env)
     finally:
         index.unlink(missing_ok=True)
-    commit_env = {**gitcmd.IDENTITY, "GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
-    commit = gitcmd.git_text("commit-tree", tree, cwd=repo, env=commit_env,
-                             input=f"{PROJECT} {tag} (sdist from PyPI)\n".encode())
+    commit_env = {
+        **gitcmd.IDENTITY,
+        "GIT_AUTHOR_DATE": FIXED_DATE,
+        "GIT_COMMITTER_DATE": FIXED_DATE,
+    }
+    commit = gitcmd.git_text(
+        "commit-tree",
+        tree,
+        cwd=repo,
+        env=commit_env,
+        input=f"{PROJECT} {tag} (sdist from PyPI)\n".encode(),
+    )
     gitcmd.git("update-ref", f"refs/tags/{tag}", commit, cwd=repo)
 
 

@@ -56,8 +56,11 @@ class PatchResult:
             return HunkLabel.OUT_OF_SCOPE if self.hunks else HunkLabel.CLEAN
         if all(lbl is HunkLabel.ALREADY_APPLIED for lbl in relevant):
             return HunkLabel.ALREADY_APPLIED
-        return max((lb for lb in relevant if lb is not HunkLabel.ALREADY_APPLIED),
-                   key=lambda lb: lb.severity, default=HunkLabel.CLEAN)
+        return max(
+            (lb for lb in relevant if lb is not HunkLabel.ALREADY_APPLIED),
+            key=lambda lb: lb.severity,
+            default=HunkLabel.CLEAN,
+        )
 
     @property
     def ok(self) -> bool:

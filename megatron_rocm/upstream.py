@@ -66,15 +66,20 @@ def _cache_mirror(url: str, quiet: bool) -> Path:
         if (repo / "HEAD").exists():
             git.Repo(repo).remote("origin").fetch(
                 ["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"],
-                progress=CloneProgress(quiet), prune=True,
+                progress=CloneProgress(quiet),
+                prune=True,
             )
         else:
             repo.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=repo.name + ".", dir=repo.parent))
             try:
-                git.Repo.clone_from(url, tmp, progress=CloneProgress(quiet),
-                                    multi_options=["--bare", "--filter=blob:none"],
-                                    env=gitcmd.sanitized_env())
+                git.Repo.clone_from(
+                    url,
+                    tmp,
+                    progress=CloneProgress(quiet),
+                    multi_options=["--bare", "--filter=blob:none"],
+                    env=gitcmd.sanitized_env(),
+                )
                 tmp.replace(repo)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -117,8 +122,13 @@ def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False)
     if not quiet:
         print(f"cloning {source.label}", flush=True)
     try:
-        git.Repo.clone_from(origin, dest, progress=CloneProgress(quiet), no_checkout=True,
-                            env=gitcmd.sanitized_env())
+        git.Repo.clone_from(
+            origin,
+            dest,
+            progress=CloneProgress(quiet),
+            no_checkout=True,
+            env=gitcmd.sanitized_env(),
+        )
     except git.GitCommandError as e:
         raise SourceError(f"cannot clone {source.label}: {_git_reason(e)}; {SOURCE_HINT}") from None
     if source.kind == "pypi":

@@ -40,15 +40,33 @@ def build(tree: str, layers: int, fused: bool, seq: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=layers, hidden_size=1536, ffn_hidden_size=5504, num_attention_heads=12,
-        num_query_groups=4, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-        attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=fused,
-        bias_activation_fusion=fused, bias_dropout_fusion=fused, apply_rope_fusion=fused,
-        gradient_accumulation_fusion=fused, persist_layer_norm=fused,
+        num_layers=layers,
+        hidden_size=1536,
+        ffn_hidden_size=5504,
+        num_attention_heads=12,
+        num_query_groups=4,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=fused,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=fused,
+        persist_layer_norm=fused,
     )
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32000,
-                     max_sequence_length=seq, position_embedding_type="rope").cuda()
+    model = GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(),
+        vocab_size=32000,
+        max_sequence_length=seq,
+        position_embedding_type="rope",
+    ).cuda()
     for p in model.parameters():
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     return model
@@ -73,8 +91,7 @@ def main() -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1)
     tokens = torch.randint(0, 32000, (args.mbs, args.seq), device="cuda")
@@ -100,8 +117,11 @@ def main() -> int:
             step(model, tokens, labels, mask)
             torch.cuda.synchronize()
         print(f"\n=== {name}: {ms:.1f} ms per fwd+bwd ({args.layers} layers)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top,
-                                        max_name_column_width=70))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70
+            )
+        )
         del model
         torch.cuda.empty_cache()
     print("\n| config | ms per fwd+bwd |\n|---|---|")

@@ -22,8 +22,9 @@ NORM = "megatron/core/norm.py"
 
 
 def run(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def lines(prefix: str, n: int) -> list[str]:
@@ -127,9 +128,24 @@ def make_series(root: Path, upstream: Path) -> Path:
         write(work, rel, change(before))
         commit_all(work, reason)
         diff = subprocess.run(
-            ["git", "diff", "--no-color", "--no-ext-diff", "--full-index", "--no-renames",
-             "--diff-algorithm=myers", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
-             "HEAD^", "HEAD"], cwd=work, check=True, capture_output=True).stdout
+            [
+                "git",
+                "diff",
+                "--no-color",
+                "--no-ext-diff",
+                "--full-index",
+                "--no-renames",
+                "--diff-algorithm=myers",
+                "-U3",
+                "--src-prefix=a/",
+                "--dst-prefix=b/",
+                "HEAD^",
+                "HEAD",
+            ],
+            cwd=work,
+            check=True,
+            capture_output=True,
+        ).stdout
         (series / pid).mkdir()
         (series / pid / "v0.1.diff").write_bytes(diff)
         (series / pid / "patch.toml").write_text(
@@ -147,6 +163,7 @@ def snapshot(repo: Path) -> tuple[str, str, str, str]:
     status = run("status", "--porcelain", "--untracked-files=all", cwd=repo)
     files = "\n".join(
         f"{p.relative_to(repo)}:{p.read_bytes().hex()[:64]}:{p.stat().st_size}"
-        for p in sorted(repo.rglob("*")) if p.is_file() and ".git" not in p.parts
+        for p in sorted(repo.rglob("*"))
+        if p.is_file() and ".git" not in p.parts
     )
     return head, refs, status, files

@@ -43,13 +43,24 @@ def _resolve(repo: Path, ref: str, source: upstream.Source | None) -> str:
 
 
 def _accepts(label: HunkLabel, three_way: bool) -> bool:
-    return label.applies or label is HunkLabel.ALREADY_APPLIED or (
-        three_way and label is HunkLabel.NEEDS_3WAY)
+    return (
+        label.applies
+        or label is HunkLabel.ALREADY_APPLIED
+        or (three_way and label is HunkLabel.NEEDS_3WAY)
+    )
 
 
-def apply(*, source: str | None, ref: str | None, dest: str | None, branch: str | None,
-          three_way: bool, series_dir: str | None, version_override: str | None,
-          as_json: bool) -> int:
+def apply(
+    *,
+    source: str | None,
+    ref: str | None,
+    dest: str | None,
+    branch: str | None,
+    three_way: bool,
+    series_dir: str | None,
+    version_override: str | None,
+    as_json: bool,
+) -> int:
     series = load_series(series_dir)
     dest_path = Path(dest or "Megatron-LM").expanduser().resolve()
     if dest_path.exists() and not dest_path.is_dir():
@@ -76,8 +87,18 @@ def apply(*, source: str | None, ref: str | None, dest: str | None, branch: str 
                 ref = upstream.default_ref(repo)
             elif src.kind == "pypi":
                 ref = f"core_v{upstream.pypi.version_from_ref(ref)}"
-            code = _apply_in(repo, ref, None, branch, three_way, series, version_override,
-                             as_json, fresh=True, dest_path=dest_path)
+            code = _apply_in(
+                repo,
+                ref,
+                None,
+                branch,
+                three_way,
+                series,
+                version_override,
+                as_json,
+                fresh=True,
+                dest_path=dest_path,
+            )
             if dest_path.exists():
                 dest_path.rmdir()  # an empty folder the user made for us
             repo.replace(dest_path)
@@ -88,13 +109,33 @@ def apply(*, source: str | None, ref: str | None, dest: str | None, branch: str 
     with repo_lock(gitcmd.git_dir(dest_path)):
         if ref is None:
             ref = upstream.default_ref(dest_path)
-        return _apply_in(dest_path, ref, src, branch, three_way, series, version_override,
-                         as_json, fresh=False, dest_path=dest_path)
+        return _apply_in(
+            dest_path,
+            ref,
+            src,
+            branch,
+            three_way,
+            series,
+            version_override,
+            as_json,
+            fresh=False,
+            dest_path=dest_path,
+        )
 
 
-def _apply_in(repo: Path, ref: str, src: upstream.Source | None, branch: str | None,
-              three_way: bool, series, version_override: str | None, as_json: bool,  # noqa: ANN001
-              *, fresh: bool, dest_path: Path) -> int:
+def _apply_in(
+    repo: Path,
+    ref: str,
+    src: upstream.Source | None,
+    branch: str | None,
+    three_way: bool,
+    series,
+    version_override: str | None,
+    as_json: bool,  # noqa: ANN001
+    *,
+    fresh: bool,
+    dest_path: Path,
+) -> int:
     if not fresh and gitcmd.git_text("status", "--porcelain", "--untracked-files=no", cwd=repo):
         raise UsageError(
             f"{repo} has uncommitted changes; commit or stash them first (apply never "
@@ -104,14 +145,24 @@ def _apply_in(repo: Path, ref: str, src: upstream.Source | None, branch: str | N
     with gitcmd.CatFile(repo) as cat:
         plan = engine.plan(repo, cat, commit, series, version_override, three_way)
     plan.report.ref = ref
-    bad = [p for p in plan.report.patches
-           if p.error or not all(_accepts(h.label, three_way) for h in p.hunks)]
+    bad = [
+        p
+        for p in plan.report.patches
+        if p.error or not all(_accepts(h.label, three_way) for h in p.hunks)
+    ]
     if bad:
         if as_json:
             print_json({"ok": False, "dest": str(dest_path), "report": plan.report.to_dict()})
-        hint = " (retry with --3way)" if all(
-            h.label in (HunkLabel.NEEDS_3WAY,) or _accepts(h.label, False)
-            for p in bad for h in p.hunks) and not any(p.error for p in bad) else ""
+        hint = (
+            " (retry with --3way)"
+            if all(
+                h.label in (HunkLabel.NEEDS_3WAY,) or _accepts(h.label, False)
+                for p in bad
+                for h in p.hunks
+            )
+            and not any(p.error for p in bad)
+            else ""
+        )
         raise PatchFailed(
             f"{first_failure(bad[0])}; nothing was changed{hint}"
             + (f" ({len(bad)} patches fail)" if len(bad) > 1 else "")
@@ -135,13 +186,21 @@ def _apply_in(repo: Path, ref: str, src: upstream.Source | None, branch: str | N
             raise UsageError(f"cannot check out {name}: {e}; nothing was changed") from None
     commits = {pp.patch.id: sha for pp, sha in made}
     if as_json:
-        print_json({
-            "ok": True, "already_applied": already, "dest": str(dest_path), "branch": name,
-            "base": commit, "tip": tip,
-            "commits": [{"patch": p.patch_id, "commit": commits.get(p.patch_id)}
-                        for p in plan.report.patches],
-            "report": plan.report.to_dict(),
-        })
+        print_json(
+            {
+                "ok": True,
+                "already_applied": already,
+                "dest": str(dest_path),
+                "branch": name,
+                "base": commit,
+                "tip": tip,
+                "commits": [
+                    {"patch": p.patch_id, "commit": commits.get(p.patch_id)}
+                    for p in plan.report.patches
+                ],
+                "report": plan.report.to_dict(),
+            }
+        )
         return EXIT_OK
     print(f"{ref} ({commit[:12]}, megatron-core {plan.report.version})")
     for p in plan.report.patches:

@@ -9,16 +9,28 @@ from megatron_rocm.results import RefReport
 from megatron_rocm.series import load_series
 
 
-def check_refs(repo, refs: list[str], series_dir: str | None, version_override: str | None,
-               three_way: bool = False) -> list[RefReport]:  # noqa: ANN001
+def check_refs(
+    repo,
+    refs: list[str],
+    series_dir: str | None,
+    version_override: str | None,
+    three_way: bool = False,
+) -> list[RefReport]:  # noqa: ANN001
     series = load_series(series_dir)
     with gitcmd.CatFile(repo) as cat:
-        return [engine.plan(repo, cat, ref, series, version_override, three_way).report
-                for ref in refs]
+        return [
+            engine.plan(repo, cat, ref, series, version_override, three_way).report for ref in refs
+        ]
 
 
-def check(*, source: str | None, refs: list[str] | None, series_dir: str | None,
-          version_override: str | None, as_json: bool) -> int:
+def check(
+    *,
+    source: str | None,
+    refs: list[str] | None,
+    series_dir: str | None,
+    version_override: str | None,
+    as_json: bool,
+) -> int:
     load_series(series_dir)  # fail fast on a broken series, before any clone
     src = upstream.classify(source)
     repo = upstream.reading_repo(src, refs, quiet=as_json)
@@ -28,12 +40,19 @@ def check(*, source: str | None, refs: list[str] | None, series_dir: str | None,
         refs = [f"core_v{upstream.pypi.version_from_ref(r)}" for r in refs]
     reports = check_refs(repo, refs, series_dir, version_override)
     if as_json:
-        print_json({"source": src.label, "ok": all(r.ok for r in reports),
-                    "refs": [r.to_dict() for r in reports]})
+        print_json(
+            {
+                "source": src.label,
+                "ok": all(r.ok for r in reports),
+                "refs": [r.to_dict() for r in reports],
+            }
+        )
     else:
         for r in reports:
             print_ref_report(r)
         bad = [r.ref for r in reports if not r.ok]
-        print(f"{len(reports) - len(bad)}/{len(reports)} refs apply"
-              + (f"; failing: {', '.join(bad)}" if bad else ""))
+        print(
+            f"{len(reports) - len(bad)}/{len(reports)} refs apply"
+            + (f"; failing: {', '.join(bad)}" if bad else "")
+        )
     return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED

@@ -11,8 +11,14 @@ from megatron_rocm.output import print_json
 from megatron_rocm.series import load_series
 
 
-def export(*, repo_dir: str, new_variant: bool, series_dir: str | None,
-           version_override: str | None, as_json: bool) -> int:
+def export(
+    *,
+    repo_dir: str,
+    new_variant: bool,
+    series_dir: str | None,
+    version_override: str | None,
+    as_json: bool,
+) -> int:
     repo = Path(repo_dir).expanduser().resolve()
     if not gitcmd.is_git_repo(repo):
         raise UsageError(f"{repo} is not a git repository (run export inside a patched fork)")
@@ -20,14 +26,22 @@ def export(*, repo_dir: str, new_variant: bool, series_dir: str | None,
     version, items = export_fork(repo, series, version_override, new_variant)
     missing = [i for i in items if i.action == "missing"]
     if as_json:
-        print_json({"series": str(series.folder), "version": str(version),
-                    "patches": [vars(i) for i in items], "ok": not missing})
+        print_json(
+            {
+                "series": str(series.folder),
+                "version": str(version),
+                "patches": [vars(i) for i in items],
+                "ok": not missing,
+            }
+        )
     else:
         for i in items:
             print(f"  {i.action:<12} {i.patch_id:<24} {i.diff}")
         changed = [i for i in items if i.action not in ("unchanged", "missing", "no-change")]
-        print(f"exported {len(items) - len(missing)} patches for megatron-core {version} into "
-              f"{series.folder}: {len(changed)} changed")
+        print(
+            f"exported {len(items) - len(missing)} patches for megatron-core {version} into "
+            f"{series.folder}: {len(changed)} changed"
+        )
         for i in missing:
             print(f"warning: patch {i.patch_id} has no commit on this fork; left unchanged")
     return EXIT_OK

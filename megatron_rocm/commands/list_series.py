@@ -10,18 +10,28 @@ from megatron_rocm.series import load_series
 def list_series(*, series_dir: str | None, as_json: bool) -> int:
     series = load_series(series_dir)
     if as_json:
-        print_json({
-            "series": str(series.folder),
-            "patches": [
-                {
-                    "id": p.id, "reason": p.reason, "upstream": p.upstream,
-                    "variants": [{"diff": v.diff or None, "since": str(v.since),
-                                  "until": str(v.until) if v.until else None, "skip": v.skip}
-                                 for v in p.variants],
-                }
-                for p in series.patches
-            ],
-        })
+        print_json(
+            {
+                "series": str(series.folder),
+                "patches": [
+                    {
+                        "id": p.id,
+                        "reason": p.reason,
+                        "upstream": p.upstream,
+                        "variants": [
+                            {
+                                "diff": v.diff or None,
+                                "since": str(v.since),
+                                "until": str(v.until) if v.until else None,
+                                "skip": v.skip,
+                            }
+                            for v in p.variants
+                        ],
+                    }
+                    for p in series.patches
+                ],
+            }
+        )
         return EXIT_OK
     print(f"series: {series.folder} ({len(series.patches)} patches)")
     for n, p in enumerate(series.patches, 1):

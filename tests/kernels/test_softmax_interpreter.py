@@ -24,9 +24,21 @@ def test_triton_softmax_parity_under_interpreter():
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-         str(here / "test_softmax.py")],
-        env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "triton",
+            str(here / "test_softmax.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     tail = "\n".join(proc.stdout.splitlines()[-15:])
     assert proc.returncode == 0, tail

@@ -21,8 +21,20 @@ def toy(tmp_path):
 
 
 def _apply(upstream, series, dest, ref="core_v0.2.0", *extra):
-    return main(["apply", "--source", str(upstream), "--series", str(series), "--ref", ref,
-                 "--dest", str(dest), *extra])
+    return main(
+        [
+            "apply",
+            "--source",
+            str(upstream),
+            "--series",
+            str(series),
+            "--ref",
+            ref,
+            "--dest",
+            str(dest),
+            *extra,
+        ]
+    )
 
 
 def test_apply_creates_fork_branch_with_one_commit_per_patch(toy, capsys):
@@ -30,8 +42,12 @@ def test_apply_creates_fork_branch_with_one_commit_per_patch(toy, capsys):
     dest = root / "fork"
     assert _apply(upstream, series, dest) == 0
     assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_v0.2.0"
-    log = run("log", "--format=%s|%(trailers:key=Megatron-ROCm-Patch,valueonly)",
-              "core_v0.2.0..HEAD", cwd=dest).splitlines()
+    log = run(
+        "log",
+        "--format=%s|%(trailers:key=Megatron-ROCm-Patch,valueonly)",
+        "core_v0.2.0..HEAD",
+        cwd=dest,
+    ).splitlines()
     assert [ln.split("|")[1] for ln in log if "|" in ln] == ["p-norm", "p-softmax"]
     assert "softmax_20 = 'rocm'" in (dest / "megatron/core/fusions/softmax.py").read_text()
     assert run("status", "--porcelain", cwd=dest) == ""
@@ -79,8 +95,23 @@ def test_kill_in_the_middle_of_apply_leaves_tree_identical(toy):
     before = snapshot(dest)
     env = {**os.environ, "MEGATRON_ROCM_TEST_KILL_AFTER": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rocm", "apply", "--source", str(upstream), "--series",
-         str(series), "--ref", "core_v0.2.0", "--dest", str(dest)], env=env, capture_output=True)
+        [
+            sys.executable,
+            "-m",
+            "megatron_rocm",
+            "apply",
+            "--source",
+            str(upstream),
+            "--series",
+            str(series),
+            "--ref",
+            "core_v0.2.0",
+            "--dest",
+            str(dest),
+        ],
+        env=env,
+        capture_output=True,
+    )
     assert proc.returncode == -9
     assert (dest / ".git" / LOCK_NAME).exists()  # a stale lock of a dead process...
     assert snapshot(dest) == before

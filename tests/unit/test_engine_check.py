@@ -17,8 +17,9 @@ def toy(tmp_path):
 
 
 def _labels(capsys, upstream, series, ref):
-    code = main(["check", "--source", str(upstream), "--series", str(series), "--ref", ref,
-                 "--json"])
+    code = main(
+        ["check", "--source", str(upstream), "--series", str(series), "--ref", ref, "--json"]
+    )
     data = json.loads(capsys.readouterr().out)
     (rep,) = data["refs"]
     return code, {p["patch_id"]: p["label"] for p in rep["patches"]}, rep
@@ -59,8 +60,18 @@ def test_prerelease_tree_version_uses_release_range(toy, capsys):
 
 def test_check_several_refs_human_output(toy, capsys):
     upstream, series = toy
-    code = main(["check", "--source", str(upstream), "--series", str(series), "--ref",
-                 "core_v0.1.0", "core_v0.2.0"])
+    code = main(
+        [
+            "check",
+            "--source",
+            str(upstream),
+            "--series",
+            str(series),
+            "--ref",
+            "core_v0.1.0",
+            "core_v0.2.0",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "2/2 refs apply" in out and "offset" in out
@@ -68,8 +79,19 @@ def test_check_several_refs_human_output(toy, capsys):
 
 def test_version_override_without_variant_fails(toy, capsys):
     upstream, series = toy
-    code = main(["check", "--source", str(upstream), "--series", str(series), "--ref",
-                 "core_v0.1.0", "--megatron-version", "0.0.1"])
+    code = main(
+        [
+            "check",
+            "--source",
+            str(upstream),
+            "--series",
+            str(series),
+            "--ref",
+            "core_v0.1.0",
+            "--megatron-version",
+            "0.0.1",
+        ]
+    )
     assert code == 1
     assert "no variant of p-softmax covers version 0.0.1" in capsys.readouterr().out
 

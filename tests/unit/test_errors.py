@@ -45,22 +45,27 @@ def _err(capsys) -> str:
 
 def test_unknown_ref(toy, capsys):
     _, upstream, series = toy
-    assert main(["check", "--source", str(upstream), "--series", str(series), "--ref",
-                 "core_v9.9.9"]) == 2
+    assert (
+        main(["check", "--source", str(upstream), "--series", str(series), "--ref", "core_v9.9.9"])
+        == 2
+    )
     assert "unknown ref 'core_v9.9.9'" in _err(capsys)
 
 
 def test_missing_source_says_how_to_use_source(toy, tmp_path, capsys):
-    assert main(["check", "--series", str(toy[2]), "--source", str(tmp_path / "nope"),
-                 "--ref", "main"]) == 3
+    assert (
+        main(
+            ["check", "--series", str(toy[2]), "--source", str(tmp_path / "nope"), "--ref", "main"]
+        )
+        == 3
+    )
     assert "--source" in _err(capsys)
 
 
 def test_source_not_a_git_repository(toy, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["check", "--series", str(toy[2]), "--source", str(empty), "--ref",
-                 "main"]) == 3
+    assert main(["check", "--series", str(toy[2]), "--source", str(empty), "--ref", "main"]) == 3
     assert "not a git repository" in _err(capsys)
 
 
@@ -119,8 +124,10 @@ def test_destination_exists_and_is_not_ours(toy, capsys):
     dest = root / "mine"
     dest.mkdir()
     (dest / "notes.txt").write_text("keep me\n")
-    assert main(["apply", "--source", str(upstream), "--series", str(series), "--dest",
-                 str(dest)]) == 2
+    assert (
+        main(["apply", "--source", str(upstream), "--series", str(series), "--dest", str(dest)])
+        == 2
+    )
     assert "not a git clone of Megatron-LM" in _err(capsys)
     assert (dest / "notes.txt").read_text() == "keep me\n"
 
@@ -130,8 +137,20 @@ def test_permission_denied(toy, capsys):
     root, upstream, series = toy
     locked = root / "locked"
     locked.mkdir(mode=0o500)
-    assert main(["apply", "--source", str(upstream), "--series", str(series), "--dest",
-                 str(locked / "fork")]) == 3
+    assert (
+        main(
+            [
+                "apply",
+                "--source",
+                str(upstream),
+                "--series",
+                str(series),
+                "--dest",
+                str(locked / "fork"),
+            ]
+        )
+        == 3
+    )
     assert "permission denied" in _err(capsys)
 
 
@@ -164,7 +183,21 @@ def test_branch_checkout_conflict_with_untracked_file_changes_nothing(toy, capsy
     # an untracked file where the fork would write (simulate a user's scratch copy)
     run("checkout", "-q", "core_v0.4.0", cwd=dest)  # norm.py absent at v0.4.0
     (dest / "megatron/core/norm.py").write_text("scratch\n")
-    assert main(["apply", "--source", str(upstream), "--series", str(series), "--ref",
-                 "core_v0.2.0", "--dest", str(dest)]) == 2
+    assert (
+        main(
+            [
+                "apply",
+                "--source",
+                str(upstream),
+                "--series",
+                str(series),
+                "--ref",
+                "core_v0.2.0",
+                "--dest",
+                str(dest),
+            ]
+        )
+        == 2
+    )
     assert (dest / "megatron/core/norm.py").read_text() == "scratch\n"
     assert "rocm/core_v0.2.0" not in run("branch", "--list", cwd=dest)

@@ -29,8 +29,22 @@ def fork(tmp_path):
     pristine = tmp_path / "pristine"
     shutil.copytree(series, pristine)
     dest = tmp_path / "fork"
-    assert main(["apply", "--source", str(upstream), "--series", str(series), "--ref",
-                 "core_v0.2.0", "--dest", str(dest)]) == 0
+    assert (
+        main(
+            [
+                "apply",
+                "--source",
+                str(upstream),
+                "--series",
+                str(series),
+                "--ref",
+                "core_v0.2.0",
+                "--dest",
+                str(dest),
+            ]
+        )
+        == 0
+    )
     return dest, series, pristine
 
 
@@ -56,8 +70,9 @@ def test_export_after_editing_a_patch_rewrites_only_that_diff(fork, capsys):
     assert main(["export", "--repo", str(dest), "--series", str(series), "--json"]) == 0
     diff = (series / "p-softmax" / "v0.1.diff").read_text()
     assert "+softmax_30 = 'also'" in diff
-    assert (series / "p-norm" / "v0.1.diff").read_bytes() == \
-        (pristine / "p-norm" / "v0.1.diff").read_bytes()
+    assert (series / "p-norm" / "v0.1.diff").read_bytes() == (
+        pristine / "p-norm" / "v0.1.diff"
+    ).read_bytes()
     # exporting again right away changes nothing more
     snapshot = (series / "p-softmax" / "v0.1.diff").read_bytes()
     assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
@@ -76,13 +91,25 @@ def test_new_commit_on_top_becomes_a_new_patch(fork, capsys):
 
 def test_export_new_variant_splits_the_range(fork, capsys):
     dest, series, _ = fork
-    assert main(["export", "--repo", str(dest), "--series", str(series),
-                 "--new-variant"]) == 0
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--new-variant"]) == 0
     toml = (series / "p-softmax" / "patch.toml").read_text()
     assert 'until = "0.2.0"' in toml and 'diff = "v0.2.diff"' in toml
     # the series still applies to both ranges
-    assert main(["check", "--source", str(dest), "--series", str(series), "--ref",
-                 "core_v0.1.0", "core_v0.2.0"]) == 0
+    assert (
+        main(
+            [
+                "check",
+                "--source",
+                str(dest),
+                "--series",
+                str(series),
+                "--ref",
+                "core_v0.1.0",
+                "core_v0.2.0",
+            ]
+        )
+        == 0
+    )
 
 
 def test_export_outside_a_fork_is_a_clear_error(tmp_path, capsys):

@@ -17,8 +17,9 @@ def _diff(tmp_path, old: str | None, new: str | None) -> str:
         if text is not None:
             path.write_text(text)
     args = [str(a) if old is not None else "/dev/null", str(b) if new is not None else "/dev/null"]
-    out = subprocess.run(["git", "diff", "--no-index", "--full-index", *args],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["git", "diff", "--no-index", "--full-index", *args], capture_output=True, text=True
+    ).stdout
     return out
 
 

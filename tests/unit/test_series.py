@@ -9,8 +9,10 @@ from megatron_rocm.errors import UsageError
 from megatron_rocm.series import Variant, load_series, release_of
 
 
-@pytest.mark.parametrize(("text", "release"), [("0.17.0rc0", "0.17.0"), ("0.19.1", "0.19.1"),
-                                                ("0.20", "0.20.0"), ("1.2.3.dev4", "1.2.3")])
+@pytest.mark.parametrize(
+    ("text", "release"),
+    [("0.17.0rc0", "0.17.0"), ("0.19.1", "0.19.1"), ("0.20", "0.20.0"), ("1.2.3.dev4", "1.2.3")],
+)
 def test_release_of(text, release):
     assert release_of(text) == Version(release)
 

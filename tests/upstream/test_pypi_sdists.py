@@ -36,8 +36,11 @@ def test_real_series_applies_to_release_sdists(cache, newest, capsys):
     refs = [*FIXED, newest]
     code = main(["check", "--source", "pypi", "--ref", *refs, "--json"])
     data = json.loads(capsys.readouterr().out)
-    failing = {r["ref"]: [p["patch_id"] for p in r["patches"] if not p["ok"]]
-               for r in data["refs"] if not r["ok"]}
+    failing = {
+        r["ref"]: [p["patch_id"] for p in r["patches"] if not p["ok"]]
+        for r in data["refs"]
+        if not r["ok"]
+    }
     assert failing == {}
     assert code == 0
     assert [r["version"].split("rc")[0] for r in data["refs"]][:3] == FIXED
@@ -50,13 +53,27 @@ def test_apply_from_pypi_then_export_is_zero_diff(cache, tmp_path, capsys):
     series = tmp_path / "series"
     shutil.copytree(default_series_dir(), series)
     dest = tmp_path / "fork"
-    assert main(["apply", "--source", "pypi", "--ref", "0.14.0", "--dest", str(dest),
-                 "--series", str(series), "--json"]) == 0
+    assert (
+        main(
+            [
+                "apply",
+                "--source",
+                "pypi",
+                "--ref",
+                "0.14.0",
+                "--dest",
+                str(dest),
+                "--series",
+                str(series),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["branch"] == "rocm/core_v0.14.0"
     assert any(c["commit"] for c in out["commits"])
-    assert (dest / "megatron/core/fusions/fused_softmax.py").read_text().count(
-        "megatron_rocm") >= 1
+    assert (dest / "megatron/core/fusions/fused_softmax.py").read_text().count("megatron_rocm") >= 1
     assert main(["export", "--repo", str(dest), "--series", str(series), "--json"]) == 0
     exported = json.loads(capsys.readouterr().out)
     assert {p["action"] for p in exported["patches"]} <= {"unchanged", "no-change"}
