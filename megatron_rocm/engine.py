@@ -219,35 +219,14 @@ def write_commits(p: Plan) -> list[tuple[PatchPlan, str]]:
     repo, parent = p.repo, p.commit
     env = _commit_env(repo, p.commit)
     made: list[tuple[PatchPlan, str]] = []
-    gdir = gitcmd.git_dir(repo)
     for pp in p.patches:
         if not pp.files:
             continue
-        fd, index = tempfile.mkstemp(prefix="megatron-rocm-index-", dir=gdir)
-        os.close(fd)
-        os.unlink(index)  # git wants to create it itself
-        ienv = {"GIT_INDEX_FILE": index}
-        try:
-            gitcmd.git("read-tree", parent, cwd=repo, env=ienv)
-            entries = []
-            for path, data in sorted(pp.files.items()):
-                if data is None:
-                    entries.append(f"0 {gitcmd.ZERO_OID}\t{path}")
-                    continue
-                blob = gitcmd.git_text("hash-object", "-w", "--stdin", cwd=repo, input=data)
-                mode = pp.modes.get(path) or _mode(repo, parent, path)
-                entries.append(f"{mode} {blob}\t{path}")
-            gitcmd.git(
-                "update-index",
-                "--index-info",
-                cwd=repo,
-                env=ienv,
-                input=encode("\n".join(entries) + "\n"),
-            )
-            tree = gitcmd.git_text("write-tree", cwd=repo, env=ienv)
-        finally:
-            if os.path.exists(index):
-                os.unlink(index)
+        changes = {
+            path: None if data is None else (pp.modes.get(path) or _mode(repo, parent, path), data)
+            for path, data in pp.files.items()
+        }
+        tree = gitcmd.write_tree(repo, changes, base=parent)
         parent = gitcmd.git_text(
             "commit-tree",
             tree,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -129,6 +130,55 @@ def rev_parse(repo: str | Path, rev: str) -> str | None:
 def diff(repo: str | Path, old: str, new: str, paths: Sequence[str] = ()) -> bytes:
     """The normalized diff between two commits (see DIFF_ARGS)."""
     return git(*DIFF_ARGS, old, new, "--", *paths, cwd=repo)
+
+
+def write_tree(
+    repo: str | Path,
+    changes: Mapping[str, tuple[str, bytes] | None],
+    base: str | None = None,
+) -> str:
+    """Write ``base`` (a tree-ish; None = empty) with ``changes`` applied as a new tree object.
+
+    ``changes`` maps a path to ``(mode, content)``, or to None to delete it. Only objects are
+    written, through a private index: the user's index, work tree and refs are not touched.
+    Contents are hashed with ``--no-filters`` so no attribute or line-ending rule alters them.
+    """
+    with tempfile.TemporaryDirectory(prefix="megatron-rocm-", dir=git_dir(repo)) as tmp:
+        items = sorted(changes.items())
+        files = []
+        for n, (_, change) in enumerate(c for c in items if c[1] is not None):
+            path = Path(tmp) / f"blob{n}"
+            path.write_bytes(change[1])
+            files.append(str(path))
+        blobs = iter(
+            git_text(
+                "hash-object",
+                "-w",
+                "--no-filters",
+                "--stdin-paths",
+                cwd=repo,
+                input=("\n".join(files) + "\n").encode(),
+            ).split()
+            if files
+            else []
+        )
+        entries = [
+            f"0 {ZERO_OID}\t{path}" if change is None else f"{change[0]} {next(blobs)}\t{path}"
+            for path, change in items
+        ]
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        if base:
+            git("read-tree", base, cwd=repo, env=env)
+        if entries:
+            git(
+                "update-index",
+                "--add",
+                "--index-info",
+                cwd=repo,
+                env=env,
+                input=("\n".join(entries) + "\n").encode("utf-8", errors="surrogateescape"),
+            )
+        return git_text("write-tree", cwd=repo, env=env)
 
 
 class CatFile:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from megatron_rocm.errors import SourceError, UsageError
@@ -122,6 +123,16 @@ def tree_requirements(tree: Path) -> list[str]:
     return _requirement_lines(req.read_text(encoding="utf-8").splitlines()) if req.is_file() else []
 
 
+# Imported by megatron.training / pretrain_gpt.py but declared by no megatron-core release
+# (NVIDIA's containers ship them); found by importing core_v0.12-0.16 trees in a bare venv.
+TRAINING_RUNTIME = ("six", "regex", "pyyaml", "pydantic", "nltk")
+
+
+def training_requirements(have: dict[str, str]) -> list[str]:
+    """The training-side imports that are not installed yet."""
+    return [name for name in TRAINING_RUNTIME if canonicalize_name(name) not in have]
+
+
 def build_requirements(tree: Path) -> list[str]:
     return list(_read_toml(tree / "pyproject.toml").get("build-system", {}).get("requires", []))
 
@@ -162,6 +173,20 @@ def filter_deps(reqs: Sequence[str], have: dict[str, str], torch: str) -> list[s
     return keep
 
 
+def _check_python(tree: Path) -> None:
+    """Refuse before any step when the tree's ``requires-python`` excludes this interpreter
+    (megatron-core 0.17+ needs Python 3.12): pip would only say so after the helpers build."""
+    spec = _read_toml(tree / "pyproject.toml").get("project", {}).get("requires-python")
+    if not spec:
+        return
+    here = ".".join(str(n) for n in sys.version_info[:3])
+    if not SpecifierSet(spec).contains(here, prereleases=True):
+        raise SourceError(
+            f"this Megatron-LM tree requires Python {spec}, but this is Python {here}; "
+            "use a matching interpreter (and its ROCm PyTorch)"
+        )
+
+
 def pip(*args: str) -> list[str]:
     return [sys.executable, "-m", "pip", *args]
 
@@ -177,8 +202,10 @@ def plan(
             f"torch is not installed; install the ROCm build of PyTorch first: "
             f"{ROCM_TORCH} (pick the rocm6.x that matches your driver)"
         )
+    _check_python(tree)
     pins = {n: have[n] for n in PINNED if n in have}
     deps = filter_deps(tree_requirements(tree), have, have["torch"])
+    deps += [d for d in training_requirements(have) if d not in deps]
     helpers = tree / "megatron" / "core" / "datasets" / "helpers.cpp"
     helpers = helpers if helpers.is_file() else None
     if helpers is not None and "pybind11" not in have:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from megatron_rocm import gitcmd
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.hunks import encode
 from megatron_rocm.series import parse_version
 
 PROJECT = "megatron-core"
@@ -131,25 +130,7 @@ def sdist_repo(refs: list[str]) -> Path:
 
 
 def _import(repo: Path, sdist: Path, tag: str) -> None:
-    files = _sdist_files(sdist)
-    index = repo / f"index-{tag}"
-    env = {"GIT_INDEX_FILE": str(index)}
-    try:
-        lines = []
-        for rel, (mode, data) in sorted(files.items()):
-            blob = gitcmd.git_text("hash-object", "-w", "--stdin", cwd=repo, input=data)
-            lines.append(f"{mode} {blob}\t{rel}")
-        gitcmd.git(
-            "update-index",
-            "--add",
-            "--index-info",
-            cwd=repo,
-            env=env,
-            input=encode("\n".join(lines) + "\n"),
-        )
-        tree = gitcmd.git_text("write-tree", cwd=repo, env=env)
-    finally:
-        index.unlink(missing_ok=True)
+    tree = gitcmd.write_tree(repo, _sdist_files(sdist))
     commit_env = {
         **gitcmd.IDENTITY,
         "GIT_AUTHOR_DATE": FIXED_DATE,

@@ -62,11 +62,12 @@ def _cache_mirror(url: str, quiet: bool) -> Path:
     """A blobless bare mirror of ``url`` in the cache, fetched fresh on every use."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", url).strip("-")[-80:]
     repo = pypi.cache_dir() / "repos" / f"{slug}.git"
+    progress = CloneProgress(quiet)
     try:
         if (repo / "HEAD").exists():
             git.Repo(repo).remote("origin").fetch(
                 ["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"],
-                progress=CloneProgress(quiet),
+                progress=progress,
                 prune=True,
             )
         else:
@@ -76,7 +77,7 @@ def _cache_mirror(url: str, quiet: bool) -> Path:
                 git.Repo.clone_from(
                     url,
                     tmp,
-                    progress=CloneProgress(quiet),
+                    progress=progress,
                     multi_options=["--bare", "--filter=blob:none"],
                     env=gitcmd.sanitized_env(),
                 )
@@ -84,12 +85,16 @@ def _cache_mirror(url: str, quiet: bool) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except git.GitCommandError as e:
-        raise SourceError(f"cannot clone {url}: {_git_reason(e)}; {SOURCE_HINT}") from None
+        raise SourceError(
+            f"cannot clone {url}: {_git_reason(e, progress)}; {SOURCE_HINT}"
+        ) from None
     return repo
 
 
-def _git_reason(e: git.GitCommandError) -> str:
-    lines = [ln.strip() for ln in str(e.stderr or "").splitlines() if ln.strip()]
+def _git_reason(e: git.GitCommandError, progress: CloneProgress | None = None) -> str:
+    """git's own last 'fatal:' line (a progress handler swallows stderr, so look there too)."""
+    text = str(e.stderr or "") + "\n" + "\n".join(progress.error_lines if progress else [])
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     fatal = [ln for ln in lines if "fatal" in ln or "error" in ln]
     text = (fatal or lines or [str(e.status)])[-1]
     return text.removeprefix("stderr: ").strip("'")
@@ -121,16 +126,19 @@ def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False)
         origin = source.location
     if not quiet:
         print(f"cloning {source.label}", flush=True)
+    progress = CloneProgress(quiet)
     try:
         git.Repo.clone_from(
             origin,
             dest,
-            progress=CloneProgress(quiet),
+            progress=progress,
             no_checkout=True,
             env=gitcmd.sanitized_env(),
         )
     except git.GitCommandError as e:
-        raise SourceError(f"cannot clone {source.label}: {_git_reason(e)}; {SOURCE_HINT}") from None
+        raise SourceError(
+            f"cannot clone {source.label}: {_git_reason(e, progress)}; {SOURCE_HINT}"
+        ) from None
     if source.kind == "pypi":
         for scope in pypi.SCOPES:
             gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=dest)

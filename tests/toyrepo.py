@@ -17,6 +17,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from megatron_rocm.gitcmd import DIFF_ARGS
+
 SOFTMAX = "megatron/core/fusions/softmax.py"
 NORM = "megatron/core/norm.py"
 
@@ -127,24 +129,9 @@ def make_series(root: Path, upstream: Path) -> Path:
         before = (work / rel).read_text().splitlines(keepends=True)
         write(work, rel, change(before))
         commit_all(work, reason)
+        # exactly how a developer makes them: the project's pinned diff options
         diff = subprocess.run(
-            [
-                "git",
-                "diff",
-                "--no-color",
-                "--no-ext-diff",
-                "--full-index",
-                "--no-renames",
-                "--diff-algorithm=myers",
-                "-U3",
-                "--src-prefix=a/",
-                "--dst-prefix=b/",
-                "HEAD^",
-                "HEAD",
-            ],
-            cwd=work,
-            check=True,
-            capture_output=True,
+            ["git", *DIFF_ARGS, "HEAD^", "HEAD"], cwd=work, check=True, capture_output=True
         ).stdout
         (series / pid).mkdir()
         (series / pid / "v0.1.diff").write_bytes(diff)

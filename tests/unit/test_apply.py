@@ -7,17 +7,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-from toyrepo import make_series, make_upstream, run, snapshot
+from toyrepo import run, snapshot
 
 from megatron_rocm.lock import LOCK_NAME
 from megatron_rocm.main import main
-
-
-@pytest.fixture
-def toy(tmp_path):
-    upstream = make_upstream(tmp_path)
-    return tmp_path, upstream, make_series(tmp_path, upstream)
 
 
 def _apply(upstream, series, dest, ref="core_v0.2.0", *extra):

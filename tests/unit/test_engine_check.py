@@ -5,15 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from toyrepo import make_series, make_upstream
 
 from megatron_rocm.main import main
-
-
-@pytest.fixture
-def toy(tmp_path):
-    upstream = make_upstream(tmp_path)
-    return upstream, make_series(tmp_path, upstream)
 
 
 def _labels(capsys, upstream, series, ref):
@@ -37,14 +30,14 @@ def _labels(capsys, upstream, series, ref):
     ],
 )
 def test_check_labels_every_case(toy, capsys, ref, softmax, norm, code):
-    upstream, series = toy
+    _, upstream, series = toy
     got_code, labels, _ = _labels(capsys, upstream, series, ref)
     assert labels == {"p-softmax": softmax, "p-norm": norm}
     assert got_code == code
 
 
 def test_check_reports_the_lines_that_no_longer_match(toy, capsys):
-    upstream, series = toy
+    _, upstream, series = toy
     _, _, rep = _labels(capsys, upstream, series, "core_v0.3.0")
     hunk = rep["patches"][0]["hunks"][0]
     assert hunk["path"] == "megatron/core/fusions/softmax.py"
@@ -52,14 +45,14 @@ def test_check_reports_the_lines_that_no_longer_match(toy, capsys):
 
 
 def test_prerelease_tree_version_uses_release_range(toy, capsys):
-    upstream, series = toy
+    _, upstream, series = toy
     _, _, rep = _labels(capsys, upstream, series, "core_v0.6.0")
     assert rep["version"] == "0.6.0rc0"
     assert rep["patches"][0]["variant"] == "v0.1.diff"
 
 
 def test_check_several_refs_human_output(toy, capsys):
-    upstream, series = toy
+    _, upstream, series = toy
     code = main(
         [
             "check",
@@ -78,7 +71,7 @@ def test_check_several_refs_human_output(toy, capsys):
 
 
 def test_version_override_without_variant_fails(toy, capsys):
-    upstream, series = toy
+    _, upstream, series = toy
     code = main(
         [
             "check",
@@ -97,6 +90,6 @@ def test_version_override_without_variant_fails(toy, capsys):
 
 
 def test_default_ref_is_newest_release_tag(toy, capsys):
-    upstream, series = toy
+    _, upstream, series = toy
     main(["check", "--source", str(upstream), "--series", str(series), "--json"])
     assert json.loads(capsys.readouterr().out)["refs"][0]["ref"] == "core_v0.6.0"

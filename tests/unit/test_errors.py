@@ -6,7 +6,7 @@ import os
 import shutil
 
 import pytest
-from toyrepo import make_series, make_upstream, run
+from toyrepo import run
 
 from megatron_rocm.main import build_parser, main
 
@@ -28,12 +28,6 @@ def test_every_verb_is_dispatched():
 
 def test_no_command_is_usage_error(capsys):
     assert main([]) == 2
-
-
-@pytest.fixture
-def toy(tmp_path):
-    upstream = make_upstream(tmp_path)
-    return tmp_path, upstream, make_series(tmp_path, upstream)
 
 
 def _err(capsys) -> str:

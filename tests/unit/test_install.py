@@ -20,6 +20,8 @@ HAVE = {
     "setuptools": "84.0",
     "packaging": "25.0",
     "megatron-rocm": "0.1.0",
+    # the training-side imports upstream leaves undeclared (see TRAINING_RUNTIME)
+    **{name: "1.0" for name in ("six", "regex", "pyyaml", "pydantic", "nltk")},
 }
 
 
@@ -176,3 +178,36 @@ def test_real_pip_installs_fake_tree_offline(tmp_path: Path) -> None:
     assert (tmp_path / "site/megatron/core/package_info.py").is_file()
     assert not (tmp_path / "site/numpy").exists()  # --no-deps held
     assert sys.executable == argv[0]
+
+
+def test_tree_requiring_newer_python_is_refused_before_any_step(tmp_path):
+    """megatron-core 0.17+ says requires-python >=3.12; refuse up front, change nothing."""
+    import sys
+
+    from megatron_rocm.errors import SourceError
+    from megatron_rocm.installer import plan
+
+    tree = tmp_path / "tree"
+    (tree / "megatron" / "core").mkdir(parents=True)
+    (tree / "megatron" / "core" / "__init__.py").write_text("")
+    (tree / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 17\n")
+    nxt = f"{sys.version_info[0]}.{sys.version_info[1] + 1}"
+    (tree / "pyproject.toml").write_text(
+        f'[project]\nname = "megatron-core"\nrequires-python = ">={nxt}"\n'
+    )
+    with pytest.raises(SourceError, match=f"requires Python >={nxt}"):
+        plan(tree, editable=True, workdir=tmp_path, have={"torch": "2.13.0"})
+
+
+def test_training_imports_upstream_leaves_undeclared_are_added():
+    from megatron_rocm.installer import training_requirements
+
+    assert training_requirements({"six": "1.16", "regex": "2024.1"}) == [
+        "pyyaml",
+        "pydantic",
+        "nltk",
+    ]
+    assert (
+        training_requirements({n: "1" for n in ("six", "regex", "pyyaml", "pydantic", "nltk")})
+        == []
+    )
