@@ -143,6 +143,21 @@ def make_series(root: Path, upstream: Path) -> Path:
     return series
 
 
+def apply_argv(upstream: Path, series: Path, dest: Path, ref: str = "core_v0.2.0") -> list[str]:
+    """``megatron-rocm apply`` arguments for the toy upstream and series."""
+    return [
+        "apply",
+        "--source",
+        str(upstream),
+        "--series",
+        str(series),
+        "--ref",
+        ref,
+        "--dest",
+        str(dest),
+    ]
+
+
 def snapshot(repo: Path) -> tuple[str, str, str, str]:
     """Everything apply must leave untouched on failure: HEAD, refs, status, working files."""
     head = run("rev-parse", "HEAD", cwd=repo) if (repo / ".git").exists() else ""

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from toyrepo import run, snapshot
+from toyrepo import apply_argv, run, snapshot
 
 from megatron_rocm.lock import LOCK_NAME
 from megatron_rocm.main import main
@@ -88,20 +88,7 @@ def test_kill_in_the_middle_of_apply_leaves_tree_identical(toy):
     before = snapshot(dest)
     env = {**os.environ, "MEGATRON_ROCM_TEST_KILL_AFTER": "1"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rocm",
-            "apply",
-            "--source",
-            str(upstream),
-            "--series",
-            str(series),
-            "--ref",
-            "core_v0.2.0",
-            "--dest",
-            str(dest),
-        ],
+        [sys.executable, "-m", "megatron_rocm", *apply_argv(upstream, series, dest)],
         env=env,
         capture_output=True,
     )

@@ -6,7 +6,7 @@ import os
 import shutil
 
 import pytest
-from toyrepo import run
+from toyrepo import apply_argv, run
 
 from megatron_rocm.main import build_parser, main
 
@@ -177,21 +177,6 @@ def test_branch_checkout_conflict_with_untracked_file_changes_nothing(toy, capsy
     # an untracked file where the fork would write (simulate a user's scratch copy)
     run("checkout", "-q", "core_v0.4.0", cwd=dest)  # norm.py absent at v0.4.0
     (dest / "megatron/core/norm.py").write_text("scratch\n")
-    assert (
-        main(
-            [
-                "apply",
-                "--source",
-                str(upstream),
-                "--series",
-                str(series),
-                "--ref",
-                "core_v0.2.0",
-                "--dest",
-                str(dest),
-            ]
-        )
-        == 2
-    )
+    assert main(apply_argv(upstream, series, dest)) == 2
     assert (dest / "megatron/core/norm.py").read_text() == "scratch\n"
     assert "rocm/core_v0.2.0" not in run("branch", "--list", cwd=dest)

@@ -6,7 +6,7 @@ import filecmp
 import shutil
 
 import pytest
-from toyrepo import make_series, make_upstream, run
+from toyrepo import apply_argv, make_series, make_upstream, run
 
 from megatron_rocm.main import main
 
@@ -29,22 +29,7 @@ def fork(tmp_path):
     pristine = tmp_path / "pristine"
     shutil.copytree(series, pristine)
     dest = tmp_path / "fork"
-    assert (
-        main(
-            [
-                "apply",
-                "--source",
-                str(upstream),
-                "--series",
-                str(series),
-                "--ref",
-                "core_v0.2.0",
-                "--dest",
-                str(dest),
-            ]
-        )
-        == 0
-    )
+    assert main(apply_argv(upstream, series, dest)) == 0
     return dest, series, pristine
 
 
