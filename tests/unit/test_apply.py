@@ -14,20 +14,7 @@ from megatron_rocm.main import main
 
 
 def _apply(upstream, series, dest, ref="core_v0.2.0", *extra):
-    return main(
-        [
-            "apply",
-            "--source",
-            str(upstream),
-            "--series",
-            str(series),
-            "--ref",
-            ref,
-            "--dest",
-            str(dest),
-            *extra,
-        ]
-    )
+    return main([*apply_argv(upstream, series, dest, ref), *extra])
 
 
 def test_apply_creates_fork_branch_with_one_commit_per_patch(toy, capsys):
