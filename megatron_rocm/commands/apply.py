@@ -12,14 +12,27 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rocm import engine, gitcmd, upstream
-from megatron_rocm.errors import EXIT_OK, PatchFailed, UsageError
+from megatron_rocm.errors import EXIT_OK, PatchFailed, SourceError, UsageError
 from megatron_rocm.lock import repo_lock
 from megatron_rocm.output import first_failure, hunk_summary, print_json
-from megatron_rocm.results import HunkLabel
-from megatron_rocm.series import load_series
+from megatron_rocm.results import HunkLabel, PatchResult
+from megatron_rocm.series import Series, load_series
+
+
+@dataclass
+class Request:
+    """What to apply, independent of where the tree comes from."""
+
+    series: Series
+    branch: str | None
+    three_way: bool
+    version_override: str | None
+    as_json: bool
+    dest: Path  # where the user will find the tree (a fresh clone is moved there last)
 
 
 def branch_name(ref: str, commit: str) -> str:
@@ -27,7 +40,7 @@ def branch_name(ref: str, commit: str) -> str:
     return "rocm/" + re.sub(r"[^A-Za-z0-9._/-]+", "-", name)
 
 
-def _is_megatron_repo(path: Path) -> bool:
+def _is_repo_root(path: Path) -> bool:
     return gitcmd.is_git_repo(path) and gitcmd.git_dir(path).parent == path.resolve()
 
 
@@ -50,6 +63,20 @@ def _accepts(label: HunkLabel, three_way: bool) -> bool:
     )
 
 
+def _failing(patches: list[PatchResult], three_way: bool) -> list[PatchResult]:
+    return [p for p in patches if p.error or not all(_accepts(h.label, three_way) for h in p.hunks)]
+
+
+def _failure(bad: list[PatchResult], three_way: bool) -> PatchFailed:
+    """One line naming the first failing patch, file, hunk and upstream lines."""
+    merge_would_do = not any(p.error for p in bad) and all(
+        _accepts(h.label, True) for p in bad for h in p.hunks
+    )
+    hint = " (retry with --3way)" if merge_would_do and not three_way else ""
+    more = f" ({len(bad)} patches fail)" if len(bad) > 1 else ""
+    return PatchFailed(f"{first_failure(bad[0])}; nothing was changed{hint}{more}")
+
+
 def apply(
     *,
     source: str | None,
@@ -61,136 +88,71 @@ def apply(
     version_override: str | None,
     as_json: bool,
 ) -> int:
-    series = load_series(series_dir)
     dest_path = Path(dest or "Megatron-LM").expanduser().resolve()
+    req = Request(load_series(series_dir), branch, three_way, version_override, as_json, dest_path)
     if dest_path.exists() and not dest_path.is_dir():
         raise UsageError(f"destination {dest_path} exists and is not a folder")
-    fresh = not dest_path.exists() or not any(dest_path.iterdir())
-    if not fresh and not _is_megatron_repo(dest_path):
+    if not dest_path.exists() or not any(dest_path.iterdir()):
+        return _apply_fresh(req, upstream.classify(source), ref)
+    if not _is_repo_root(dest_path):
         raise UsageError(
             f"destination {dest_path} exists and is not a git clone of Megatron-LM; "
             "choose another --dest"
         )
-    if fresh:
-        src = upstream.classify(source)
-        parent = dest_path.parent
-        parent.mkdir(parents=True, exist_ok=True)
-        try:
-            work = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.apply-", dir=parent))
-        except PermissionError:
-            from megatron_rocm.errors import SourceError
-
-            raise SourceError(f"permission denied: cannot create {dest_path}") from None
-        try:
-            repo = upstream.clone_into(src, work / "tree", ref, quiet=as_json)
-            if ref is None:
-                ref = upstream.default_ref(repo)
-            elif src.kind == "pypi":
-                ref = f"core_v{upstream.pypi.version_from_ref(ref)}"
-            code = _apply_in(
-                repo,
-                ref,
-                None,
-                branch,
-                three_way,
-                series,
-                version_override,
-                as_json,
-                fresh=True,
-                dest_path=dest_path,
-            )
-            if dest_path.exists():
-                dest_path.rmdir()  # an empty folder the user made for us
-            repo.replace(dest_path)
-            return code
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     src = upstream.classify(source) if source else None
     with repo_lock(gitcmd.git_dir(dest_path)):
+        if gitcmd.git_text("status", "--porcelain", "--untracked-files=no", cwd=dest_path):
+            raise UsageError(
+                f"{dest_path} has uncommitted changes; commit or stash them first (apply never "
+                "overwrites your edits)"
+            )
+        return _apply_in(dest_path, ref or upstream.default_ref(dest_path), src, req)
+
+
+def _apply_fresh(req: Request, src: upstream.Source, ref: str | None) -> int:
+    """Clone next to the destination, apply there, and move the result into place last."""
+    parent = req.dest.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{req.dest.name}.apply-", dir=parent))
+    except PermissionError:
+        raise SourceError(f"permission denied: cannot create {req.dest}") from None
+    try:
+        repo = upstream.clone_into(src, work / "tree", ref, quiet=req.as_json)
         if ref is None:
-            ref = upstream.default_ref(dest_path)
-        return _apply_in(
-            dest_path,
-            ref,
-            src,
-            branch,
-            three_way,
-            series,
-            version_override,
-            as_json,
-            fresh=False,
-            dest_path=dest_path,
-        )
+            ref = upstream.default_ref(repo)
+        elif src.kind == "pypi":
+            ref = f"core_v{upstream.pypi.version_from_ref(ref)}"
+        code = _apply_in(repo, ref, None, req)
+        if req.dest.exists():
+            req.dest.rmdir()  # an empty folder the user made for us
+        repo.replace(req.dest)
+        return code
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _apply_in(
-    repo: Path,
-    ref: str,
-    src: upstream.Source | None,
-    branch: str | None,
-    three_way: bool,
-    series,
-    version_override: str | None,
-    as_json: bool,  # noqa: ANN001
-    *,
-    fresh: bool,
-    dest_path: Path,
-) -> int:
-    if not fresh and gitcmd.git_text("status", "--porcelain", "--untracked-files=no", cwd=repo):
-        raise UsageError(
-            f"{repo} has uncommitted changes; commit or stash them first (apply never "
-            "overwrites your edits)"
-        )
+def _apply_in(repo: Path, ref: str, src: upstream.Source | None, req: Request) -> int:
     commit = _resolve(repo, ref, src)
     with gitcmd.CatFile(repo) as cat:
-        plan = engine.plan(repo, cat, commit, series, version_override, three_way)
+        plan = engine.plan(repo, cat, commit, req.series, req.version_override, req.three_way)
     plan.report.ref = ref
-    bad = [
-        p
-        for p in plan.report.patches
-        if p.error or not all(_accepts(h.label, three_way) for h in p.hunks)
-    ]
+    bad = _failing(plan.report.patches, req.three_way)
     if bad:
-        if as_json:
-            print_json({"ok": False, "dest": str(dest_path), "report": plan.report.to_dict()})
-        hint = (
-            " (retry with --3way)"
-            if all(
-                h.label in (HunkLabel.NEEDS_3WAY,) or _accepts(h.label, False)
-                for p in bad
-                for h in p.hunks
-            )
-            and not any(p.error for p in bad)
-            else ""
-        )
-        raise PatchFailed(
-            f"{first_failure(bad[0])}; nothing was changed{hint}"
-            + (f" ({len(bad)} patches fail)" if len(bad) > 1 else "")
-        )
-    name = branch or branch_name(ref, commit)
+        if req.as_json:
+            print_json({"ok": False, "dest": str(req.dest), "report": plan.report.to_dict()})
+        raise _failure(bad, req.three_way)
+    name = req.branch or branch_name(ref, commit)
     made = engine.write_commits(plan)
     tip = made[-1][1] if made else commit
-    existing = gitcmd.rev_parse(repo, f"refs/heads/{name}")
-    already = existing == tip
-    if existing and not already:
-        raise UsageError(
-            f"branch {name} already exists at {existing[:12]} with other commits (your edits?); "
-            "run `megatron-rocm export` there, or pass --branch NAME"
-        )
-    if not already:
-        gitcmd.git("update-ref", f"refs/heads/{name}", tip, gitcmd.ZERO_OID, cwd=repo)
-        try:
-            gitcmd.git("checkout", "-q", name, cwd=repo)
-        except gitcmd.GitError as e:
-            gitcmd.git("update-ref", "-d", f"refs/heads/{name}", tip, cwd=repo)
-            raise UsageError(f"cannot check out {name}: {e}; nothing was changed") from None
+    already = _move_branch(repo, name, tip)
     commits = {pp.patch.id: sha for pp, sha in made}
-    if as_json:
+    if req.as_json:
         print_json(
             {
                 "ok": True,
                 "already_applied": already,
-                "dest": str(dest_path),
+                "dest": str(req.dest),
                 "branch": name,
                 "base": commit,
                 "tip": tip,
@@ -204,16 +166,38 @@ def _apply_in(
         return EXIT_OK
     print(f"{ref} ({commit[:12]}, megatron-core {plan.report.version})")
     for p in plan.report.patches:
-        sha = commits.get(p.patch_id)
         if p.variant == "skip":
             state = "skipped"
-        elif p.label is HunkLabel.ALREADY_APPLIED or sha is None:
-            state = "already applied" if already else "in upstream"
+        elif already:
+            state = "already applied"
         else:
-            state = "already applied" if already else "applied"
+            state = "applied" if commits.get(p.patch_id) else "in upstream"
         print(f"  {state:<16} {p.patch_id:<22} {p.variant or '-':<14} {hunk_summary(p)}")
     if already:
-        print(f"already applied: {name} at {tip[:12]} in {dest_path}; nothing changed")
+        print(f"already applied: {name} at {tip[:12]} in {req.dest}; nothing changed")
     else:
-        print(f"created branch {name} ({len(made)} commits on {ref}) in {dest_path}")
+        print(f"created branch {name} ({len(made)} commits on {ref}) in {req.dest}")
     return EXIT_OK
+
+
+def _move_branch(repo: Path, name: str, tip: str) -> bool:
+    """Create ``name`` at ``tip`` and check it out; True when it already was exactly that.
+
+    Commits are deterministic, so an identical branch means this series was applied before;
+    a branch with other commits is the user's work and is never moved.
+    """
+    existing = gitcmd.rev_parse(repo, f"refs/heads/{name}")
+    if existing == tip:
+        return True
+    if existing:
+        raise UsageError(
+            f"branch {name} already exists at {existing[:12]} with other commits (your edits?); "
+            "run `megatron-rocm export` there, or pass --branch NAME"
+        )
+    gitcmd.git("update-ref", f"refs/heads/{name}", tip, gitcmd.ZERO_OID, cwd=repo)
+    try:
+        gitcmd.git("checkout", "-q", name, cwd=repo)
+    except gitcmd.GitError as e:
+        gitcmd.git("update-ref", "-d", f"refs/heads/{name}", tip, cwd=repo)
+        raise UsageError(f"cannot check out {name}: {e}; nothing was changed") from None
+    return False
