@@ -161,6 +161,8 @@ def filter_deps(reqs: Sequence[str], have: dict[str, str], torch: str) -> list[s
                     f"install a matching ROCm build: {ROCM_TORCH}"
                 )
             continue
+        if name == "megatron-rocm":
+            continue  # installed from this package, never from an index (see plan())
         if NVIDIA_ONLY.match(name):
             refused.append(text)
         else:
@@ -223,16 +225,18 @@ def plan(
         workdir / "constraints.txt",
     )
     c = ["-c", str(p.constraints)]
-    if deps:
-        p.steps.append(
-            Step(f"install the tree's dependencies ({', '.join(deps)})", pip("install", *c, *deps))
-        )
+    # megatron-rocm first, from this package: the patched tree declares it, and pip must never
+    # resolve that name from an index (it is not published there; a squatter could be).
     if p.install_self:
         p.steps.append(
             Step(
                 "install megatron-rocm (the kernels the patched tree imports)",
                 pip("install", *c, *(["-e"] if editable else []), str(PACKAGE_ROOT)),
             )
+        )
+    if deps:
+        p.steps.append(
+            Step(f"install the tree's dependencies ({', '.join(deps)})", pip("install", *c, *deps))
         )
     if helpers is not None:
         p.steps.append(Step("build Megatron's C++ dataset helpers (pybind11)", None, "helpers"))

@@ -211,3 +211,14 @@ def test_training_imports_upstream_leaves_undeclared_are_added():
         training_requirements({n: "1" for n in ("six", "regex", "pyyaml", "pydantic", "nltk")})
         == []
     )
+
+
+def test_megatron_rocm_dependency_is_never_resolved_from_an_index(tmp_path):
+    """The patched tree declares megatron-rocm; it must come from this package, installed first."""
+    have = {k: v for k, v in HAVE.items() if k != "megatron-rocm"}
+    p = installer.plan(
+        make_tree(tmp_path / "t", ["numpy", "megatron-rocm"]), True, tmp_path, have=have
+    )
+    assert "megatron-rocm" not in p.deps
+    assert p.steps[0].title.startswith("install megatron-rocm")
+    assert str(installer.PACKAGE_ROOT) in p.steps[0].argv
