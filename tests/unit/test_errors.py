@@ -180,3 +180,12 @@ def test_branch_checkout_conflict_with_untracked_file_changes_nothing(toy, capsy
     assert main(apply_argv(upstream, series, dest)) == 2
     assert (dest / "megatron/core/norm.py").read_text() == "scratch\n"
     assert "rocm/core_v0.2.0" not in run("branch", "--list", cwd=dest)
+
+
+def test_unreachable_package_index(toy, monkeypatch, capsys):
+    """--source pypi with no reachable index: exit 3 and how to proceed, nothing cloned."""
+    monkeypatch.setenv("MEGATRON_ROCM_PYPI_URL", "http://127.0.0.1:9/pypi")
+    _, _, series = toy
+    assert main(["check", "--source", "pypi", "--ref", "0.14.0", "--series", str(series)]) == 3
+    err = _err(capsys)
+    assert "cannot reach PyPI" in err and "--source PATH" in err
