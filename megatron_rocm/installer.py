@@ -189,6 +189,16 @@ def _check_python(tree: Path) -> None:
         )
 
 
+def _needs_isolation(project: Path, have: dict[str, str]) -> bool:
+    """Build isolation only when the build backend is missing: without it an install works on
+    an offline machine (pip would otherwise fetch setuptools into a fresh build env)."""
+    return not all(_satisfied(Requirement(r), have) for r in build_requirements(project))
+
+
+def _isolation_args(project: Path, have: dict[str, str]) -> list[str]:
+    return [] if _needs_isolation(project, have) else ["--no-build-isolation"]
+
+
 def pip(*args: str) -> list[str]:
     return [sys.executable, "-m", "pip", *args]
 
@@ -212,7 +222,7 @@ def plan(
     helpers = helpers if helpers.is_file() else None
     if helpers is not None and "pybind11" not in have:
         deps.append("pybind11")
-    isolation = not all(_satisfied(Requirement(r), have) for r in build_requirements(tree))
+    isolation = _needs_isolation(tree, have)
     p = Plan(
         tree,
         editable,
@@ -231,7 +241,13 @@ def plan(
         p.steps.append(
             Step(
                 "install megatron-rocm (the kernels the patched tree imports)",
-                pip("install", *c, *(["-e"] if editable else []), str(PACKAGE_ROOT)),
+                pip(
+                    "install",
+                    *c,
+                    *_isolation_args(PACKAGE_ROOT, have),
+                    *(["-e"] if editable else []),
+                    str(PACKAGE_ROOT),
+                ),
             )
         )
     if deps:
@@ -240,7 +256,7 @@ def plan(
         )
     if helpers is not None:
         p.steps.append(Step("build Megatron's C++ dataset helpers (pybind11)", None, "helpers"))
-    tree_args = ["install", *c, "--no-deps", *(["--no-build-isolation"] if not isolation else [])]
+    tree_args = ["install", *c, "--no-deps", *_isolation_args(tree, have)]
     p.steps.append(
         Step(
             f"install the tree ({'editable' if editable else 'regular'}, --no-deps)",

@@ -222,3 +222,13 @@ def test_megatron_rocm_dependency_is_never_resolved_from_an_index(tmp_path):
     assert "megatron-rocm" not in p.deps
     assert p.steps[0].title.startswith("install megatron-rocm")
     assert str(installer.PACKAGE_ROOT) in p.steps[0].argv
+
+
+def test_offline_install_skips_build_isolation_when_backend_is_installed(tmp_path):
+    """An offline GPU box has setuptools; pip must not try to fetch it into a build env."""
+    have = {k: v for k, v in HAVE.items() if k != "megatron-rocm"}
+    p = installer.plan(make_tree(tmp_path / "t", ["numpy"]), True, tmp_path, have=have)
+    assert "--no-build-isolation" in p.steps[0].argv  # megatron-rocm itself (setuptools>=64)
+    old = {**have, "setuptools": "40.0"}
+    p = installer.plan(make_tree(tmp_path / "u", ["numpy"]), True, tmp_path, have=old)
+    assert "--no-build-isolation" not in p.steps[0].argv
