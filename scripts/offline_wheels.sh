@@ -10,8 +10,13 @@ set -euo pipefail
 dir=${1:?usage: offline_wheels.sh DIR [PYTHON_VERSION]}
 py=${2:-3.12}
 mkdir -p "$dir"
-python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d "$dir" \
-  gitpython unidiff packaging six regex pyyaml pydantic nltk
+get() {
+  python3 -m pip download -q --only-binary=:all: --python-version "$py" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
+}
+get setuptools wheel numpy gitpython unidiff packaging six regex pyyaml pydantic nltk pybind11
+# megatron-core's own build backend pin (build isolation fetches it when the installed
+# setuptools is newer than the tree allows)
+get "setuptools<80"
 ls "$dir"
