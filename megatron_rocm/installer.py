@@ -192,7 +192,14 @@ def _check_python(tree: Path) -> None:
 def _needs_isolation(project: Path, have: dict[str, str]) -> bool:
     """Build isolation only when the build backend is missing: without it an install works on
     an offline machine (pip would otherwise fetch setuptools into a fresh build env)."""
-    return not all(_satisfied(Requirement(r), have) for r in build_requirements(project))
+    needs = [Requirement(r) for r in build_requirements(project)]
+    if not all(_satisfied(r, have) for r in needs):
+        return True
+    # setuptools before 70.1 builds wheels only with the separate `wheel` package
+    old_setuptools = any(r.name == "setuptools" for r in needs) and not _satisfied(
+        Requirement("setuptools>=70.1"), have
+    )
+    return old_setuptools and "wheel" not in have
 
 
 def _isolation_args(project: Path, have: dict[str, str]) -> list[str]:

@@ -170,7 +170,9 @@ def test_real_pip_installs_fake_tree_offline(tmp_path: Path) -> None:
     have = installer.installed()
     if "setuptools" not in have:
         pytest.skip("needs setuptools for an offline build")
-    p = installer.plan(tree, editable=False, workdir=tmp_path / "w", have={**have, **HAVE})
+    p = installer.plan(tree, editable=False, workdir=tmp_path / "w", have={**HAVE, **have})
+    if p.build_isolation:
+        pytest.skip("this environment's setuptools cannot build without isolation (offline)")
     installer.write_constraints(p)
     argv = [*p.steps[-2].argv, "--target", str(tmp_path / "site"), "--no-index"]
     res = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
@@ -232,3 +234,10 @@ def test_offline_install_skips_build_isolation_when_backend_is_installed(tmp_pat
     old = {**have, "setuptools": "40.0"}
     p = installer.plan(make_tree(tmp_path / "u", ["numpy"]), True, tmp_path, have=old)
     assert "--no-build-isolation" not in p.steps[0].argv
+
+
+def test_old_setuptools_without_wheel_keeps_build_isolation(tmp_path):
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    old = {**HAVE, "setuptools": "65.5.0"}
+    assert installer.plan(tree, True, tmp_path, have=old).build_isolation
+    assert not installer.plan(tree, True, tmp_path, have={**old, "wheel": "0.45"}).build_isolation
