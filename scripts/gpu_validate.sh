@@ -8,6 +8,11 @@
 # (small GPT, 50 iterations, default fusion flags). Then a small Llama on the newest ref, the
 # smoke suite, and the throughput comparison of a 0.85B Llama: patched defaults vs upstream with
 # every fusion off. Results: OUTDIR/*.json and OUTDIR/summary.txt.
+#
+# Environment switches: PAIRED=1 adds, per REF, a patched and an upstream-unfused small-GPT run
+# one after the other (the GPU to itself, so the iteration times compare); SMOKE_ALL=1 runs the
+# smoke suite on every REF; WHEELS=DIR runs `megatron-rocm install` offline from DIR first
+# (scripts/offline_wheels.sh makes it); SKIP_THROUGHPUT=1 skips the 0.85B comparison.
 set -u
 SRC=$1; OUT=$2; shift 2
 REFS=("$@"); [ ${#REFS[@]} -gt 0 ] || REFS=(core_v0.12.0 core_v0.14.0 core_v0.16.0 core_v0.19.0 main)
@@ -46,9 +51,28 @@ for R in "${REFS[@]}"; do
 done
 for f in "$OUT"/patched-llama-*.json; do log "$(basename "$f"): $(tail -1 "$f")"; done
 
-# The smoke suite on the newest patched tree.
-$PY -m megatron_rocm smoke "$W/p-$NEWEST" --json "$OUT/smoke.json" --junit "$OUT/smoke.xml" \
-  > "$OUT/smoke.txt" 2>&1; log "smoke $NEWEST: exit $? ($(tail -1 "$OUT/smoke.txt"))"
+# Paired timings: patched defaults vs upstream with every fusion off, one run at a time.
+if [ "${PAIRED:-0}" = 1 ]; then
+  for R in "${REFS[@]}"; do
+    for kind in p u; do
+      flag=""; [ $kind = u ] && flag=--unfused
+      (cd "$HERE" && $PY scripts/train_small.py "$W/$kind-$R" --preset gpt --iters 25 $flag \
+         --log "$OUT/paired-$kind-$R.log" > "$OUT/paired-$kind-$R.json" 2>&1)
+      log "paired $kind $R: $(tail -1 "$OUT/paired-$kind-$R.json")"
+    done
+  done
+fi
+
+# install (offline, from carried wheels) and the smoke suite.
+SMOKE_REFS=("$NEWEST"); [ "${SMOKE_ALL:-0}" = 1 ] && SMOKE_REFS=("${REFS[@]}")
+for R in "${SMOKE_REFS[@]}"; do
+  if [ -n "${WHEELS:-}" ]; then
+    PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS" $PY -m megatron_rocm install "$W/p-$R" \
+      > "$OUT/install-$R.txt" 2>&1; log "install $R: exit $? ($(tail -1 "$OUT/install-$R.txt"))"
+  fi
+  $PY -m megatron_rocm smoke "$W/p-$R" --json "$OUT/smoke-$R.json" --junit "$OUT/smoke-$R.xml" \
+    > "$OUT/smoke-$R.txt" 2>&1; log "smoke $R: exit $? ($(tail -1 "$OUT/smoke-$R.txt"))"
+done
 
 # Throughput: 0.85B Llama-style, same GPU, same run; patched defaults vs upstream unfused.
 T=${THROUGHPUT_REF:-core_v0.19.0}
