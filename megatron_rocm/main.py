@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rocm",
         description="Port upstream Megatron-LM to AMD GPUs (ROCm) with a versioned patch series.",
-        epilog="Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage, "
-        "3 source or environment.",
+        epilog="Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
+        "3 source or environment, 4 internal error (traceback in the log it names).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
