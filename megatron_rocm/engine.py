@@ -21,7 +21,7 @@ from packaging.version import Version
 from megatron_rocm import gitcmd
 from megatron_rocm.errors import SourceError, UsageError
 from megatron_rocm.hunks import FileDiff, apply_file, decode, encode, parse_diff, split_lines
-from megatron_rocm.results import HunkLabel, PatchResult, RefReport
+from megatron_rocm.results import HunkLabel, HunkResult, PatchResult, RefReport
 from megatron_rocm.series import Patch, Series, Variant, parse_version, release_of
 
 PACKAGE_INFO = "megatron/core/package_info.py"
@@ -169,10 +169,11 @@ def plan(
         for fd in _load_diff(patch, variant):
             data = current(fd.path)
             if data is None and not fd.is_new and not in_scope(fd.path, scope):
-                result.hunks += apply_file(None, fd).results
-                for r in result.hunks[-len(fd.hunks) :]:
-                    r.label = HunkLabel.OUT_OF_SCOPE
-                    r.detail = f"{fd.path} is not part of this source"
+                gone = f"{fd.path} is not part of this source"
+                result.hunks += [
+                    HunkResult(fd.path, i, HunkLabel.OUT_OF_SCOPE, h.old_start, None, gone, h.text)
+                    for i, h in enumerate(fd.hunks, 1)
+                ]
                 continue
             outcome = apply_file(None if data is None else split_lines(decode(data)), fd)
             new: bytes | None = None if outcome.lines is None else encode("".join(outcome.lines))

@@ -87,7 +87,7 @@ def main() -> int:
         (
             "check, in process",
             len(refs),
-            timed(lambda: check_refs(repo, refs, args.series, None), args.repeat),
+            timed(lambda: check_refs(repo, refs, series, None), args.repeat),
         )
     )
     rows.append(

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_rocm import engine, gitcmd, upstream
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json, print_ref_report
 from megatron_rocm.results import RefReport
-from megatron_rocm.series import load_series
+from megatron_rocm.series import Series, load_series
 
 
 def check_refs(
-    repo,
+    repo: Path,
     refs: list[str],
-    series_dir: str | None,
+    series: Series,
     version_override: str | None,
     three_way: bool = False,
-) -> list[RefReport]:  # noqa: ANN001
-    series = load_series(series_dir)
+) -> list[RefReport]:
+    """Plan the series on each ref with one shared ``cat-file`` reader; no checkout."""
     with gitcmd.CatFile(repo) as cat:
         return [
             engine.plan(repo, cat, ref, series, version_override, three_way).report for ref in refs
@@ -31,14 +33,14 @@ def check(
     version_override: str | None,
     as_json: bool,
 ) -> int:
-    load_series(series_dir)  # fail fast on a broken series, before any clone
+    series = load_series(series_dir)  # fail fast on a broken series, before any clone
     src = upstream.classify(source)
     repo = upstream.reading_repo(src, refs, quiet=as_json)
     if not refs:
         refs = [upstream.default_ref(repo)]
     if src.kind == "pypi":
         refs = [f"core_v{upstream.pypi.version_from_ref(r)}" for r in refs]
-    reports = check_refs(repo, refs, series_dir, version_override)
+    reports = check_refs(repo, refs, series, version_override)
     if as_json:
         print_json(
             {
