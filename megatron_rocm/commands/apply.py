@@ -4,7 +4,9 @@ Order of effects, so that a failure or a kill leaves everything as it was:
 1. a fresh destination is cloned into a temporary sibling folder (renamed into place last);
 2. the whole series is applied in memory (``engine.plan``); any failing hunk stops here;
 3. commits are written as unreachable objects (``engine.write_commits``);
-4. only then the branch ref is created and checked out.
+4. only then the branch ref is created and checked out;
+5. the report is printed last, once the fork is where it says, so a closed pipe (``| head``)
+   can never undo a finished apply.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ class Request:
     version_override: str | None
     as_json: bool
     dest: Path  # where the user will find the tree (a fresh clone is moved there last)
+
+
+@dataclass
+class Applied:
+    """A finished apply, reported only once the fork is in place."""
+
+    ref: str
+    plan: engine.Plan
+    branch: str
+    tip: str
+    already: bool
+    commits: dict[str, str]
 
 
 def branch_name(ref: str, commit: str) -> str:
@@ -106,7 +120,8 @@ def apply(
                 f"{dest_path} has uncommitted changes; commit or stash them first (apply never "
                 "overwrites your edits)"
             )
-        return _apply_in(dest_path, ref or upstream.default_ref(dest_path), src, req)
+        done = _apply_in(dest_path, ref or upstream.default_ref(dest_path), src, req)
+    return _show(done, req)
 
 
 def _apply_fresh(req: Request, src: upstream.Source, ref: str | None) -> int:
@@ -123,16 +138,16 @@ def _apply_fresh(req: Request, src: upstream.Source, ref: str | None) -> int:
             ref = upstream.default_ref(repo)
         elif src.kind == "pypi":
             ref = f"core_v{upstream.pypi.version_from_ref(ref)}"
-        code = _apply_in(repo, ref, None, req)
+        done = _apply_in(repo, ref, None, req)
         if req.dest.exists():
             req.dest.rmdir()  # an empty folder the user made for us
         repo.replace(req.dest)
-        return code
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return _show(done, req)
 
 
-def _apply_in(repo: Path, ref: str, src: upstream.Source | None, req: Request) -> int:
+def _apply_in(repo: Path, ref: str, src: upstream.Source | None, req: Request) -> Applied:
     commit = _resolve(repo, ref, src)
     with gitcmd.CatFile(repo) as cat:
         plan = engine.plan(repo, cat, commit, req.series, req.version_override, req.three_way)
@@ -146,37 +161,42 @@ def _apply_in(repo: Path, ref: str, src: upstream.Source | None, req: Request) -
     made = engine.write_commits(plan)
     tip = made[-1][1] if made else commit
     already = _move_branch(repo, name, tip)
-    commits = {pp.patch.id: sha for pp, sha in made}
+    return Applied(ref, plan, name, tip, already, {pp.patch.id: sha for pp, sha in made})
+
+
+def _show(done: Applied, req: Request) -> int:
+    report = done.plan.report
     if req.as_json:
         print_json(
             {
                 "ok": True,
-                "already_applied": already,
+                "already_applied": done.already,
                 "dest": str(req.dest),
-                "branch": name,
-                "base": commit,
-                "tip": tip,
+                "branch": done.branch,
+                "base": done.plan.commit,
+                "tip": done.tip,
                 "commits": [
-                    {"patch": p.patch_id, "commit": commits.get(p.patch_id)}
-                    for p in plan.report.patches
+                    {"patch": p.patch_id, "commit": done.commits.get(p.patch_id)}
+                    for p in report.patches
                 ],
-                "report": plan.report.to_dict(),
+                "report": report.to_dict(),
             }
         )
         return EXIT_OK
-    print(f"{ref} ({commit[:12]}, megatron-core {plan.report.version})")
-    for p in plan.report.patches:
+    print(f"{done.ref} ({done.plan.commit[:12]}, megatron-core {report.version})")
+    for p in report.patches:
         if p.variant == "skip":
             state = "skipped"
-        elif already:
+        elif done.already:
             state = "already applied"
         else:
-            state = "applied" if commits.get(p.patch_id) else "in upstream"
+            state = "applied" if done.commits.get(p.patch_id) else "in upstream"
         print(f"  {state:<16} {p.patch_id:<22} {p.variant or '-':<14} {hunk_summary(p)}")
-    if already:
-        print(f"already applied: {name} at {tip[:12]} in {req.dest}; nothing changed")
+    if done.already:
+        print(f"already applied: {done.branch} at {done.tip[:12]} in {req.dest}; nothing changed")
     else:
-        print(f"created branch {name} ({len(made)} commits on {ref}) in {req.dest}")
+        made = len(done.commits)
+        print(f"created branch {done.branch} ({made} commits on {done.ref}) in {req.dest}")
     return EXIT_OK
 
 

@@ -68,6 +68,22 @@ def test_failed_fresh_apply_leaves_no_destination(toy, capsys):
     assert [p.name for p in root.iterdir() if p.name.startswith(".new")] == []
 
 
+def test_report_is_printed_once_the_fork_is_in_place(toy, monkeypatch):
+    """`apply --json | head` closes the pipe mid-report: the finished fork must stay."""
+    root, upstream, series = toy
+    dest = root / "piped"
+    seen = []
+
+    def closed_pipe(payload):
+        seen.append(dest.is_dir() and payload["ok"])
+        raise BrokenPipeError
+
+    monkeypatch.setattr("megatron_rocm.commands.apply.print_json", closed_pipe)
+    assert _apply(upstream, series, dest, "core_v0.2.0", "--json") == 1
+    assert seen == [True]
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest).startswith("rocm/")
+
+
 def test_kill_in_the_middle_of_apply_leaves_tree_identical(toy):
     root, upstream, series = toy
     dest = root / "clone"
