@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import logging
 import math
 import socket
 import time
@@ -72,6 +74,21 @@ def megatron_parallel(backend: str) -> Iterator[None]:
         parallel_state.destroy_model_parallel()
         if owns:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Hide Megatron's chatter while a check trains: it logs whole DDP/optimizer configs at INFO,
+    prints the gradient-bucket layout and warns that GPTModel is deprecated, hundreds of lines
+    that bury the smoke report. Errors still raise and fail the check."""
+    log = logging.getLogger("megatron")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def build_config(ctx: Context, shape: dict[str, Any]) -> Any:
@@ -179,7 +196,7 @@ def train(ctx: Context, shape: dict[str, Any]) -> str:
     if not ctx.on_gpu:
         raise Skip("Megatron's model code calls torch.cuda (RNG tracker, RoPE); needs a GPU")
     torch.manual_seed(0)
-    with warnings.catch_warnings(), megatron_parallel("nccl"):
+    with warnings.catch_warnings(), quiet_megatron(), megatron_parallel("nccl"):
         warnings.simplefilter("ignore")
         model = build_model(ctx, shape)
         ddp, opt, opt_name = make_optimizer(ctx, model)

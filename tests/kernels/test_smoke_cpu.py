@@ -87,3 +87,24 @@ def test_collectives_over_gloo_pass_and_catch_a_bad_allreduce(monkeypatch) -> No
     with pytest.raises(CheckFailed, match=r"rank 0: .*all_reduce\(sum\): wrong result") as e:
         run_world(2, "gloo", "collectives", timeout=120)
     assert "all_gather" not in str(e.value)  # the other collectives still agreed
+
+
+def test_training_hides_megatron_chatter_but_not_errors(capsys) -> None:
+    import logging
+
+    from megatron_rocm.smoke.checks_training import quiet_megatron
+
+    log = logging.getLogger("megatron.core.distributed")
+    log.addHandler(handler := logging.StreamHandler())
+    try:
+        with quiet_megatron():
+            print("Params for bucket 1")
+            log.info("DistributedDataParallelConfig(...)")
+            log.warning("GPTModel IS DEPRECATED")
+            log.error("a real error")
+    finally:
+        log.removeHandler(handler)
+    out = capsys.readouterr()
+    assert "bucket" not in out.out and "DistributedDataParallelConfig" not in out.err
+    assert "DEPRECATED" not in out.err and "a real error" in out.err
+    assert logging.getLogger("megatron").level == logging.NOTSET  # restored
