@@ -10,9 +10,12 @@
 # every fusion off. Results: OUTDIR/*.json and OUTDIR/summary.txt.
 #
 # Environment switches: PAIRED=1 adds, per REF, a patched and an upstream-unfused small-GPT run
-# one after the other (the GPU to itself, so the iteration times compare); SMOKE_ALL=1 runs the
-# smoke suite on every REF; WHEELS=DIR runs `megatron-rocm install` offline from DIR first
-# (scripts/offline_wheels.sh makes it); SKIP_THROUGHPUT=1 skips the 0.85B comparison.
+# one after the other (the GPU to itself, so the iteration times compare; PAIRED_MBS=N and
+# PAIRED_ITERS=N change micro-batch and length); SMOKE_ALL=1 runs the smoke suite on every REF,
+# SKIP_SMOKE=1 on none; WHEELS=DIR runs `megatron-rocm install` offline from DIR first
+# (scripts/offline_wheels.sh makes it); SKIP_BASIC=1 skips the unpatched/patched/Llama runs
+# (when only the timings or the smoke are owed); SKIP_THROUGHPUT=1 skips the 0.85B comparison,
+# TP_MBS=N sets its micro-batch for both trees and TP_ONLY=unfused|patched runs one side.
 set -u
 SRC=$1; OUT=$2; shift 2
 REFS=("$@"); [ ${#REFS[@]} -gt 0 ] || REFS=(core_v0.12.0 core_v0.14.0 core_v0.16.0 core_v0.19.0 main)
@@ -30,6 +33,8 @@ for R in "${REFS[@]}"; do
 done
 
 # Unpatched (default flags) and patched small GPT runs, all at once on the one GPU.
+NEWEST=${REFS[$((${#REFS[@]} - 1))]}
+if [ "${SKIP_BASIC:-0}" != 1 ]; then
 pids=()
 for R in "${REFS[@]}"; do
   (cd "$HERE" && $PY scripts/train_small.py "$W/u-$R" --preset gpt --iters 3 \
@@ -37,7 +42,6 @@ for R in "${REFS[@]}"; do
   (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset gpt --iters 50 \
      --log "$OUT/patched-gpt-$R.log" > "$OUT/patched-gpt-$R.json" 2>&1) & pids+=($!)
 done
-NEWEST=${REFS[$((${#REFS[@]} - 1))]}
 for R in core_v0.19.0 "$NEWEST"; do
   [ -d "$W/p-$R" ] || continue
   (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset llama --iters 50 \
@@ -45,18 +49,23 @@ for R in core_v0.19.0 "$NEWEST"; do
 done
 wait "${pids[@]}"
 for R in "${REFS[@]}"; do
-  err=$(grep -hE "^[A-Za-z_.]*(Error|Exception)\b" "$OUT/unpatched-$R.log" 2>/dev/null | tail -1)
+  # train_small's verdict names the exception that stopped the run
+  err=$(tail -1 "$OUT/unpatched-$R.json" | $PY -c \
+    'import json,sys; p=json.load(sys.stdin)["problems"]; print(next((x for x in p if "Error: " in x), ""))' 2>/dev/null)
   log "unpatched $R default flags: ${err:-no error found (see log)}"
   log "patched gpt $R: $(tail -1 "$OUT/patched-gpt-$R.json")"
 done
 for f in "$OUT"/patched-llama-*.json; do log "$(basename "$f"): $(tail -1 "$f")"; done
+fi
 
 # Paired timings: patched defaults vs upstream with every fusion off, one run at a time.
 if [ "${PAIRED:-0}" = 1 ]; then
   for R in "${REFS[@]}"; do
     for kind in p u; do
-      flag=""; [ $kind = u ] && flag=--unfused
-      (cd "$HERE" && $PY scripts/train_small.py "$W/$kind-$R" --preset gpt --iters 25 $flag \
+      flag=(); [ $kind = u ] && flag=(--unfused)
+      [ -n "${PAIRED_MBS:-}" ] && flag+=(--micro-batch-size "$PAIRED_MBS")
+      (cd "$HERE" && $PY scripts/train_small.py "$W/$kind-$R" --preset gpt \
+         --iters "${PAIRED_ITERS:-25}" "${flag[@]}" \
          --log "$OUT/paired-$kind-$R.log" > "$OUT/paired-$kind-$R.json" 2>&1)
       log "paired $kind $R: $(tail -1 "$OUT/paired-$kind-$R.json")"
     done
@@ -65,6 +74,7 @@ fi
 
 # install (offline, from carried wheels) and the smoke suite.
 SMOKE_REFS=("$NEWEST"); [ "${SMOKE_ALL:-0}" = 1 ] && SMOKE_REFS=("${REFS[@]}")
+[ "${SKIP_SMOKE:-0}" = 1 ] && SMOKE_REFS=()
 for R in "${SMOKE_REFS[@]}"; do
   if [ -n "${WHEELS:-}" ]; then
     PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS" $PY -m megatron_rocm install "$W/p-$R" \
@@ -76,11 +86,14 @@ done
 
 # Throughput: 0.85B Llama-style, same GPU, same run; patched defaults vs upstream unfused.
 T=${THROUGHPUT_REF:-core_v0.19.0}
+MBS=(); [ -n "${TP_MBS:-}" ] && MBS=(--micro-batch-size "$TP_MBS")
 if [ -d "$W/p-$T" ] && [ "${SKIP_THROUGHPUT:-0}" != 1 ]; then
-  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$T" --preset llama --preset-size 0.85b \
-     --iters "${TP_ITERS:-20}" --log "$OUT/tput-patched.log" > "$OUT/tput-patched.json" 2>&1)
-  log "0.85b patched $T: $(tail -1 "$OUT/tput-patched.json")"
-  (cd "$HERE" && $PY scripts/train_small.py "$W/u-$T" --preset llama --preset-size 0.85b \
-     --unfused --iters "${TP_ITERS:-20}" --log "$OUT/tput-unfused.log" > "$OUT/tput-unfused.json" 2>&1)
-  log "0.85b upstream unfused $T: $(tail -1 "$OUT/tput-unfused.json")"
+  for side in patched unfused; do
+    [ -n "${TP_ONLY:-}" ] && [ "$TP_ONLY" != $side ] && continue
+    tree=$W/p-$T; flag=(); [ $side = unfused ] && tree=$W/u-$T && flag=(--unfused)
+    (cd "$HERE" && $PY scripts/train_small.py "$tree" --preset llama --preset-size 0.85b \
+       "${flag[@]}" "${MBS[@]}" --iters "${TP_ITERS:-20}" --log "$OUT/tput-$side.log" \
+       > "$OUT/tput-$side.json" 2>&1)
+    log "0.85b $side $T ${TP_MBS:+mbs $TP_MBS}: $(tail -1 "$OUT/tput-$side.json")"
+  done
 fi

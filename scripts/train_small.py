@@ -208,6 +208,23 @@ def parse_log(lines: list[str]) -> tuple[list[IterationRecord], int | None]:
     return records, vocab
 
 
+_EXCEPTION = re.compile(
+    r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): ((?:(?!\\n|', ').){0,160})"
+)
+
+
+def last_exception(lines: list[str]) -> str | None:
+    """The last ``SomeError: message`` in the log, so a failed run says why (an out-of-memory
+    at a large micro-batch, a missing module) without opening the log. Megatron also prints
+    tracebacks as a Python list of strings, hence the stop at a literal ``\\n`` or ``', '``."""
+    found = None
+    for line in lines:
+        for m in _EXCEPTION.finditer(line):
+            if not m.group(1).endswith("ChildFailedError"):  # torchrun's wrapper, not the cause
+                found = f"{m.group(1)}: {m.group(2).strip()}"
+    return found
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -373,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if rc != 0:
         problems.insert(0, f"training exited with status {rc}")
+    if problems and (error := last_exception(lines)):
+        problems.insert(1 if rc else 0, error)
     result = {
         "tree": str(tree),
         "megatron_version": megatron_version(tree),

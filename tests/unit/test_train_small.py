@@ -1,0 +1,68 @@
+"""scripts/train_small.py's log reading: iteration records, the run verdict, and the error a
+failed run reports. The log lines are written here in Megatron's format, not copied from it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts/train_small.py"
+
+
+@pytest.fixture(scope="module")
+def ts():
+    spec = importlib.util.spec_from_file_location("train_small", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_small"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def iteration(i: int, loss: str, ms: float, nan: int = 0) -> str:
+    return (
+        f" [2026-11-21 18:46:43] iteration {i:>8}/      12 | consumed samples: {16 * i} | "
+        f"elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): 182.5 | "
+        f"lm loss: {loss} | loss scale: 1.0 | number of nan iterations: {nan:3} |"
+    )
+
+
+def summarize(ts, lines: list[str]) -> tuple[dict, list[str]]:
+    records, _ = ts.parse_log(lines)
+    return ts.summarize(
+        records, flops_per_iter=1e12, tokens_per_iter=1000, ngpus=1, peak_tflops=989.0
+    )
+
+
+def test_a_good_run_is_ok_and_times_skip_warmup(ts) -> None:
+    lines = [iteration(i, f"{10 - i}.0E+00", 5000.0 if i <= 3 else 100.0) for i in range(1, 9)]
+    summary, problems = summarize(ts, lines)
+    assert problems == []
+    assert summary["iterations"] == 8 and summary["mean_iter_ms"] == 100.0
+    assert summary["tflops_per_gpu"] == 10.0 and summary["megatron_tflops_per_gpu"] == 182.5
+
+
+def test_flat_or_nan_loss_is_a_failure(ts) -> None:
+    _, flat = summarize(ts, [iteration(i, "5.0E+00", 100.0) for i in range(1, 9)])
+    assert any("did not decrease" in p for p in flat)
+    _, nan = summarize(ts, [iteration(i, "nan", 100.0, nan=1) for i in range(1, 9)])
+    assert nan == ["loss is not finite"]
+
+
+def test_last_exception_reads_megatron_list_tracebacks(ts) -> None:
+    lines = [
+        "WARNING: nothing wrong here",
+        "['Traceback (most recent call last):\\n', '  File \"x.py\", line 1\\n', "
+        "'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB.\\n']",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "  exitcode  : 1 (pid: 8806)",
+    ]
+    assert ts.last_exception(lines) == (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."
+    )
+    assert ts.last_exception(["ModuleNotFoundError: No module named 'pydantic'"]) == (
+        "ModuleNotFoundError: No module named 'pydantic'"
+    )
+    assert ts.last_exception(["all good", "iteration 1/ 2 |"]) is None
