@@ -12,11 +12,14 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import tarfile
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from megatron_rocm import gitcmd
 from megatron_rocm.errors import SourceError, UsageError
@@ -146,17 +149,53 @@ def _import(repo: Path, sdist: Path, tag: str) -> None:
     gitcmd.git("update-ref", f"refs/tags/{tag}", commit, cwd=repo)
 
 
-def release_versions() -> list[str]:
-    """Every final release of megatron-core on PyPI that has an sdist (newest last)."""
+def _final_releases() -> dict[str, list[dict]]:
+    """Final releases that have an sdist, newest last, with their files."""
     index = os.environ.get(INDEX_ENV, DEFAULT_INDEX).rstrip("/")
-    out = []
+    out = {}
     for ver, files in _releases(index).items():
         v = parse_version(ver)
         if v.is_prerelease or v.is_devrelease:
             continue
         if any(f.get("packagetype") == "sdist" for f in files):
-            out.append(v)
-    return [str(v) for v in sorted(out)]
+            out[v] = files
+    return {str(v): out[v] for v in sorted(out)}
 
 
-__all__ = ["fetch_sdist", "sdist_repo", "release_versions", "version_from_ref"]
+def release_versions() -> list[str]:
+    """Every final release of megatron-core on PyPI that has an sdist (newest last)."""
+    return list(_final_releases())
+
+
+def _admits(files: list[dict], python: str) -> bool:
+    """Whether the sdist's ``requires_python`` (PyPI metadata) allows this interpreter."""
+    spec = next((f.get("requires_python") for f in files if f.get("packagetype") == "sdist"), None)
+    try:
+        return not spec or python in SpecifierSet(spec)
+    except InvalidSpecifier:
+        return True  # as pip: an unreadable constraint does not exclude the release
+
+
+def newest_for_python(python: str | None = None) -> tuple[str, list[str]]:
+    """The release pip would pick for this interpreter, and the newer ones it excludes.
+
+    ``apply --source pypi`` without ``--ref`` makes a tree to install here: megatron-core
+    0.17+ needs Python 3.12, so on 3.11 the newest release would only fail at ``install``.
+    """
+    python = python or platform.python_version()
+    releases = _final_releases()
+    newer: list[str] = []
+    for version in reversed(releases):
+        if _admits(releases[version], python):
+            return version, newer
+        newer.insert(0, version)
+    raise SourceError(f"no {PROJECT} release on PyPI supports Python {python}")
+
+
+__all__ = [
+    "fetch_sdist",
+    "newest_for_python",
+    "release_versions",
+    "sdist_repo",
+    "version_from_ref",
+]

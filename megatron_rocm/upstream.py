@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,22 @@ def default_ref(repo: Path) -> str:
     return tags[-1]
 
 
+def pypi_default_ref(quiet: bool = False) -> str:
+    """The release ``pip install megatron-core`` would take here (newest for this Python)."""
+    version, newer = pypi.newest_for_python()
+    if newer and not quiet:
+        print(
+            f"note: megatron-core {', '.join(newer)} need a newer Python than this one; "
+            f"taking {version} (pass --ref to choose)",
+            file=sys.stderr,
+        )
+    return f"core_v{version}"
+
+
 def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False) -> Path:
     """Clone ``source`` into ``dest`` (a fresh folder the caller renames into place)."""
     if source.kind == "pypi":
-        origin = str(pypi.sdist_repo([ref] if ref else [pypi.release_versions()[-1]]))
+        origin = str(pypi.sdist_repo([ref or pypi_default_ref(quiet)]))
     else:
         origin = source.location
     if not quiet:

@@ -133,11 +133,15 @@ def _apply_fresh(req: Request, src: upstream.Source, ref: str | None) -> int:
     except PermissionError:
         raise SourceError(f"permission denied: cannot create {req.dest}") from None
     try:
+        if src.kind == "pypi":
+            ref = (
+                f"core_v{upstream.pypi.version_from_ref(ref)}"
+                if ref
+                else upstream.pypi_default_ref(quiet=req.as_json)
+            )
         repo = upstream.clone_into(src, work / "tree", ref, quiet=req.as_json)
         if ref is None:
             ref = upstream.default_ref(repo)
-        elif src.kind == "pypi":
-            ref = f"core_v{upstream.pypi.version_from_ref(ref)}"
         done = _apply_in(repo, ref, None, req)
         if req.dest.exists():
             req.dest.rmdir()  # an empty folder the user made for us
@@ -189,8 +193,12 @@ def _show(done: Applied, req: Request) -> int:
             state = "skipped"
         elif done.already:
             state = "already applied"
+        elif done.commits.get(p.patch_id):
+            state = "applied"
+        elif p.label is HunkLabel.OUT_OF_SCOPE:
+            state = "not in source"  # every file it touches is outside the sdist
         else:
-            state = "applied" if done.commits.get(p.patch_id) else "in upstream"
+            state = "in upstream"
         print(f"  {state:<16} {p.patch_id:<22} {p.variant or '-':<14} {hunk_summary(p)}")
     if done.already:
         print(f"already applied: {done.branch} at {done.tip[:12]} in {req.dest}; nothing changed")

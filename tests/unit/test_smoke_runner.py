@@ -143,3 +143,32 @@ def test_tree_required_only_by_tree_checks(tmp_path: Path) -> None:
     assert smoke_cmd._tree_for(kernels, str(tmp_path)) is None
     with pytest.raises(UsageError, match="not a Megatron-LM tree.*--only kernels"):
         smoke_cmd._tree_for([runner.Check("imports.megatron_core", _pass)], str(tmp_path))
+
+
+def _tree(tmp_path: Path, scope: list[str]) -> Path:
+    import subprocess
+
+    tree = tmp_path / "tree"
+    (tree / "megatron/core").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    for s in scope:
+        subprocess.run(["git", "config", "--add", "megatron-rocm.scope", s], cwd=tree, check=True)
+    return tree
+
+
+@pytest.mark.parametrize("check", ["pretrain_gpt", "megatron_training"])
+def test_sdist_tree_skips_what_the_sdist_does_not_ship(tmp_path: Path, check: str) -> None:
+    from megatron_rocm.smoke import checks_imports
+
+    tree = _tree(tmp_path, ["megatron/core", "megatron/training"])
+    context = runner.Context(tree=tree, device="cpu", gpu_count=0, log=lambda _: None)
+    with pytest.raises(runner.Skip, match="came from a megatron-core sdist"):
+        getattr(checks_imports, check)(context)
+
+
+def test_full_clone_without_pretrain_gpt_fails(tmp_path: Path) -> None:
+    from megatron_rocm.smoke import checks_imports
+
+    context = runner.Context(tree=_tree(tmp_path, []), device="cpu", gpu_count=0, log=print)
+    with pytest.raises(runner.CheckFailed, match="pretrain_gpt.py does not exist"):
+        checks_imports.pretrain_gpt(context)

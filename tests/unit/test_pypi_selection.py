@@ -1,0 +1,56 @@
+"""Which megatron-core release `apply --source pypi` takes without --ref: pip's choice for the
+running Python (newest final release whose sdist admits it), from a fake index listing."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rocm import pypi
+from megatron_rocm.errors import SourceError
+
+
+def sdist(requires: str | None) -> list[dict]:
+    return [{"packagetype": "sdist", "requires_python": requires}]
+
+
+@pytest.fixture
+def index(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict]]:
+    releases = {
+        "0.15.0": sdist(">=3.10"),
+        "0.16.1": sdist(">=3.10"),
+        "0.17.0": sdist(">=3.12"),
+        "0.18.0": sdist(">=3.12"),
+        "0.19.0rc1": sdist(None),  # a pre-release is never the default
+        "0.20.0": [{"packagetype": "bdist_wheel", "requires_python": None}],  # no sdist
+    }
+    monkeypatch.setattr(pypi, "_releases", lambda index: releases)
+    return releases
+
+
+def test_python_3_11_takes_the_newest_release_it_can_install(index) -> None:
+    assert pypi.newest_for_python("3.11.7") == ("0.16.1", ["0.17.0", "0.18.0"])
+
+
+def test_python_3_12_takes_the_newest_release(index) -> None:
+    assert pypi.newest_for_python("3.12.4") == ("0.18.0", [])
+
+
+def test_missing_or_unreadable_requires_python_admits(index) -> None:
+    index["0.18.0"] = sdist("not a specifier")
+    index["0.18.1"] = sdist(None)
+    assert pypi.newest_for_python("3.9.0")[0] == "0.18.1"
+
+
+def test_no_release_for_this_python_is_a_source_error(index) -> None:
+    with pytest.raises(SourceError, match="supports Python 3.8"):
+        pypi.newest_for_python("3.8.10")
+
+
+def test_apply_default_ref_names_the_skipped_releases(index, monkeypatch, capsys) -> None:
+    from megatron_rocm import upstream
+
+    monkeypatch.setattr(pypi.platform, "python_version", lambda: "3.11.7")
+    assert upstream.pypi_default_ref() == "core_v0.16.1"
+    assert "megatron-core 0.17.0, 0.18.0 need a newer Python" in capsys.readouterr().err
+    assert upstream.pypi_default_ref(quiet=True) == "core_v0.16.1"
+    assert capsys.readouterr().err == ""
