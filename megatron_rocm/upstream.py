@@ -119,8 +119,11 @@ def default_ref(repo: Path) -> str:
     return tags[-1]
 
 
-def pypi_default_ref(quiet: bool = False) -> str:
-    """The release ``pip install megatron-core`` would take here (newest for this Python)."""
+def pypi_ref(ref: str | None, quiet: bool = False) -> str:
+    """``core_v<version>`` of ``--ref``; without one, the release ``pip install megatron-core``
+    would take here (the newest this Python can install), saying which newer ones it passed."""
+    if ref:
+        return f"core_v{pypi.version_from_ref(ref)}"
     version, newer = pypi.newest_for_python()
     if newer and not quiet:
         print(
@@ -134,7 +137,7 @@ def pypi_default_ref(quiet: bool = False) -> str:
 def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False) -> Path:
     """Clone ``source`` into ``dest`` (a fresh folder the caller renames into place)."""
     if source.kind == "pypi":
-        origin = str(pypi.sdist_repo([ref or pypi_default_ref(quiet)]))
+        origin = str(pypi.sdist_repo([pypi_ref(ref, quiet)]))
     else:
         origin = source.location
     if not quiet:

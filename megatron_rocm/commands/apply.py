@@ -133,12 +133,8 @@ def _apply_fresh(req: Request, src: upstream.Source, ref: str | None) -> int:
     except PermissionError:
         raise SourceError(f"permission denied: cannot create {req.dest}") from None
     try:
-        if src.kind == "pypi":
-            ref = (
-                f"core_v{upstream.pypi.version_from_ref(ref)}"
-                if ref
-                else upstream.pypi_default_ref(quiet=req.as_json)
-            )
+        if src.kind == "pypi":  # resolved first: the cached sdist repo may hold newer tags
+            ref = upstream.pypi_ref(ref, quiet=req.as_json)
         repo = upstream.clone_into(src, work / "tree", ref, quiet=req.as_json)
         if ref is None:
             ref = upstream.default_ref(repo)

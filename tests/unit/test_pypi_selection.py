@@ -50,7 +50,24 @@ def test_apply_default_ref_names_the_skipped_releases(index, monkeypatch, capsys
     from megatron_rocm import upstream
 
     monkeypatch.setattr(pypi.platform, "python_version", lambda: "3.11.7")
-    assert upstream.pypi_default_ref() == "core_v0.16.1"
+    assert upstream.pypi_ref(None) == "core_v0.16.1"
     assert "megatron-core 0.17.0, 0.18.0 need a newer Python" in capsys.readouterr().err
-    assert upstream.pypi_default_ref(quiet=True) == "core_v0.16.1"
+    assert upstream.pypi_ref(None, quiet=True) == "core_v0.16.1"
     assert capsys.readouterr().err == ""
+    assert upstream.pypi_ref("0.18.0") == upstream.pypi_ref("core_v0.18.0") == "core_v0.18.0"
+
+
+def test_apply_from_pypi_takes_the_chosen_release_not_the_newest_cached(toy, monkeypatch, capsys):
+    """The sdist cache repo may already hold newer tags (from `check`): the fork must still be
+    cut at the release chosen for this Python."""
+    from megatron_rocm.main import main
+
+    root, upstream, series = toy  # a repo with tags core_v0.1.0 .. core_v0.6.0
+    monkeypatch.setattr(pypi, "sdist_repo", lambda refs: upstream)
+    monkeypatch.setattr(pypi, "newest_for_python", lambda: ("0.2.0", ["0.3.0"]))
+    dest = root / "fork"
+    argv = ["apply", "--source", "pypi", "--series", str(series), "--dest", str(dest)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "created branch rocm/core_v0.2.0" in out
+    assert "megatron-core 0.3.0 need a newer Python" in err
