@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
     _add_source(p)
-    p.add_argument("--ref", default=None, help="tag, branch or commit (default: newest release)")
+    p.add_argument(
+        "--ref",
+        default=None,
+        help="tag, branch or commit (default: newest release; with --source pypi, the newest "
+        "this Python can install, as pip would pick)",
+    )
     p.add_argument("--dest", default=None, help="checkout folder (default: ./Megatron-LM)")
     p.add_argument("--branch", default=None, help="fork branch name (default: rocm/<ref>)")
     p.add_argument(
