@@ -32,21 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PATCHES = ("p-drift", "p-conflict", "p-gone", "p-upstream")
 
 
-@pytest.fixture(autouse=True)
-def hermetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
-    for k, v in gitcmd.IDENTITY.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("GIT_AUTHOR_DATE", "@1700000000 +0000")
-    monkeypatch.setenv("GIT_COMMITTER_DATE", "@1700000000 +0000")
-    monkeypatch.delenv("MEGATRON_ROCM_SERIES", raising=False)
-
-
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=repo, check=True, capture_output=True, text=True

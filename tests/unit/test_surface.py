@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -11,19 +10,6 @@ import pytest
 from megatron_rocm import gitcmd, surface
 from megatron_rocm.matrix import build_matrix, select_refs
 from megatron_rocm.series import load_series
-
-
-@pytest.fixture(autouse=True)
-def hermetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
-    for k, v in gitcmd.IDENTITY.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("GIT_AUTHOR_DATE", "@1700000000 +0000")
-    monkeypatch.setenv("GIT_COMMITTER_DATE", "@1700000000 +0000")
 
 
 @pytest.mark.parametrize(
