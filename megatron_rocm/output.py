@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from megatron_rocm.results import HunkLabel, PatchResult, RefReport
+from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport
 
 
 def print_json(data: Any) -> None:

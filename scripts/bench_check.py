@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rocm.commands.check import check_refs
-from megatron_rocm.matrix import build_matrix, select_refs
-from megatron_rocm.series import load_series
+from megatron_rocm.patchtool.matrix import build_matrix, select_refs
+from megatron_rocm.patchtool.series import load_series
 
 
 def cpu_model() -> str:

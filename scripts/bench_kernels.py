@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU timings of megatron_rocm.kernels (all but softmax) against what upstream runs without
+"""GPU timings of megatron_rocm.runtime.kernels (all but softmax) against what upstream runs without
 Apex/TE: naive norm math, unfused RoPE, upcast wgrad GEMM, torch AdamW defaults, the
 per-tensor l2norm with host syncs, and the local unfused attention.
 
@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.kernels import grad_accum  # noqa: E402
-from megatron_rocm.kernels.attention import sdpa_attention  # noqa: E402
-from megatron_rocm.kernels.multi_tensor import multi_tensor_l2norm  # noqa: E402
-from megatron_rocm.kernels.norm import FusedNorm, norm_reference  # noqa: E402
-from megatron_rocm.kernels.optimizer import FusedAdam  # noqa: E402
-from megatron_rocm.kernels.rope import fused_apply_rotary_pos_emb, rope_reference  # noqa: E402
+from megatron_rocm.runtime.kernels import grad_accum  # noqa: E402
+from megatron_rocm.runtime.kernels.attention import sdpa_attention  # noqa: E402
+from megatron_rocm.runtime.kernels.multi_tensor import multi_tensor_l2norm  # noqa: E402
+from megatron_rocm.runtime.kernels.norm import FusedNorm, norm_reference  # noqa: E402
+from megatron_rocm.runtime.kernels.optimizer import FusedAdam  # noqa: E402
+from megatron_rocm.runtime.kernels.rope import fused_apply_rotary_pos_emb, rope_reference  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.kernels import _softmax_triton as tri  # noqa: E402
-from megatron_rocm.kernels import softmax, softmax_reference  # noqa: E402
+from megatron_rocm.runtime.kernels import _softmax_triton as tri  # noqa: E402
+from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth re-measuring on new hardware
     "default": tri.Tuning(),

@@ -23,12 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rocm import gitcmd
 from megatron_rocm.error_handler import error_handler
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
-from megatron_rocm.matrix import build_matrix, new_breaks, select_refs
-from megatron_rocm.report import FORMATS, render, write_reports
-from megatron_rocm.series import load_series
+from megatron_rocm.patchtool import gitcmd
+from megatron_rocm.patchtool.matrix import build_matrix, new_breaks, select_refs
+from megatron_rocm.patchtool.report import FORMATS, render, write_reports
+from megatron_rocm.patchtool.series import load_series
 
 REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 

@@ -7,9 +7,11 @@ them: $MEGATRON_ROCM_TEST_CACHE or ~/.cache/megatron-rocm-tests.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import cache_paths  # noqa: F401 - imported before HOME is replaced, so it sees the real one
 import pytest
+from toyrepo import make_series, make_upstream
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +33,10 @@ def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
     monkeypatch.setenv("GIT_AUTHOR_DATE", "2025-01-01T00:00:00+0000")
     monkeypatch.setenv("GIT_COMMITTER_DATE", "2025-01-01T00:00:00+0000")
     monkeypatch.setenv("GIT_EDITOR", "false")
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(scratch folder, upstream repo with core_v0.1.0..0.6.0 tags, patches/ folder)."""
+    upstream = make_upstream(tmp_path)
+    return tmp_path, upstream, make_series(tmp_path, upstream)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from megatron_rocm.gitcmd import DIFF_ARGS
+from megatron_rocm.patchtool.gitcmd import DIFF_ARGS
 
 SOFTMAX = "megatron/core/fusions/softmax.py"
 NORM = "megatron/core/norm.py"

@@ -17,12 +17,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rocm import engine, gitcmd, upstream
 from megatron_rocm.errors import EXIT_OK, PatchFailed, SourceError, UsageError
-from megatron_rocm.lock import repo_lock
 from megatron_rocm.output import first_failure, hunk_summary, print_json
-from megatron_rocm.results import HunkLabel, PatchResult
-from megatron_rocm.series import Series, load_series
+from megatron_rocm.patchtool import engine, gitcmd, upstream
+from megatron_rocm.patchtool.lock import repo_lock
+from megatron_rocm.patchtool.results import HunkLabel, PatchResult
+from megatron_rocm.patchtool.series import Series, load_series
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rocm import engine, gitcmd, upstream
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json, print_ref_report
-from megatron_rocm.results import RefReport
-from megatron_rocm.series import Series, load_series
+from megatron_rocm.patchtool import engine, gitcmd, upstream
+from megatron_rocm.patchtool.results import RefReport
+from megatron_rocm.patchtool.series import Series, load_series
 
 
 def check_refs(

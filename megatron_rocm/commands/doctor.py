@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from megatron_rocm import envcheck
+from megatron_rocm.envtools import envcheck
 from megatron_rocm.errors import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK
-from megatron_rocm.platform import torch_or_none
+from megatron_rocm.runtime.platform import torch_or_none
 
 
 def _human(snap: envcheck.Snapshot) -> str:

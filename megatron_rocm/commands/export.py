@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rocm import gitcmd
 from megatron_rocm.errors import EXIT_OK, UsageError
-from megatron_rocm.export import export_fork
 from megatron_rocm.output import print_json
-from megatron_rocm.series import load_series
+from megatron_rocm.patchtool import gitcmd
+from megatron_rocm.patchtool.export import export_fork
+from megatron_rocm.patchtool.series import load_series
 
 
 def export(

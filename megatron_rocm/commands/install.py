@@ -1,6 +1,6 @@
 """``megatron-rocm install [DIR]``: pip-install a patched tree; the installed torch stays as is.
 
-See ``megatron_rocm.installer`` for the guards (constraints pinning torch, --no-deps, NVIDIA-only
+See ``megatron_rocm.envtools.installer`` for the guards (constraints pinning torch, --no-deps, NVIDIA-only
 dependencies refused, rollback on failure). ``--dry-run`` prints the plan and changes nothing.
 """
 
@@ -12,7 +12,7 @@ import shlex
 import time
 from pathlib import Path
 
-from megatron_rocm import installer
+from megatron_rocm.envtools import installer
 from megatron_rocm.errors import EXIT_OK
 
 

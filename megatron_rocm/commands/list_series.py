@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_rocm.errors import EXIT_OK
 from megatron_rocm.output import print_json
-from megatron_rocm.series import load_series
+from megatron_rocm.patchtool.series import load_series
 
 
 def list_series(*, series_dir: str | None, as_json: bool) -> int:

@@ -10,11 +10,11 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from megatron_rocm import gitcmd, pypi, upstream
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, UsageError
-from megatron_rocm.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
-from megatron_rocm.report import FORMATS, render, write_reports
-from megatron_rocm.series import load_series, parse_version
+from megatron_rocm.patchtool import gitcmd, pypi, upstream
+from megatron_rocm.patchtool.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
+from megatron_rocm.patchtool.report import FORMATS, render, write_reports
+from megatron_rocm.patchtool.series import load_series, parse_version
 
 
 def _pypi_refs(patterns: list[str] | None) -> tuple[Path, list[RefSpec]]:

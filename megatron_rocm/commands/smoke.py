@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rocm.envtools.installer import ROCM_TORCH, megatron_tree
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
-from megatron_rocm.installer import ROCM_TORCH, megatron_tree
-from megatron_rocm.platform import torch_or_none
+from megatron_rocm.runtime.platform import torch_or_none
 
 NEEDS_TREE = ("imports", "training", "collectives.tensor_parallel")
 
@@ -42,7 +42,7 @@ def smoke(
     torch = torch_or_none()
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
-    from megatron_rocm.smoke import report, runner
+    from megatron_rocm.envtools.smoke import report, runner
 
     checks = runner.select(runner.load_checks(), only)
     ctx = runner.make_context(_tree_for(checks, tree_dir), steps)

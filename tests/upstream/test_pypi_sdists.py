@@ -13,9 +13,9 @@ import shutil
 import pytest
 from cache_paths import DOWNLOAD_CACHE
 
-from megatron_rocm import pypi
 from megatron_rocm.main import main
-from megatron_rocm.series import default_series_dir
+from megatron_rocm.patchtool import pypi
+from megatron_rocm.patchtool.series import default_series_dir
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 FIXED = ["0.12.0", "0.14.0", "0.16.0"]

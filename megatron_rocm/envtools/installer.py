@@ -1,0 +1,400 @@
+"""Install a patched Megatron-LM tree into the current environment without touching torch.
+
+Planning is pure (``plan``: read the tree and the environment, decide the steps); ``execute``
+runs them. The guards: every pip call carries a constraints file pinning the installed torch
+(and its companions) to their exact versions, the tree itself goes in with ``--no-deps``, its
+declared dependencies are installed explicitly and refused when they are NVIDIA-only, and a
+failed run uninstalls what it installed (judged by ``pip list`` before and after).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+from megatron_rocm.errors import SourceError, UsageError
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml in a source checkout
+# Installed packages that must keep their exact version: replacing any of them swaps the
+# user's ROCm PyTorch for a CUDA wheel (or breaks its Triton).
+PINNED = ("torch", "torchvision", "torchaudio", "triton", "pytorch-triton-rocm", "pytorch-triton")
+ROCM_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/rocm6.4"
+NVIDIA_ONLY = re.compile(r"^(apex|transformer-engine.*|nvidia-.*|nv-.*|cupy-cuda.*|flashinfer.*)$")
+
+Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
+
+
+@dataclass
+class Step:
+    title: str
+    argv: list[str] | None = None  # a command, or None for a step done in-process
+    kind: str = "pip"  # pip | helpers | verify
+
+
+@dataclass
+class Plan:
+    tree: Path
+    editable: bool
+    torch: str
+    pins: dict[str, str]
+    deps: list[str]
+    build_isolation: bool
+    helpers: Path | None
+    install_self: bool
+    constraints: Path
+    steps: list[Step] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "tree": str(self.tree),
+            "editable": self.editable,
+            "torch": self.torch,
+            "pins": self.pins,
+            "deps": self.deps,
+            "build_isolation": self.build_isolation,
+            "helpers": str(self.helpers) if self.helpers else None,
+            "install_self": self.install_self,
+            "constraints": str(self.constraints),
+            "steps": [{"title": s.title, "argv": s.argv} for s in self.steps],
+        }
+
+
+def megatron_tree(path: str | Path) -> Path:
+    """The tree's root, or UsageError: both install and smoke need a real Megatron-LM tree."""
+    root = Path(path).resolve()
+    if not (root / "megatron" / "core" / "package_info.py").is_file():
+        raise UsageError(
+            f"{root} is not a Megatron-LM tree (no megatron/core/package_info.py); "
+            "pass the patched checkout made by `megatron-rocm apply`"
+        )
+    return root
+
+
+def installed() -> dict[str, str]:
+    """Canonical name -> version of every distribution visible to this interpreter."""
+    return {
+        canonicalize_name(d.metadata["Name"]): d.version
+        for d in md.distributions()
+        if d.metadata["Name"]
+    }
+
+
+def _read_toml(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    if tomllib is None:
+        raise SourceError("reading pyproject.toml needs Python 3.11+ (or `pip install tomli`)")
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def _requirement_lines(lines: Sequence[str]) -> list[str]:
+    out = []
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            out.append(line)
+    return out
+
+
+def tree_requirements(tree: Path) -> list[str]:
+    """Runtime dependencies megatron-core declares (static pyproject, else core/requirements)."""
+    project = _read_toml(tree / "pyproject.toml").get("project", {})
+    if "dependencies" in project and "dependencies" not in project.get("dynamic", []):
+        return list(project["dependencies"])
+    req = tree / "megatron" / "core" / "requirements.txt"  # setup.py-era trees (<= 0.13)
+    return _requirement_lines(req.read_text(encoding="utf-8").splitlines()) if req.is_file() else []
+
+
+# Imported by megatron.training / pretrain_gpt.py but declared by no megatron-core release
+# (NVIDIA's containers ship them); found by importing core_v0.12-0.16 trees in a bare venv.
+TRAINING_RUNTIME = ("six", "regex", "pyyaml", "pydantic", "nltk")
+
+
+def training_requirements(have: dict[str, str]) -> list[str]:
+    """The training-side imports that are not installed yet."""
+    return [name for name in TRAINING_RUNTIME if canonicalize_name(name) not in have]
+
+
+def build_requirements(tree: Path) -> list[str]:
+    return list(_read_toml(tree / "pyproject.toml").get("build-system", {}).get("requires", []))
+
+
+def _satisfied(req: Requirement, have: dict[str, str]) -> bool:
+    version = have.get(canonicalize_name(req.name))
+    return version is not None and req.specifier.contains(version, prereleases=True)
+
+
+def filter_deps(reqs: Sequence[str], have: dict[str, str], torch: str) -> list[str]:
+    """Drop torch (checked, never installed) and deps whose markers exclude this platform;
+    refuse NVIDIA-only packages and a torch requirement the installed torch does not meet."""
+    keep, refused = [], []
+    for text in reqs:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as e:
+            raise UsageError(f"the tree declares an unreadable requirement {text!r}: {e}") from e
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            if not req.specifier.contains(torch.split("+")[0], prereleases=True):
+                raise SourceError(
+                    f"the tree needs {text} but torch {torch} is installed; "
+                    f"install a matching ROCm build: {ROCM_TORCH}"
+                )
+            continue
+        if name == "megatron-rocm":
+            continue  # installed from this package, never from an index (see plan())
+        if NVIDIA_ONLY.match(name):
+            refused.append(text)
+        else:
+            keep.append(text)
+    if refused:
+        raise SourceError(
+            f"the tree requires NVIDIA-only packages ({', '.join(refused)}); "
+            "they cannot work on ROCm. Fix the tree's dependencies (a patch) first"
+        )
+    return keep
+
+
+def _check_python(tree: Path) -> None:
+    """Refuse before any step when the tree's ``requires-python`` excludes this interpreter
+    (megatron-core 0.17+ needs Python 3.12): pip would only say so after the helpers build."""
+    spec = _read_toml(tree / "pyproject.toml").get("project", {}).get("requires-python")
+    if not spec:
+        return
+    here = ".".join(str(n) for n in sys.version_info[:3])
+    if not SpecifierSet(spec).contains(here, prereleases=True):
+        raise SourceError(
+            f"this Megatron-LM tree requires Python {spec}, but this is Python {here}; "
+            "use a matching interpreter (and its ROCm PyTorch)"
+        )
+
+
+def _needs_isolation(project: Path, have: dict[str, str]) -> bool:
+    """Build isolation only when the build backend is missing: without it an install works on
+    an offline machine (pip would otherwise fetch setuptools into a fresh build env)."""
+    needs = [Requirement(r) for r in build_requirements(project)]
+    if not all(_satisfied(r, have) for r in needs):
+        return True
+    # setuptools before 70.1 builds wheels only with the separate `wheel` package
+    old_setuptools = any(r.name == "setuptools" for r in needs) and not _satisfied(
+        Requirement("setuptools>=70.1"), have
+    )
+    return old_setuptools and "wheel" not in have
+
+
+def _isolation_args(project: Path, have: dict[str, str]) -> list[str]:
+    return [] if _needs_isolation(project, have) else ["--no-build-isolation"]
+
+
+def pip(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pip", *args]
+
+
+def plan(
+    tree_dir: str | Path, editable: bool, workdir: Path, have: dict[str, str] | None = None
+) -> Plan:
+    """Decide every step without changing anything (``--dry-run`` prints exactly this)."""
+    tree = megatron_tree(tree_dir)
+    have = installed() if have is None else have
+    if "torch" not in have:
+        raise SourceError(
+            f"torch is not installed; install the ROCm build of PyTorch first: "
+            f"{ROCM_TORCH} (pick the rocm6.x that matches your driver)"
+        )
+    _check_python(tree)
+    pins = {n: have[n] for n in PINNED if n in have}
+    deps = filter_deps(tree_requirements(tree), have, have["torch"])
+    deps += [d for d in training_requirements(have) if d not in deps]
+    helpers = tree / "megatron" / "core" / "datasets" / "helpers.cpp"
+    helpers = helpers if helpers.is_file() else None
+    if helpers is not None and "pybind11" not in have:
+        deps.append("pybind11")
+    isolation = _needs_isolation(tree, have)
+    p = Plan(
+        tree,
+        editable,
+        have["torch"],
+        pins,
+        deps,
+        isolation,
+        helpers,
+        "megatron-rocm" not in have and (PACKAGE_ROOT / "pyproject.toml").is_file(),
+        workdir / "constraints.txt",
+    )
+    c = ["-c", str(p.constraints)]
+    # megatron-rocm first, from this package: the patched tree declares it, and pip must never
+    # resolve that name from an index (it is not published there; a squatter could be).
+    if p.install_self:
+        p.steps.append(
+            Step(
+                "install megatron-rocm (the kernels the patched tree imports)",
+                pip(
+                    "install",
+                    *c,
+                    *_isolation_args(PACKAGE_ROOT, have),
+                    *(["-e"] if editable else []),
+                    str(PACKAGE_ROOT),
+                ),
+            )
+        )
+    if deps:
+        p.steps.append(
+            Step(f"install the tree's dependencies ({', '.join(deps)})", pip("install", *c, *deps))
+        )
+    if helpers is not None:
+        p.steps.append(Step("build Megatron's C++ dataset helpers (pybind11)", None, "helpers"))
+    tree_args = ["install", *c, "--no-deps", *_isolation_args(tree, have)]
+    p.steps.append(
+        Step(
+            f"install the tree ({'editable' if editable else 'regular'}, --no-deps)",
+            pip(*tree_args, *(["-e"] if editable else []), str(tree)),
+        )
+    )
+    p.steps.append(Step("verify: megatron.core imports and torch is unchanged", None, "verify"))
+    return p
+
+
+def helpers_target(helpers: Path) -> Path:
+    return helpers.with_name("helpers_cpp" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+
+
+def helpers_command(helpers: Path, run: Runner) -> list[str]:
+    """What megatron/core/datasets/Makefile does, with this interpreter's pybind11 and suffix."""
+    inc = run([sys.executable, "-m", "pybind11", "--includes"])
+    if inc.returncode != 0:
+        raise RuntimeError(f"pybind11 is not usable: {inc.stdout}{inc.stderr}".strip())
+    cxx = os.environ.get("CXX", "c++")
+    return [
+        cxx,
+        "-O3",
+        "-Wall",
+        "-shared",
+        "-std=c++17",
+        "-fPIC",
+        *inc.stdout.split(),
+        str(helpers),
+        "-o",
+        str(helpers_target(helpers)),
+    ]
+
+
+def write_constraints(p: Plan) -> None:
+    p.constraints.parent.mkdir(parents=True, exist_ok=True)
+    p.constraints.write_text("".join(f"{n}=={v}\n" for n, v in p.pins.items()), encoding="utf-8")
+
+
+def pip_list(run: Runner) -> dict[str, str]:
+    res = run(pip("list", "--format=json", "--disable-pip-version-check"))
+    if res.returncode != 0:
+        raise RuntimeError(f"pip list failed: {res.stderr.strip()}")
+    return {canonicalize_name(d["name"]): d["version"] for d in json.loads(res.stdout)}
+
+
+def rollback(before: dict[str, str], after: dict[str, str], run: Runner) -> list[str]:
+    """Undo this run's pip changes: uninstall new packages, restore changed versions."""
+    done = []
+    new = sorted(set(after) - set(before))
+    if new and run(pip("uninstall", "-y", *new)).returncode == 0:
+        done.append(f"uninstalled {', '.join(new)}")
+    for name in sorted(n for n in after if n in before and after[n] != before[n]):
+        ok = run(pip("install", "--no-deps", f"{name}=={before[name]}")).returncode == 0
+        done.append(f"{'restored' if ok else 'COULD NOT restore'} {name}=={before[name]}")
+    return done
+
+
+def default_runner(argv: Sequence[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # cwd=/ so a tree's .python-version or a local "torch" folder cannot change what runs.
+    return subprocess.run(list(argv), capture_output=True, text=True, env=env, cwd="/")
+
+
+def _verify(p: Plan, run: Runner) -> None:
+    code = (
+        "import importlib.metadata as m, megatron.core as c; "
+        "print(m.version('torch')); print(c.__file__)"
+    )
+    res = run([sys.executable, "-c", code])
+    if res.returncode != 0:
+        raise RuntimeError(f"import megatron.core failed: {res.stderr.strip().splitlines()[-1:]}")
+    torch_now, where = res.stdout.split()[:2]
+    if torch_now != p.torch:
+        raise RuntimeError(f"torch changed from {p.torch} to {torch_now}")
+    if p.editable and p.tree not in Path(where).resolve().parents:
+        raise RuntimeError(f"megatron.core imports from {where}, not from {p.tree}")
+
+
+def execute(
+    p: Plan, run: Runner = default_runner, log: Callable[[str], None] = print
+) -> tuple[list[str], list[Path]]:
+    """Run the steps; on failure roll back and raise FatalError naming the failed step.
+
+    Returns the rollback-free outcome: (step titles done, files written into the tree)."""
+    from megatron_rocm.errors import FatalError
+
+    write_constraints(p)
+    before = pip_list(run)
+    (p.constraints.parent / "pip-list-before.json").write_text(json.dumps(before, indent=1))
+    done: list[str] = []
+    built: list[Path] = []
+    n = len(p.steps)
+    for k, step in enumerate(p.steps, 1):
+        log(f"[{k}/{n}] {step.title}")
+        try:
+            if step.kind == "helpers":
+                assert p.helpers is not None
+                target = helpers_target(p.helpers)
+                if target.exists() and target.stat().st_mtime >= p.helpers.stat().st_mtime:
+                    log(f"      up to date: {target.name}")
+                else:
+                    res = run(helpers_command(p.helpers, run))
+                    if res.returncode != 0:
+                        raise RuntimeError(_tail(res))
+                    built.append(target)
+            elif step.kind == "verify":
+                _verify(p, run)
+            else:
+                assert step.argv is not None
+                res = run(step.argv)
+                if res.returncode != 0:
+                    raise RuntimeError(_tail(res))
+        except Exception as e:  # noqa: BLE001 - every step failure becomes one FatalError
+            after = pip_list(run)
+            (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
+            undone = rollback(before, after, run)
+            for f in built:
+                f.unlink(missing_ok=True)
+                undone.append(f"removed {f.name}")
+            raise FatalError(
+                f"step {k}/{n} ({step.title}) failed: {e}; rolled back: "
+                f"{'; '.join(undone) or 'nothing to undo'}; "
+                f"logs in {p.constraints.parent}"
+            ) from e
+        done.append(step.title)
+    after = pip_list(run)
+    (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
+    return done, built
+
+
+def _tail(res: subprocess.CompletedProcess, lines: int = 6) -> str:
+    text = ((res.stdout or "") + (res.stderr or "")).strip().splitlines()
+    return f"exit {res.returncode}: " + " | ".join(text[-lines:])

@@ -1,0 +1,104 @@
+"""Multi-GPU checks: one worker process per GPU (``_worker.py``), torchrun-style environment.
+
+Workers get ``NCCL_NVLS_ENABLE=0`` (NVLink multicast is off on the lent machines and absent on
+AMD) and ``MASTER_ADDR=127.0.0.1``; each writes its verdict to a JSON file, so a rank that dies
+or hangs is reported with its own output instead of a bare timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_rocm.envtools.smoke.checks_training import free_port
+from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding megatron_rocm/
+MAX_WORLD = 8
+
+
+def _worker_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NCCL_NVLS_ENABLE="0",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_world(
+    world: int, backend: str, test: str, tree: Path | None = None, timeout: float = 180.0
+) -> str:
+    """Run ``test`` on ``world`` ranks; return rank 0's detail or raise with the first failure."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="megatron-rocm-smoke-") as out:
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_rocm.envtools.smoke._worker",
+            "--backend",
+            backend,
+            "--out",
+            out,
+            "--tests",
+            test,
+        ] + (["--tree", str(tree)] if tree else [])
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=_worker_env(r, world, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        logs, timed_out = [], False
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for q in procs:
+                    q.kill()
+                logs.append(p.communicate()[0])
+        results = {}
+        for r in range(world):
+            f = Path(out, f"rank{r}.json")
+            if f.is_file():
+                results[r] = json.loads(f.read_text())[test]
+    for r in range(world):
+        if r not in results:
+            tail = " | ".join((logs[r] if r < len(logs) else "").strip().splitlines()[-3:])
+            why = f"timed out after {timeout:.0f}s" if timed_out else "died"
+            raise CheckFailed(f"rank {r} {why} without a result: {tail or 'no output'}")
+        ok, detail = results[r]
+        if not ok:
+            raise CheckFailed(f"rank {r}: {detail}")
+    return results[0][1]
+
+
+@register("collectives.nccl")
+def nccl(ctx: Context) -> str:
+    """all_reduce / all_gather / reduce_scatter over every visible GPU (NCCL or RCCL)."""
+    ctx.needs_gpu(2, "the collectives check")
+    return run_world(min(ctx.gpu_count, MAX_WORLD), "nccl", "collectives")
+
+
+@register("collectives.tensor_parallel")
+def tensor_parallel(ctx: Context) -> str:
+    """Megatron Column+RowParallelLinear at TP=2 equals the single-GPU computation."""
+    ctx.needs_gpu(2, "the tensor-parallel check")
+    return run_world(2, "nccl", "tensor_parallel", ctx.needs_tree())

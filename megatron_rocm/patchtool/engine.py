@@ -1,0 +1,254 @@
+"""Check and apply the series against an upstream commit, entirely from git objects.
+
+``plan`` applies every patch in memory (no checkout) and labels each hunk; ``write_commits``
+turns a successful plan into one commit per patch using a temporary index. Nothing a user can
+see (refs, HEAD, index, working tree) changes here: the caller moves refs last, so a failure or
+a kill at any point leaves the repository as it was (only unreachable objects remain).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
+
+from megatron_rocm.errors import SourceError, UsageError
+from megatron_rocm.patchtool import gitcmd
+from megatron_rocm.patchtool.hunks import (
+    FileDiff,
+    apply_file,
+    decode,
+    encode,
+    parse_diff,
+    split_lines,
+)
+from megatron_rocm.patchtool.results import HunkLabel, HunkResult, PatchResult, RefReport
+from megatron_rocm.patchtool.series import Patch, Series, Variant, parse_version, release_of
+
+PACKAGE_INFO = "megatron/core/package_info.py"
+TRAILER = "Megatron-ROCm-Patch"
+SCOPE_CONFIG = "megatron-rocm.scope"  # set on repos built from sdists: the paths they hold
+_FIELD_RE = {
+    k: re.compile(rf"^{k}\s*=\s*['\"]?([0-9A-Za-z]*)['\"]?", re.M)
+    for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")
+}
+
+
+@dataclass
+class PatchPlan:
+    patch: Patch
+    variant: Variant | None
+    result: PatchResult
+    files: dict[str, bytes | None] = field(default_factory=dict)  # path -> content (None: delete)
+    modes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    repo: Path
+    commit: str
+    report: RefReport
+    patches: list[PatchPlan]
+
+
+def tree_version(cat: gitcmd.CatFile, commit: str) -> Version:
+    """The tree's Megatron version from package_info.py (tags may name the next release)."""
+    data = cat.read(f"{commit}:{PACKAGE_INFO}")
+    if data is None:
+        raise SourceError(f"not a Megatron-LM tree: {PACKAGE_INFO} is missing at {commit[:12]}")
+    text = decode(data)
+    fields = {k: (m.group(1) if (m := rx.search(text)) else "") for k, rx in _FIELD_RE.items()}
+    if not (fields["MAJOR"] and fields["MINOR"]):
+        raise SourceError(f"cannot read MAJOR/MINOR from {PACKAGE_INFO} at {commit[:12]}")
+    core = f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH'] or 0}"
+    try:
+        return Version(core + fields["PRE_RELEASE"])
+    except ValueError:
+        return Version(core)
+
+
+def resolve_commit(repo: Path, ref: str) -> str:
+    for candidate in (ref, f"refs/tags/{ref}", f"origin/{ref}", f"refs/remotes/origin/{ref}"):
+        commit = gitcmd.rev_parse(repo, candidate)
+        if commit:
+            return commit
+    raise UsageError(f"unknown ref {ref!r} in {repo} (a tag, branch or commit of the source)")
+
+
+def repo_scope(repo: Path) -> list[str]:
+    out = gitcmd.git("config", "--get-all", SCOPE_CONFIG, cwd=repo, check=False).decode().split()
+    return out
+
+
+def in_scope(path: str, scope: list[str]) -> bool:
+    return not scope or any(path == s or path.startswith(s.rstrip("/") + "/") for s in scope)
+
+
+def _load_diff(patch: Patch, variant: Variant) -> list[FileDiff]:
+    path = patch.diff_path(variant)
+    try:
+        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    return parse_diff(text, origin=str(path))
+
+
+def _merge3(repo: Path, ours: bytes, base: bytes, theirs: bytes) -> bytes | None:
+    """``git merge-file`` in temp files; None when the merge conflicts."""
+    with tempfile.TemporaryDirectory(prefix="mrocm-merge-") as tmp:
+        paths = []
+        for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
+            p = Path(tmp) / name
+            p.write_bytes(data)
+            paths.append(str(p))
+        proc = subprocess.run(
+            [gitcmd.git_binary(), "merge-file", "-p", *paths],
+            cwd=repo,
+            capture_output=True,
+            env=gitcmd.sanitized_env(),
+            check=False,
+        )
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _try_three_way(
+    repo: Path, cat: gitcmd.CatFile, fd: FileDiff, current: bytes | None, outcome_results: list
+) -> bytes | None:
+    """Relabel conflicting hunks needs-3-way when the recorded base merges cleanly."""
+    if current is None or not fd.old_blob:
+        return None
+    base = cat.read(fd.old_blob)
+    if base is None:
+        return None
+    on_base = apply_file(split_lines(decode(base)), fd)
+    if on_base.lines is None or not all(r.label is HunkLabel.CLEAN for r in on_base.results):
+        return None
+    merged = _merge3(repo, current, base, encode("".join(on_base.lines)))
+    if merged is None:
+        return None
+    for r in outcome_results:
+        if r.label is HunkLabel.CONFLICT:
+            r.label = HunkLabel.NEEDS_3WAY
+    return merged
+
+
+def plan(
+    repo: Path,
+    cat: gitcmd.CatFile,
+    ref: str,
+    series: Series,
+    version_override: str | None = None,
+    three_way: bool = False,
+) -> Plan:
+    """Apply the whole series to ``ref`` in memory; never raises for hunks that fail."""
+    commit = resolve_commit(repo, ref)
+    version = parse_version(version_override) if version_override else tree_version(cat, commit)
+    # A partial source (sdist) holds only some folders, and which ones depends on the release.
+    scope = [
+        s for s in repo_scope(repo) if gitcmd.git_ok("cat-file", "-e", f"{commit}:{s}", cwd=repo)
+    ]
+    report = RefReport(ref=ref, commit=commit, version=str(version))
+    overlay: dict[str, bytes | None] = {}
+    modes: dict[str, str] = {}
+    plans: list[PatchPlan] = []
+
+    def current(path: str) -> bytes | None:
+        return overlay[path] if path in overlay else cat.read(f"{commit}:{path}")
+
+    for patch in series.patches:
+        variant = patch.variant_for(version)
+        result = PatchResult(patch.id, variant.diff if variant else None)
+        pp = PatchPlan(patch, variant, result)
+        plans.append(pp)
+        report.patches.append(result)
+        if variant is None:
+            result.error = f"no variant of {patch.id} covers version {release_of(version)}"
+            continue
+        if variant.skip:
+            result.variant = "skip"
+            continue
+        for fd in _load_diff(patch, variant):
+            data = current(fd.path)
+            if data is None and not fd.is_new and not in_scope(fd.path, scope):
+                gone = f"{fd.path} is not part of this source"
+                result.hunks += [
+                    HunkResult(fd.path, i, HunkLabel.OUT_OF_SCOPE, h.old_start, None, gone, h.text)
+                    for i, h in enumerate(fd.hunks, 1)
+                ]
+                continue
+            outcome = apply_file(None if data is None else split_lines(decode(data)), fd)
+            new: bytes | None = None if outcome.lines is None else encode("".join(outcome.lines))
+            if any(r.label is HunkLabel.CONFLICT for r in outcome.results):
+                merged = _try_three_way(repo, cat, fd, data, outcome.results)
+                if merged is not None and three_way:
+                    new = merged
+            result.hunks += outcome.results
+            acceptable = all(
+                r.label.applies
+                or r.label is HunkLabel.ALREADY_APPLIED
+                or (three_way and r.label is HunkLabel.NEEDS_3WAY)
+                for r in outcome.results
+            )
+            if acceptable and new != data:
+                pp.files[fd.path] = new
+                overlay[fd.path] = new
+                if fd.is_new:
+                    modes[fd.path] = fd.new_mode or "100644"
+        pp.modes = {p: modes[p] for p in pp.files if p in modes}
+    return Plan(repo, commit, report, plans)
+
+
+def _commit_env(repo: Path, base: str) -> dict[str, str]:
+    """Fixed identity and dates (the base commit's): the same plan gives the same commit ids."""
+    stamp = gitcmd.git_text("show", "-s", "--format=%ct", base, cwd=repo)
+    date = f"@{stamp} +0000"
+    return {**gitcmd.IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+
+
+def commit_message(patch: Patch) -> str:
+    return f"{patch.reason}\n\n{TRAILER}: {patch.id}\n"
+
+
+def _kill_hook(done: int) -> None:
+    """Fault injection for tests: SIGKILL ourselves after ``done`` commits were written."""
+    at = os.environ.get("MEGATRON_ROCM_TEST_KILL_AFTER")
+    if at is not None and int(at) == done:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_commits(p: Plan) -> list[tuple[PatchPlan, str]]:
+    """Create one commit per changed patch on top of the plan's base; return (patch, commit)."""
+    repo, parent = p.repo, p.commit
+    env = _commit_env(repo, p.commit)
+    made: list[tuple[PatchPlan, str]] = []
+    for pp in p.patches:
+        if not pp.files:
+            continue
+        changes = {
+            path: None if data is None else (pp.modes.get(path) or _mode(repo, parent, path), data)
+            for path, data in pp.files.items()
+        }
+        tree = gitcmd.write_tree(repo, changes, base=parent)
+        parent = gitcmd.git_text(
+            "commit-tree",
+            tree,
+            "-p",
+            parent,
+            cwd=repo,
+            env=env,
+            input=encode(commit_message(pp.patch)),
+        )
+        made.append((pp, parent))
+        _kill_hook(len(made))
+    return made
+
+
+def _mode(repo: Path, commit: str, path: str) -> str:
+    out = gitcmd.git_text("ls-tree", commit, "--", path, cwd=repo)
+    return out.split()[0] if out else "100644"

@@ -1,0 +1,236 @@
+"""Apply a unified diff to file contents in memory, labelling every hunk.
+
+Why not ``git apply``: ``check`` must say *how* each hunk lands (clean, offset, fuzz, already
+applied, ...) for dozens of tags in seconds, without a checkout. ``git apply`` only says yes or
+no per file. The rules follow GNU patch: exact position first, then the nearest offset, then
+up to two lines of context dropped at each end (fuzz).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import unidiff
+
+from megatron_rocm.errors import UsageError
+from megatron_rocm.patchtool.results import HunkLabel, HunkResult
+
+MAX_FUZZ = 2
+_LINE_RE = re.compile(r"[^\n]*\n|[^\n]+\Z")
+_INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: (\d+))?$", re.M)
+_MODE_RE = re.compile(r"^new file mode (\d+)$", re.M)
+
+
+@dataclass
+class Hunk:
+    old_start: int  # 1-based, as in the @@ header
+    old: list[str]  # context + removed lines, with their newlines
+    new: list[str]  # context + added lines
+    lead: int  # context lines before the first change
+    trail: int  # context lines after the last change
+    text: str
+
+
+@dataclass
+class FileDiff:
+    path: str  # the file this diff edits (target path; source path for deletions)
+    is_new: bool
+    is_deleted: bool
+    old_blob: str | None  # full preimage blob id from the 'index' line, if any
+    new_mode: str | None
+    hunks: list[Hunk] = field(default_factory=list)
+
+
+def split_lines(text: str) -> list[str]:
+    return _LINE_RE.findall(text)
+
+
+def decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+def encode(text: str) -> bytes:
+    return text.encode("utf-8", errors="surrogateescape")
+
+
+def _strip_prefix(name: str) -> str:
+    name = name.strip('"')
+    return name[2:] if name[:2] in ("a/", "b/") else name
+
+
+def _hunk(h: unidiff.Hunk) -> Hunk:
+    old: list[str] = []
+    new: list[str] = []
+    kinds: list[str] = []
+    for line in h:
+        if line.line_type == "\\":  # "\ No newline at end of file" applies to the line before
+            prev = kinds[-1] if kinds else " "
+            if prev in (" ", "-") and old:
+                old[-1] = old[-1].rstrip("\n")
+            if prev in (" ", "+") and new:
+                new[-1] = new[-1].rstrip("\n")
+            continue
+        kinds.append(line.line_type)
+        if line.line_type in (" ", "-"):
+            old.append(line.value)
+        if line.line_type in (" ", "+"):
+            new.append(line.value)
+    lead = next((i for i, k in enumerate(kinds) if k != " "), len(kinds))
+    trail = next((i for i, k in enumerate(reversed(kinds)) if k != " "), len(kinds))
+    return Hunk(h.source_start, old, new, lead, trail, str(h))
+
+
+def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
+    """Parse a git diff; a malformed or empty one is a usage error naming ``origin``."""
+    try:
+        patch_set = unidiff.PatchSet(text)
+    except unidiff.UnidiffParseError as e:
+        raise UsageError(f"{origin}: corrupt or malformed diff ({e})") from None
+    if not len(patch_set):
+        raise UsageError(f"{origin}: contains no file changes (empty or not a unified diff)")
+    files = []
+    for pf in patch_set:
+        if getattr(pf, "is_binary_file", False):
+            raise UsageError(f"{origin}: binary changes are not supported ({pf.path})")
+        info = str(pf.patch_info or "")
+        index = _INDEX_RE.search(info)
+        mode = _MODE_RE.search(info)
+        path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
+        old_blob = index.group(1) if index and len(index.group(1)) == 40 else None
+        fd = FileDiff(
+            path,
+            pf.is_added_file,
+            pf.is_removed_file,
+            old_blob,
+            mode.group(1) if mode else None,
+            [_hunk(h) for h in pf],
+        )
+        files.append(fd)
+    return files
+
+
+def _matches(lines: list[str], seq: list[str], pos: int) -> bool:
+    return 0 <= pos and pos + len(seq) <= len(lines) and lines[pos : pos + len(seq)] == seq
+
+
+def _nearest(lines: list[str], seq: list[str], expected: int, lo: int) -> int | None:
+    """Position of ``seq`` in ``lines`` at or after ``lo`` closest to ``expected``."""
+    if not seq:
+        return max(lo, min(expected, len(lines)))
+    best: int | None = None
+    first = seq[0]
+    for i in range(lo, len(lines) - len(seq) + 1):
+        if lines[i] == first and lines[i : i + len(seq)] == seq:
+            if best is None or abs(i - expected) < abs(best - expected):
+                best = i
+            elif i > expected:
+                break
+    return best
+
+
+def _mismatch(lines: list[str], old: list[str], expected: int) -> str:
+    """Name the first upstream line that no longer matches, where the hunk fits best."""
+    best, best_score = expected, -1
+    for pos in range(max(0, len(lines) - len(old) + 1)):
+        score = sum(1 for k, want in enumerate(old) if lines[pos + k] == want)
+        if score > best_score or (
+            score == best_score and abs(pos - expected) < abs(best - expected)
+        ):
+            best, best_score = pos, score
+    for k, want in enumerate(old):
+        pos = best + k
+        have = lines[pos] if 0 <= pos < len(lines) else "<end of file>"
+        if have != want:
+            return f"line {pos + 1}: expected {want.rstrip()!r}, upstream has {have.rstrip()!r}"
+    return f"hunk context not found near line {expected + 1}"
+
+
+@dataclass
+class FileOutcome:
+    lines: list[str] | None  # None: the file does not exist afterwards
+    results: list[HunkResult]
+
+
+def apply_file(lines: list[str] | None, fd: FileDiff) -> FileOutcome:
+    """Apply one file's hunks to ``lines`` (None = file absent); label each hunk."""
+
+    def result(
+        i: int, h: Hunk, label: HunkLabel, at: int | None = None, detail: str = ""
+    ) -> HunkResult:
+        return HunkResult(fd.path, i + 1, label, h.old_start, at, detail, h.text)
+
+    if fd.is_new:
+        new = [ln for h in fd.hunks for ln in h.new]
+        if lines is None:
+            return FileOutcome(
+                new, [result(i, h, HunkLabel.CLEAN, 1) for i, h in enumerate(fd.hunks)]
+            )
+        label = HunkLabel.ALREADY_APPLIED if lines == new else HunkLabel.CONFLICT
+        detail = "" if label is HunkLabel.ALREADY_APPLIED else "file to be created already exists"
+        return FileOutcome(
+            lines, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)]
+        )
+    if lines is None:
+        label = HunkLabel.ALREADY_APPLIED if fd.is_deleted else HunkLabel.FILE_GONE
+        detail = "" if fd.is_deleted else f"{fd.path} does not exist in this tree"
+        return FileOutcome(
+            None, [result(i, h, label, None, detail) for i, h in enumerate(fd.hunks)]
+        )
+
+    out = list(lines)
+    results: list[HunkResult] = []
+    delta = 0
+    floor = 0  # hunks land in order and never overlap
+    for i, h in enumerate(fd.hunks):
+        base = h.old_start - 1 if h.old else h.old_start
+        expected = max(base + delta, 0)
+        label, pos, old, new, start = _place(out, h, expected, floor)
+        if label is HunkLabel.CONFLICT:
+            results.append(result(i, h, label, None, _mismatch(out, h.old, expected)))
+            continue
+        assert pos is not None
+        results.append(result(i, h, label, pos + 1))
+        delta = start - base + len(h.new) - len(h.old)
+        if label is HunkLabel.ALREADY_APPLIED:
+            floor = pos + len(h.new)
+            continue
+        out[pos : pos + len(old)] = new
+        floor = pos + len(new)
+    if fd.is_deleted and all(r.label.applies for r in results):
+        return FileOutcome(None, results)
+    return FileOutcome(out, results)
+
+
+def _place(
+    lines: list[str], h: Hunk, expected: int, floor: int
+) -> tuple[HunkLabel, int | None, list[str], list[str], int]:
+    """Find where a hunk goes: (label, position, preimage used, postimage used, hunk start).
+
+    The hunk start differs from the position only under fuzz, where leading context is cut.
+    """
+    if expected >= floor and _matches(lines, h.old, expected):
+        return HunkLabel.CLEAN, expected, h.old, h.new, expected
+    changes = h.old != h.new
+    if changes and expected >= floor and h.new and _matches(lines, h.new, expected):
+        return HunkLabel.ALREADY_APPLIED, expected, h.new, h.new, expected
+    pos = _nearest(lines, h.old, expected, floor) if h.old else None
+    if pos is not None:
+        return HunkLabel.OFFSET, pos, h.old, h.new, pos
+    if changes and h.new:
+        pos = _nearest(lines, h.new, expected, floor)
+        if pos is not None:
+            return HunkLabel.ALREADY_APPLIED, pos, h.new, h.new, pos
+    for fuzz in range(1, MAX_FUZZ + 1):
+        cut_lead = min(fuzz, h.lead)
+        cut_trail = min(fuzz, h.trail)
+        if cut_lead == 0 and cut_trail == 0:
+            continue
+        old = h.old[cut_lead : len(h.old) - cut_trail]
+        new = h.new[cut_lead : len(h.new) - cut_trail]
+        if not old:
+            break
+        pos = _nearest(lines, old, expected + cut_lead, floor)
+        if pos is not None:
+            return HunkLabel.FUZZ, pos, old, new, pos - cut_lead
+    return HunkLabel.CONFLICT, None, h.old, h.new, expected

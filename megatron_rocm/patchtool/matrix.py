@@ -1,0 +1,340 @@
+"""The compatibility matrix: the series checked against every selected upstream tag.
+
+Why a matrix and not a loop over ``check``: maintainers need the *shape* of drift — which
+patch first breaks at which tag (in version order), which patches upstream has absorbed
+(every hunk already applied: the patch can be dropped), and what CUDA-only code appeared.
+The data here is pure values; ``report/`` renders it, ``commands/matrix.py`` wires the CLI.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fnmatch
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
+
+from megatron_rocm import __version__
+from megatron_rocm.errors import SourceError, UsageError
+from megatron_rocm.patchtool import engine, gitcmd, surface
+from megatron_rocm.patchtool.hunks import FileDiff, parse_diff
+from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport
+from megatron_rocm.patchtool.series import Series, release_of
+from megatron_rocm.patchtool.upstream import RELEASE_TAG
+
+MIN_RELEASE = (0, 12, 0)
+DEFAULT_BRANCH = "main"
+SCHEMA = 1
+_KIND_RANK = {"release": 0, "tag": 1, "commit": 2, "branch": 3}
+SKIP, NO_VARIANT = "skip", "no-variant"
+_QUIET_LABELS = ("clean", "offset", "already-applied", "out-of-scope")
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    name: str
+    commit: str
+    kind: str  # release | tag | branch | commit
+
+
+def list_refs(repo: Path) -> dict[str, RefSpec]:
+    """Tags, local branches and remote-tracking branches by short name (tags win a clash)."""
+    out = gitcmd.git_text(
+        "for-each-ref",
+        "--format=%(refname)%09%(objectname)%09%(*objectname)",
+        "refs/tags",
+        "refs/heads",
+        "refs/remotes",
+        cwd=repo,
+    )
+    refs: dict[str, RefSpec] = {}
+    for row in out.splitlines():
+        refname, obj, peeled = (row.split("\t") + ["", ""])[:3]
+        if refname.startswith("refs/tags/"):
+            name = refname.removeprefix("refs/tags/")
+            kind = "release" if RELEASE_TAG.match(name) else "tag"
+        elif refname.startswith("refs/heads/"):
+            name, kind = refname.removeprefix("refs/heads/"), "branch"
+        else:
+            name, kind = refname.split("/", 3)[-1], "branch"  # refs/remotes/<remote>/<name>
+            if name == "HEAD":
+                continue
+        refs.setdefault(name, RefSpec(name, peeled or obj, kind))
+    return refs
+
+
+def _release_key(name: str) -> tuple[int, ...]:
+    m = RELEASE_TAG.match(name)
+    return tuple(int(x) for x in m.groups()) if m else ()
+
+
+def select_refs(repo: Path, patterns: list[str] | None) -> list[RefSpec]:
+    """Default: release tags >= core_v0.12.0 plus ``main``; else glob patterns over names."""
+    refs = list_refs(repo)
+    if not patterns:
+        chosen = [
+            r for r in refs.values() if r.kind == "release" and _release_key(r.name) >= MIN_RELEASE
+        ]
+        if DEFAULT_BRANCH in refs:
+            chosen.append(refs[DEFAULT_BRANCH])
+        if not chosen:
+            raise UsageError(
+                f"{repo} has no core_vX.Y.Z tags >= core_v0.12.0 and no "
+                f"{DEFAULT_BRANCH!r}; pass --tags"
+            )
+        return chosen
+    chosen_by_name: dict[str, RefSpec] = {}
+    for pat in patterns:
+        hits = [r for n, r in refs.items() if fnmatch.fnmatchcase(n, pat)]
+        if not hits and not any(c in pat for c in "*?["):
+            commit = gitcmd.rev_parse(repo, pat)
+            hits = [RefSpec(pat, commit, "commit")] if commit else []
+        if not hits:
+            raise UsageError(f"--tags {pat!r} matches no tag or branch in {repo}")
+        for r in hits:
+            chosen_by_name.setdefault(r.name, r)
+    return list(chosen_by_name.values())
+
+
+def status_of(p: PatchResult) -> str:
+    """The cell text: a hunk label, ``skip`` (not needed here) or ``no-variant``."""
+    if p.variant == SKIP:
+        return SKIP
+    if p.error:
+        return NO_VARIANT if p.variant is None else "error"
+    return p.label.value
+
+
+@dataclass
+class Row:
+    spec: RefSpec
+    report: RefReport
+    tree_version: str = ""  # from package_info.py, even when --megatron-version overrides
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def cell(self, patch_id: str) -> PatchResult | None:
+        return next((p for p in self.report.patches if p.patch_id == patch_id), None)
+
+    @property
+    def sort_key(self) -> tuple:
+        if self.spec.kind == "release":
+            ver = _release_key(self.spec.name)
+        else:
+            ver = release_of(Version(self.tree_version or self.report.version)).release
+        return (ver, _KIND_RANK[self.spec.kind], self.spec.name)
+
+
+@dataclass
+class Matrix:
+    source: str
+    series: Series
+    rows: list[Row]  # in version order
+    surface: surface.SurfaceReport | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    generated_at: str = ""
+
+    @property
+    def patch_ids(self) -> list[str]:
+        return [p.id for p in self.series.patches]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.report.ok for r in self.rows)
+
+    @property
+    def broken_rows(self) -> list[Row]:
+        return [r for r in self.rows if not r.report.ok]
+
+    def first_break(self, patch_id: str) -> str | None:
+        """The first ref in version order where the patch does not apply."""
+        for r in self.rows:
+            c = r.cell(patch_id)
+            if c is not None and not c.ok:
+                return r.name
+        return None
+
+    def droppable(self, patch_id: str) -> list[str]:
+        """Refs where upstream already contains every hunk of the patch."""
+        return [
+            r.name
+            for r in self.rows
+            if (c := r.cell(patch_id))
+            and c.variant != SKIP
+            and not c.error
+            and c.label is HunkLabel.ALREADY_APPLIED
+        ]
+
+    def label_counts(self) -> Counter[str]:
+        return Counter(status_of(p) for r in self.rows for p in r.report.patches)
+
+    def summary(self) -> str:
+        """One line for terminals, CI logs and report headers."""
+        n, bad = len(self.rows), self.broken_rows
+        parts = [f"{n} refs x {len(self.patch_ids)} patches: {n - len(bad)} apply"]
+        if bad:
+            names = [r.name for r in bad]
+            shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
+            parts[0] += f", {len(bad)} break ({shown})"
+            firsts = [f"{p}@{fb}" for p in self.patch_ids if (fb := self.first_break(p))]
+            parts.append("first breaks: " + ", ".join(firsts))
+        counts = self.label_counts()
+        drift = [f"{counts[k]} {k}" for k in ("offset", "fuzz", "needs-3-way") if counts.get(k)]
+        if drift:
+            parts.append("drift: " + ", ".join(drift))
+        drop = [f"{p} (from {d[0]})" for p in self.patch_ids if (d := self.droppable(p))]
+        if drop:
+            parts.append("droppable: " + ", ".join(drop))
+        if self.surface and self.surface.refs:
+            last = self.surface.refs[-1]
+            new = sum(len(r.new) for r in self.surface.refs)
+            parts.append(
+                f"CUDA surface: {len(last.uncovered)} uncovered at {last.ref}, "
+                f"{new} new across tags"
+            )
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "tool": f"megatron-rocm {__version__}",
+            "generated_at": self.generated_at,
+            "source": self.source,
+            "series": str(self.series.folder),
+            "ok": self.ok,
+            "summary": self.summary(),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "patches": [
+                {
+                    "id": p.id,
+                    "reason": p.reason,
+                    "upstream": p.upstream,
+                    "first_break": self.first_break(p.id),
+                    "droppable_at": self.droppable(p.id),
+                }
+                for p in self.series.patches
+            ],
+            "refs": [_row_dict(r) for r in self.rows],
+            "surface": _surface_dict(self.surface) if self.surface else None,
+        }
+
+
+def _row_dict(r: Row) -> dict:
+    d = r.report.to_dict()
+    d["ref"], d["kind"] = r.name, r.spec.kind
+    for p, pd in zip(r.report.patches, d["patches"]):
+        pd["status"] = status_of(p)
+        for hd in pd["hunks"]:  # hunk text only where someone must read it: keeps JSON small
+            if hd["label"] in _QUIET_LABELS:
+                hd.pop("text", None)
+    return d
+
+
+def _surface_dict(s: surface.SurfaceReport) -> dict:
+    def f(x: surface.Finding) -> dict:
+        return {
+            "rule": x.rule,
+            "path": x.path,
+            "line": x.line,
+            "text": x.text,
+            "symbol": x.symbol,
+            "status": x.status,
+            "patch": x.patch,
+        }
+
+    return {
+        "rules": [{"id": r.id, "title": r.title} for r in surface.RULES],
+        "refs": [
+            {
+                "ref": r.ref,
+                "previous": r.previous,
+                "counts": r.counts(),
+                "gone": r.gone,
+                "new": [f(x) for x in r.new],
+                "uncovered": [f(x) for x in r.uncovered],
+            }
+            for r in s.refs
+        ],
+    }
+
+
+def coverage_for(
+    series: Series, report: RefReport, cache: dict[tuple[str, str], list[FileDiff]]
+) -> dict[str, list[tuple[str, str]]]:
+    """path -> [(patch id, hunk text)] for the variants this ref uses."""
+    cov: dict[str, list[tuple[str, str]]] = {}
+    for p in report.patches:
+        if not p.variant or p.variant == SKIP:
+            continue
+        key = (p.patch_id, p.variant)
+        if key not in cache:
+            path = series.get(p.patch_id).folder / p.variant
+            text = path.read_text(encoding="utf-8", errors="surrogateescape")
+            cache[key] = parse_diff(text, origin=str(path))
+        for fd in cache[key]:
+            cov.setdefault(fd.path, []).extend((p.patch_id, h.text) for h in fd.hunks)
+    return cov
+
+
+def build_matrix(
+    repo: Path,
+    specs: list[RefSpec],
+    series: Series,
+    *,
+    source: str,
+    version_override: str | None = None,
+    scan: bool = True,
+) -> Matrix:
+    """Check every ref (in memory) and, when ``scan``, run the CUDA-surface scan alongside."""
+    t0 = time.perf_counter()
+    job = surface.GrepJob(repo, [s.commit for s in specs]) if scan else None
+    rows: list[Row] = []
+    with gitcmd.CatFile(repo) as cat:
+        for spec in specs:
+            report = engine.plan(repo, cat, spec.commit, series, version_override).report
+            report.ref = spec.name
+            tree = report.version
+            if version_override:
+                try:
+                    tree = str(engine.tree_version(cat, spec.commit))
+                except SourceError:
+                    pass
+            rows.append(Row(spec, report, tree))
+    rows.sort(key=lambda r: r.sort_key)
+    t1 = time.perf_counter()
+    m = Matrix(
+        source=source,
+        series=series,
+        rows=rows,
+        generated_at=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    m.timings["check_s"] = t1 - t0
+    if job is not None:
+        cache: dict[tuple[str, str], list[FileDiff]] = {}
+        cov = {r.name: coverage_for(series, r.report, cache) for r in rows}
+        m.surface = surface.scan(repo, [(r.name, r.spec.commit) for r in rows], cov, job)
+        m.timings["scan_s"] = time.perf_counter() - t1
+    m.timings["total_s"] = time.perf_counter() - t0
+    return m
+
+
+def broken_cells(data: dict) -> set[tuple[str, str]]:
+    """(ref, patch) pairs that do not apply, from a matrix JSON document."""
+    return {
+        (r["ref"], p["patch_id"])
+        for r in data.get("refs", [])
+        for p in r.get("patches", [])
+        if not p.get("ok", False)
+    }
+
+
+def new_breaks(current: dict, previous: dict | None) -> list[tuple[str, str]]:
+    """Breaks absent from the previous run (without one, every break is new)."""
+    before = broken_cells(previous) if previous else set()
+    order = {r["ref"]: i for i, r in enumerate(current.get("refs", []))}
+    return sorted(broken_cells(current) - before, key=lambda c: (order.get(c[0], 0), c[1]))

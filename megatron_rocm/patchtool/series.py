@@ -1,0 +1,181 @@
+"""The patch catalog in ``patches/``: ordered patches with variants keyed by version range.
+
+Why ranges and not one diff per tag: upstream files drift at most tags but a diff applies with
+offsets across many; a variant covers the half-open range [since, until) of releases.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from megatron_rocm.errors import UsageError
+
+SERIES_ENV = "MEGATRON_ROCM_SERIES"
+UPSTREAM_STATES = ("not-submitted", "submitted", "merged", "rocm-only")
+
+
+def release_of(version: str | Version) -> Version:
+    """``0.17.0rc0`` -> ``0.17.0``: tags can carry the next pre-release; ranges use releases."""
+    v = version if isinstance(version, Version) else parse_version(version)
+    return Version(".".join(str(p) for p in (v.release + (0, 0, 0))[:3]))
+
+
+def parse_version(text: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise UsageError(f"not a version: {text!r} (expected e.g. 0.14.0)") from None
+
+
+@dataclass(frozen=True)
+class Variant:
+    diff: str  # file name inside the patch folder
+    since: Version
+    until: Version | None = None
+    skip: bool = False  # the change is not needed in this range
+
+    def covers(self, version: Version) -> bool:
+        v = release_of(version)
+        return self.since <= v and (self.until is None or v < self.until)
+
+    @property
+    def range_text(self) -> str:
+        return f">={self.since}" + (f",<{self.until}" if self.until else "")
+
+
+@dataclass
+class Patch:
+    id: str
+    reason: str
+    upstream: str
+    folder: Path
+    variants: list[Variant] = field(default_factory=list)
+
+    def variant_for(self, version: Version) -> Variant | None:
+        return next((v for v in self.variants if v.covers(version)), None)
+
+    def diff_path(self, variant: Variant) -> Path:
+        return self.folder / variant.diff
+
+
+@dataclass
+class Series:
+    folder: Path
+    patches: list[Patch]
+
+    def get(self, patch_id: str) -> Patch:
+        for p in self.patches:
+            if p.id == patch_id:
+                return p
+        raise UsageError(f"no patch {patch_id!r} in {self.folder / 'series'}")
+
+
+def default_series_dir() -> Path:
+    """$MEGATRON_ROCM_SERIES, the checkout's patches/, or the copy bundled in the wheel."""
+    env = os.environ.get(SERIES_ENV)
+    if env:
+        return Path(env)
+    package = Path(__file__).resolve().parents[1]  # megatron_rocm/
+    checkout = package.parent / "patches"
+    if (checkout / "series").is_file():
+        return checkout
+    return package / "_patches"
+
+
+def _variant(patch_id: str, raw: dict, folder: Path) -> Variant:
+    where = f"patches/{patch_id}/patch.toml"
+    if "since" not in raw:
+        raise UsageError(f"{where}: every [[variant]] needs 'since'")
+    since = release_of(parse_version(str(raw["since"])))
+    until = release_of(parse_version(str(raw["until"]))) if raw.get("until") else None
+    if until is not None and until <= since:
+        raise UsageError(f"{where}: variant range {since}..{until} is empty")
+    skip = bool(raw.get("skip", False))
+    diff = str(raw.get("diff", ""))
+    if not skip:
+        if not diff:
+            raise UsageError(f"{where}: variant since {since} names no diff file")
+        if not (folder / diff).is_file():
+            raise UsageError(f"{where}: diff file {diff!r} does not exist")
+    return Variant(diff=diff, since=since, until=until, skip=skip)
+
+
+def _check_overlaps(patch: Patch) -> None:
+    ordered = sorted(patch.variants, key=lambda v: v.since)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.until is None or a.until > b.since:
+            raise UsageError(
+                f"patches/{patch.id}/patch.toml: version ranges overlap "
+                f"({a.range_text} and {b.range_text})"
+            )
+
+
+def load_patch(folder: Path, patch_id: str) -> Patch:
+    meta = folder / "patch.toml"
+    if not meta.is_file():
+        raise UsageError(f"series names {patch_id!r} but {meta} does not exist")
+    try:
+        data = tomllib.loads(meta.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{meta}: malformed TOML ({e})") from None
+    if data.get("id", patch_id) != patch_id:
+        raise UsageError(f"{meta}: id {data.get('id')!r} does not match folder {patch_id!r}")
+    upstream = str(data.get("upstream", "not-submitted"))
+    if upstream.split()[0] not in UPSTREAM_STATES:
+        raise UsageError(f"{meta}: upstream must start with one of {', '.join(UPSTREAM_STATES)}")
+    variants = data.get("variant", [])
+    if not isinstance(variants, list) or not variants:
+        raise UsageError(f"{meta}: needs at least one [[variant]]")
+    patch = Patch(
+        id=patch_id,
+        reason=str(data.get("reason", "")).strip() or patch_id,
+        upstream=upstream,
+        folder=folder,
+        variants=[_variant(patch_id, v, folder) for v in variants],
+    )
+    _check_overlaps(patch)
+    return patch
+
+
+def load_series(folder: str | Path | None = None) -> Series:
+    root = Path(folder) if folder else default_series_dir()
+    listing = root / "series"
+    if not listing.is_file():
+        raise UsageError(f"no patch series at {root} (missing {listing.name} file)")
+    ids: list[str] = []
+    for raw in listing.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line in ids:
+            raise UsageError(f"{listing}: patch {line!r} is listed twice")
+        ids.append(line)
+    return Series(folder=root, patches=[load_patch(root / i, i) for i in ids])
+
+
+def format_patch_toml(patch: Patch) -> str:
+    """Serialize a patch's metadata (used by export when it adds or splits a variant)."""
+    lines = [
+        f"id = {_q(patch.id)}",
+        f"reason = {_q(patch.reason)}",
+        f"upstream = {_q(patch.upstream)}",
+    ]
+    for v in patch.variants:
+        lines += ["", "[[variant]]"]
+        if v.diff:
+            lines.append(f"diff = {_q(v.diff)}")
+        lines.append(f"since = {_q(str(v.since))}")
+        if v.until is not None:
+            lines.append(f"until = {_q(str(v.until))}")
+        if v.skip:
+            lines.append("skip = true")
+    return "\n".join(lines) + "\n"
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,53 @@
+"""Launch policy shared by every kernel: when to use Triton, and logging a fallback once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("megatron_rocm.runtime.kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Triton imports (ROCm and CUDA builds of torch ship it; CPU wheels usually do not)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """``TRITON_INTERPRET=1`` runs Triton kernels on the CPU (used by CI parity tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Triton for GPU tensors (or CPU tensors under the interpreter), reference otherwise."""
+    if os.environ.get("MEGATRON_ROCM_KERNELS", "auto") == "reference":
+        return False
+    if not triton_available():
+        log_fallback_once("triton", "Triton is not importable; using torch reference kernels")
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return interpreting()
+
+
+def is_hip() -> bool:
+    return bool(getattr(torch.version, "hip", None))
+
+
+_logged: set[str] = set()
+
+
+def log_fallback_once(key: str, message: str) -> None:
+    """Automatic fallbacks are logged once per reason, never silently and never spammed."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning("megatron-rocm: %s", message)

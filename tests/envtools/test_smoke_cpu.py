@@ -1,0 +1,110 @@
+"""The smoke suite on CPU: kernel checks pass, injected faults fail them, GPU-only checks skip
+with a reason (never pass), and collectives catch a corrupted all_reduce over gloo."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from megatron_rocm.commands.smoke import smoke
+from megatron_rocm.envtools.smoke.checks_collectives import run_world
+from megatron_rocm.envtools.smoke.runner import FAULT_ENV, CheckFailed
+from megatron_rocm.main import main
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def no_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+
+
+@pytest.fixture
+def fake_tree(tmp_path: Path) -> Path:
+    """Enough of a tree to pass the CLI's tree check; GPU-only checks must skip before using it."""
+    (tmp_path / "tree/megatron/core").mkdir(parents=True)
+    (tmp_path / "tree/megatron/core/package_info.py").write_text("MAJOR, MINOR, PATCH = 0, 16, 0\n")
+    return tmp_path / "tree"
+
+
+def load(path: Path) -> dict[str, dict]:
+    return {c["name"]: c for c in json.loads(path.read_text())["checks"]}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_kernel_checks_pass_on_cpu(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # not a tree: --only kernels must not need one
+    out, xml = tmp_path / "r.json", tmp_path / "r.xml"
+    assert smoke(".", str(out), str(xml), only=["kernels"]) == 0
+    checks = load(out)
+    assert len(checks) == 10 and {c["status"] for c in checks.values()} == {"pass"}
+    assert json.loads(out.read_text())["device"] == "cpu"
+    assert ET.parse(xml).getroot().get("failures") == "0"
+
+
+def test_softmax_fault_makes_the_check_fail(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "softmax")
+    out = tmp_path / "r.json"
+    assert smoke(".", str(out), None, only=["kernels.softmax", "kernels.rope"]) == 1
+    checks = load(out)
+    for name in ("kernels.softmax.causal", "kernels.softmax.masked", "kernels.softmax.scaled"):
+        assert checks[name]["status"] == "fail"
+        assert "forward: max abs error" in checks[name]["detail"]
+    assert checks["kernels.rope"]["status"] == "pass"  # the fault is targeted
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> None:
+    out = tmp_path / "r.json"
+    assert smoke(str(fake_tree), str(out), None, only=["training", "collectives"]) == 0
+    checks = load(out)
+    assert {c["status"] for c in checks.values()} == {"skip"}
+    assert "needs a GPU" in checks["training.gpt"]["detail"]
+    assert "needs 2 GPUs; no GPU visible" in checks["collectives.nccl"]["detail"]
+
+
+def test_cli_refuses_a_non_tree_for_imports(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["smoke", "--only", "imports"]) == 2
+    assert "not a Megatron-LM tree" in capsys.readouterr().err
+
+
+def test_cli_exit_code_follows_failures(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["smoke", "--only", "kernels.softmax.scaled"]) == 0
+    monkeypatch.setenv(FAULT_ENV, "softmax")
+    assert main(["smoke", "--only", "kernels.softmax.scaled"]) == 1
+
+
+@pytest.mark.slow
+def test_collectives_over_gloo_pass_and_catch_a_bad_allreduce(monkeypatch) -> None:
+    assert "all_reduce" in run_world(2, "gloo", "collectives", timeout=120)
+    monkeypatch.setenv(FAULT_ENV, "allreduce")
+    with pytest.raises(CheckFailed, match=r"rank 0: .*all_reduce\(sum\): wrong result") as e:
+        run_world(2, "gloo", "collectives", timeout=120)
+    assert "all_gather" not in str(e.value)  # the other collectives still agreed
+
+
+def test_training_hides_megatron_chatter_but_not_errors(capsys) -> None:
+    import logging
+
+    from megatron_rocm.envtools.smoke.checks_training import quiet_megatron
+
+    log = logging.getLogger("megatron.core.distributed")
+    log.addHandler(handler := logging.StreamHandler())
+    try:
+        with quiet_megatron():
+            print("Params for bucket 1")
+            log.info("DistributedDataParallelConfig(...)")
+            log.warning("GPTModel IS DEPRECATED")
+            log.error("a real error")
+    finally:
+        log.removeHandler(handler)
+    out = capsys.readouterr()
+    assert "bucket" not in out.out and "DistributedDataParallelConfig" not in out.err
+    assert "DEPRECATED" not in out.err and "a real error" in out.err
+    assert logging.getLogger("megatron").level == logging.NOTSET  # restored

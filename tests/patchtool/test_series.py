@@ -1,0 +1,46 @@
+"""Version ranges and the series catalog."""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from megatron_rocm.errors import UsageError
+from megatron_rocm.patchtool.series import Variant, load_series, release_of
+
+
+@pytest.mark.parametrize(
+    ("text", "release"),
+    [("0.17.0rc0", "0.17.0"), ("0.19.1", "0.19.1"), ("0.20", "0.20.0"), ("1.2.3.dev4", "1.2.3")],
+)
+def test_release_of(text, release):
+    assert release_of(text) == Version(release)
+
+
+def test_variant_range_is_half_open():
+    v = Variant("x.diff", Version("0.12.0"), Version("0.15.0"))
+    assert v.covers(Version("0.12.0")) and v.covers(Version("0.14.9"))
+    assert v.covers(Version("0.15.0rc1")) is False  # rc of 0.15 counts as 0.15
+    assert not v.covers(Version("0.11.9"))
+
+
+def test_bundled_series_loads_and_has_every_patch():
+    series = load_series()
+    ids = [p.id for p in series.patches]
+    assert ids[:2] == ["legacy-fused-kernels", "fused-softmax"]
+    assert len(ids) == len(set(ids)) >= 10
+    for p in series.patches:
+        assert p.reason and len(p.reason) <= 72, p.id
+        assert any(v.covers(Version("0.12.0")) for v in p.variants), p.id
+        assert any(v.covers(Version("0.20.0")) for v in p.variants), p.id
+
+
+def test_missing_series_file(tmp_path):
+    with pytest.raises(UsageError, match="no patch series"):
+        load_series(tmp_path)
+
+
+def test_duplicate_ids(tmp_path):
+    (tmp_path / "series").write_text("a\na\n")
+    with pytest.raises(UsageError, match="listed twice"):
+        load_series(tmp_path)

@@ -1,0 +1,185 @@
+"""FusedAdam: Apex/TE constructor, AdamW vs L2 Adam math, Megatron's state conventions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megatron_rocm.runtime.kernels.optimizer import FusedAdam, adam_reference_step  # noqa: E402
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _params(device: str | torch.device = "cpu") -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(shape, device=device, dtype=torch.float64))
+        for shape in ((7,), (3, 5), (1,))
+    ]
+
+
+def _run_and_compare(
+    optimizer: FusedAdam, params: list[torch.nn.Parameter], adam_w_mode: bool, steps: int = 4
+) -> None:
+    ref = [p.detach().clone() for p in params]
+    exp_avg = [torch.zeros_like(p) for p in ref]
+    exp_avg_sq = [torch.zeros_like(p) for p in ref]
+    for step in range(1, steps + 1):
+        grads = [torch.randn_like(p) for p in params]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        for i, grad in enumerate(grads):
+            adam_reference_step(
+                ref[i], grad, exp_avg[i], exp_avg_sq[i], step, adam_w_mode=adam_w_mode, **HYPER
+            )
+    for param, expected in zip(params, ref):
+        torch.testing.assert_close(param.detach(), expected, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_step_parity(adam_w_mode: bool) -> None:
+    params = _params()
+    optimizer = FusedAdam(params, adam_w_mode=adam_w_mode, **HYPER)
+    _run_and_compare(optimizer, params, adam_w_mode)
+
+
+def test_modes_differ() -> None:
+    """Guards the mapping itself: with decay on, AdamW and L2-Adam must not coincide."""
+    results = []
+    for mode in (True, False):
+        params = _params()
+        optimizer = FusedAdam(params, adam_w_mode=mode, **HYPER)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in params]))
+    assert not torch.allclose(results[0], results[1])
+
+
+def test_megatron_kwargs_are_accepted() -> None:
+    """The kwargs core/optimizer/__init__.py passes at 0.12 .. main, incl. HybridDeviceOptimizer."""
+    params = _params()
+    groups = [{"params": params[:2], "wd_mult": 1.0}, {"params": params[2:], "wd_mult": 0.0}]
+    optimizer = FusedAdam(
+        params=groups,
+        lr=1e-3,
+        weight_decay=0.01,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        capturable=False,
+        adam_w_mode=True,
+        bias_correction=True,
+        fused=True,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        store_param_remainders=False,
+    )
+    assert isinstance(optimizer, torch.optim.Adam)
+    assert optimizer.param_groups[1]["wd_mult"] == 0.0
+    group = optimizer.param_groups[0]
+    assert group["foreach"] is True and not group["fused"]  # CPU policy
+    assert group["decoupled_weight_decay"] is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"master_weights": True}, NotImplementedError),
+        ({"use_decoupled_grad": True}, NotImplementedError),
+        ({"exp_avg_dtype": torch.bfloat16}, NotImplementedError),
+        ({"bias_correction": False}, NotImplementedError),
+        ({"not_an_apex_option": 1}, TypeError),
+    ],
+)
+def test_refuses_what_it_cannot_honour(kwargs: dict, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        FusedAdam(_params(), **kwargs)
+
+
+@pytest.mark.parametrize("set_grad_none", [True, False])
+def test_set_grad_none(set_grad_none: bool) -> None:
+    params = _params()
+    optimizer = FusedAdam(params, set_grad_none=set_grad_none)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.zero_grad()
+    for param in params:
+        if set_grad_none:
+            assert param.grad is None
+        else:
+            assert param.grad is not None and torch.count_nonzero(param.grad) == 0
+
+
+def test_state_from_megatron_init_state_fn() -> None:
+    """Megatron's init_state_fn creates exp_avg/exp_avg_sq only and keeps the step in the
+    group (Apex convention); the next step must continue from that step."""
+    params = _params()
+    optimizer = FusedAdam(params, adam_w_mode=True, **HYPER)
+    exp_avg = [torch.rand_like(p) for p in params]
+    exp_avg_sq = [torch.rand_like(p) for p in params]
+    for group in optimizer.param_groups:
+        group["step"] = 3
+    for param, m, v in zip(params, exp_avg, exp_avg_sq):
+        optimizer.state[param]["exp_avg"] = m.clone()
+        optimizer.state[param]["exp_avg_sq"] = v.clone()
+    ref = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    optimizer.step()
+    for i, grad in enumerate(grads):
+        adam_reference_step(ref[i], grad, exp_avg[i], exp_avg_sq[i], 4, adam_w_mode=True, **HYPER)
+        torch.testing.assert_close(params[i].detach(), ref[i])
+
+
+def test_state_dict_round_trip() -> None:
+    params = _params()
+    optimizer = FusedAdam(params, **HYPER)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    clone_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    clone = FusedAdam(clone_params, **HYPER)
+    # deepcopy: torch's load_state_dict keeps same-device tensors, i.e. shares the moments.
+    clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for opt, ps in ((optimizer, params), (clone, clone_params)):
+        for param in ps:
+            param.grad = torch.full_like(param, 0.5)
+        opt.step()
+    for a, b in zip(params, clone_params):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_gpu_uses_fused_kernel(cuda_device: torch.device, adam_w_mode: bool) -> None:
+    params = [torch.nn.Parameter(p.detach().float()) for p in _params(cuda_device)]
+    optimizer = FusedAdam(params, adam_w_mode=adam_w_mode, **HYPER)
+    assert optimizer.param_groups[0]["fused"] is True
+    ref = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(p) for p in ref]
+    v = [torch.zeros_like(p) for p in ref]
+    for step in range(1, 4):
+        grads = [torch.randn_like(p) for p in params]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        for i, grad in enumerate(grads):
+            adam_reference_step(ref[i], grad, m[i], v[i], step, adam_w_mode=adam_w_mode, **HYPER)
+    for param, expected in zip(params, ref):
+        torch.testing.assert_close(param.detach(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_adam_is_an_adamw_for_megatrons_distributed_optimizer():
+    """core_v0.12-0.14 DistributedOptimizer asserts isinstance(optimizer, torch.optim.AdamW)."""
+    from megatron_rocm.runtime.kernels.optimizer import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], lr=0.1, weight_decay=0.5, adam_w_mode=False)
+    assert isinstance(opt, torch.optim.AdamW)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
