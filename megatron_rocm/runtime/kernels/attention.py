@@ -14,9 +14,7 @@ local path's mask semantics:
   scores with -10000 rather than -inf, so a fully masked query row attends uniformly to all
   keys; that row's output is ``mean(value)`` here too (SDPA alone would give NaN or zeros).
 * ``window_size=(left, right)`` builds Megatron's sliding-window causal mask.
-* GQA (fewer kv heads): ``enable_gqa`` on CUDA; on ROCm the kv heads are expanded with
-  ``repeat_interleave``, because the ROCm flash/efficient kernels of several torch releases
-  reject grouped heads and SDPA would fall back to the unfused math kernel.
+* GQA (fewer kv heads): see ``grouped_kv_for_sdpa``.
 
 Types SDPA cannot express exactly (``padding_causal`` and ``causal_bottom_right`` keep the
 local path's odd semantics; float masks; softmax with an offset) make ``sdpa_supported``
@@ -92,6 +90,24 @@ def _gqa_supported() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
+def grouped_kv_for_sdpa(
+    key: torch.Tensor, value: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
+    """Key/value in ``[b, groups, s, d]`` ready for SDPA with ``heads`` query heads.
+
+    ``enable_gqa`` on CUDA torch >= 2.5; on ROCm the kv heads are expanded, because the ROCm
+    flash/efficient kernels of several torch releases reject grouped heads and SDPA would fall
+    back to the unfused math kernel. Returns (key, value, extra SDPA keyword arguments).
+    """
+    groups = key.shape[1]
+    if groups == heads:
+        return key, value, {}
+    if is_hip() or not _gqa_supported():
+        repeat = heads // groups
+        return key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1), {}
+    return key, value, {"enable_gqa": True}
+
+
 def sdpa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -123,13 +139,7 @@ def sdpa_attention(
 
     # [s, b, n, h] -> [b, n, s, h]: views, SDPA only needs the head dim contiguous.
     q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-    gqa: dict[str, bool] = {}
-    if groups != heads:
-        if is_hip() or not _gqa_supported():
-            k = k.repeat_interleave(heads // groups, dim=1)
-            v = v.repeat_interleave(heads // groups, dim=1)
-        else:
-            gqa["enable_gqa"] = True
+    k, v, gqa = grouped_kv_for_sdpa(k, v, heads)
 
     masked: torch.Tensor | None = None  # Megatron convention, True = masked
     is_causal = False

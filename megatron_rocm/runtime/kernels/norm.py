@@ -81,22 +81,10 @@ class FusedNorm(torch.nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def _gamma(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        # An fp32 input with low-precision params (fp32 residual stream) upcasts exactly; the
-        # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
-        if weight.dtype != x.dtype and x.dtype == torch.float32:
-            weight = weight.to(x.dtype)
-        return weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._gamma(x)
-        if self.normalization == "LayerNorm":
-            bias = self.bias
-            if bias.dtype != weight.dtype and x.dtype == torch.float32:
-                bias = bias.to(x.dtype)
-            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
-        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        return apply_norm(
+            x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -104,6 +92,31 @@ class FusedNorm(torch.nn.Module):
             f"zero_centered_gamma={self.zero_centered_gamma}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+def apply_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    normalization: str = "LayerNorm",
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    """The norm as a function of its parameters: ``FusedNorm`` and the native backend's
+    norm-in-front-of-a-linear (``TELayerNormColumnParallelLinear``) share it."""
+    gamma = weight + 1 if zero_centered_gamma else weight
+    # An fp32 input with low-precision params (fp32 residual stream) upcasts exactly; the
+    # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
+    if gamma.dtype != x.dtype and x.dtype == torch.float32:
+        gamma = gamma.to(x.dtype)
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        if bias is not None and bias.dtype != gamma.dtype and x.dtype == torch.float32:
+            bias = bias.to(x.dtype)
+        return F.layer_norm(x, shape, gamma, bias, eps)
+    if normalization == "RMSNorm":
+        return F.rms_norm(x, shape, gamma, eps)
+    raise ValueError(f"normalization must be one of {_NORMS}, got {normalization!r}")
 
 
 def _config_device(config: Any) -> torch.device | str | int | None:

@@ -1,0 +1,250 @@
+"""TEDotProductAttention without TransformerEngine: flash / memory-efficient attention via SDPA.
+
+Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`` from 0.16,
+``model_comm_pgs`` in 0.13-0.14, ``pg_collection`` later); the mask semantics are TE's (see
+``backend.sdpa``). What TE does beyond that dispatches here:
+
+* context parallelism (``config.context_parallel_size > 1``): ``backend.context_parallel``;
+* packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed_attention``;
+* ``attention_bias`` (relative position embeddings): an additive float mask;
+* a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer.
+
+Features that only TE's kernels have (non-vanilla softmax with sinks, returning the max logit for
+QK-clip, ``num_splits`` for batch invariance) are refused in the constructor with one clear line;
+``backend.options`` refuses the flags behind them earlier, at argument validation.
+``apply_query_key_layer_scaling`` has no effect, as with TE: it only guards fp16 overflow in an
+unfused softmax, and SDPA accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from megatron_rocm.runtime.backend.sdpa import sdpa_sbhd
+
+_OWNER = "TEDotProductAttention"
+
+
+def _mask_name(mask_type: Any) -> str:
+    return str(getattr(mask_type, "name", mask_type))
+
+
+def _window_for_layer(config: Any, layer_number: int) -> tuple[int, int] | None:
+    window = getattr(config, "window_size", None)
+    if not window:
+        return None
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # before 0.16 the window applies to every layer
+        return tuple(window)
+    skip = getattr(config, "window_attn_skip_freq", None)
+    return tuple(window) if is_layer_window_attention(window, skip, layer_number) else None
+
+
+def _cp_group(config: Any, groups: Any) -> Any:
+    if groups is not None and getattr(groups, "cp", None) is not None:
+        return groups.cp
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_context_parallel_group(check_initialized=False)
+    except TypeError:  # tags whose getter has no check_initialized
+        return parallel_state.get_context_parallel_group()
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """Core attention with TE's constructor and forward contract, computed with torch SDPA."""
+
+    cp_stream: Any = None  # TE keeps a class-level CP stream; kept for attribute parity
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        num_splits: int | None = None,
+        cp_comm_type: str | None = "p2p",
+        pg_collection: Any = None,
+        model_comm_pgs: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.qkv_format = "sbhd"
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        )
+        self.attention_dropout = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self.window_size = _window_for_layer(config, layer_number)
+        self._refuse_te_only(config, num_splits)
+        groups = pg_collection if pg_collection is not None else model_comm_pgs
+        self._tp_group = getattr(groups, "tp", None)
+        self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
+        self.cp_comm_type = cp_comm_type or "p2p"
+        self.cp_group = _cp_group(config, groups) if self.cp_size > 1 else None
+        if self.cp_size > 1:
+            from megatron_rocm.runtime.backend.context_parallel import SUPPORTED_CP_COMM_TYPES
+
+            if self.cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
+                raise ValueError(
+                    f"{_OWNER}: --cp-comm-type {self.cp_comm_type} is not supported by the "
+                    f"native backend; use one of {', '.join(SUPPORTED_CP_COMM_TYPES)}"
+                )
+
+    @staticmethod
+    def _refuse_te_only(config: Any, num_splits: int | None) -> None:
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type != "vanilla":
+            raise ValueError(
+                f"{_OWNER}: softmax_type={softmax_type!r} (attention sinks) needs "
+                f"TransformerEngine's fused attention; use --softmax-type vanilla"
+            )
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            raise ValueError(
+                f"{_OWNER}: --qk-clip / --log-max-attention-logit need TransformerEngine's "
+                f"max-logit output; remove them"
+            )
+        if num_splits is not None:
+            raise ValueError(
+                f"{_OWNER}: num_splits={num_splits} (batch-invariant attention) needs "
+                f"TransformerEngine's flash-attention; remove it"
+            )
+
+    def _dropout_p(self) -> float:
+        return self.attention_dropout if self.training else 0.0
+
+    def _rng_context(self) -> contextlib.AbstractContextManager:
+        """Dropout draws from Megatron's model-parallel RNG stream, as TE's attention does."""
+        if self._dropout_p() == 0.0:
+            return contextlib.nullcontext()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        initialized = getattr(tracker, "is_initialized", lambda: True)()
+        return tracker.fork() if initialized else contextlib.nullcontext()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        if num_splits is not None:
+            self._refuse_te_only(self.config, num_splits)
+        mask_type = _mask_name(
+            attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        )
+        qkv_format = getattr(packed_seq_params, "qkv_format", None) or self.qkv_format
+        with self._rng_context():
+            if packed_seq_params is not None and qkv_format == "thd":
+                return self._packed(query, key, value, mask_type, attention_bias, packed_seq_params)
+            if self.cp_size > 1:
+                return self._context_parallel(query, key, value, mask_type, attention_bias)
+            return sdpa_sbhd(
+                query,
+                key,
+                value,
+                mask_type=mask_type,
+                attention_mask=attention_mask,
+                attention_bias=attention_bias,
+                softmax_scale=self.softmax_scale,
+                dropout_p=self._dropout_p(),
+                window_size=self.window_size,
+            )
+
+    def _context_parallel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask_type: str,
+        attention_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if attention_bias is not None or self.window_size is not None:
+            raise ValueError(
+                f"{_OWNER}: context parallelism with an attention bias or a sliding window is "
+                f"not supported by the native backend"
+            )
+        if mask_type not in ("causal", "no_mask"):
+            raise ValueError(
+                f"{_OWNER}: context parallelism supports causal and no_mask attention, "
+                f"got {mask_type}"
+            )
+        from megatron_rocm.runtime.backend.context_parallel import context_parallel_attention
+
+        return context_parallel_attention(
+            query,
+            key,
+            value,
+            cp_group=self.cp_group,
+            causal=mask_type == "causal",
+            softmax_scale=self.softmax_scale,
+            dropout_p=self._dropout_p(),
+            comm_type=self.cp_comm_type,
+        )
+
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask_type: str,
+        attention_bias: torch.Tensor | None,
+        params: Any,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError(f"{_OWNER}: packed sequences with an attention bias are not supported")
+        if self.cp_size > 1:
+            raise ValueError(
+                f"{_OWNER}: context parallelism with packed (THD) sequences is not supported by "
+                f"the native backend yet; use --context-parallel-size 1 or unpacked data"
+            )
+        from megatron_rocm.runtime.backend.packed_attention import packed_attention
+
+        return packed_attention(
+            query,
+            key,
+            value,
+            cu_seqlens_q=params.cu_seqlens_q,
+            cu_seqlens_kv=params.cu_seqlens_kv,
+            max_seqlen_q=getattr(params, "max_seqlen_q", None),
+            max_seqlen_kv=getattr(params, "max_seqlen_kv", None),
+            cu_seqlens_q_padded=getattr(params, "cu_seqlens_q_padded", None),
+            cu_seqlens_kv_padded=getattr(params, "cu_seqlens_kv_padded", None),
+            causal=mask_type in ("causal", "padding_causal"),
+            softmax_scale=self.softmax_scale,
+            dropout_p=self._dropout_p(),
+            window_size=self.window_size,
+        )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """No parameters (vanilla softmax only), as TE's wrapper without a learnable offset."""
+        return {}
+
+    def extra_repr(self) -> str:
+        return (
+            f"native SDPA, mask={_mask_name(self.attn_mask_type)}, dropout="
+            f"{self.attention_dropout}, scale={self.softmax_scale:.4g}, cp={self.cp_size}"
+        )

@@ -1,0 +1,118 @@
+"""TELayerNormColumnParallelLinear without TransformerEngine: the norm in the linear's input path.
+
+The TE spec folds each block's input norm into the next column-parallel linear (``linear_qkv``
+and ``linear_fc1`` own ``layer_norm_weight``/``layer_norm_bias``; the layer's own norms are
+``IdentityOp``). Checkpoints therefore name the norm ``...linear_qkv.layer_norm_weight``; the
+local spec maps its ``input_layernorm.weight`` onto that name. This module keeps TE's names,
+parameter order and checkpoint layout, so a checkpoint moves between TE and this backend, and
+computes norm then GEMM: the norm is ``kernels.norm.apply_norm`` (torch's fused LayerNorm /
+RMSNorm kernels), the linear is the running tree's ``ColumnParallelLinear`` (sequence-parallel
+all-gather of the normalised activations, gradient accumulation into ``main_grad``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
+from megatron_rocm.runtime.kernels.norm import apply_norm
+
+
+class TELayerNormColumnParallelLinear(ColumnParallelLinear):
+    """LayerNorm/RMSNorm followed by a column-parallel linear, with TE's contract."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable,
+        gather_output: bool,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        if gather_output:
+            raise ValueError(f"{owner}: TE linear layers do not support gather_output=True")
+        if is_expert:
+            raise ValueError(f"{owner}: TE linear layers do not yet support MoE")
+        if skip_weight_param_allocation:
+            raise ValueError(
+                f"{owner}: TE linear layers do not support skip_weight_param_allocation"
+            )
+        extra = accepted_kwargs(
+            ColumnParallelLinear.__init__,
+            kwargs,
+            owner=owner,
+            inert={"stride": 1, "symmetric_ar_type": None},
+        )
+        super().__init__(
+            input_size,
+            output_size,
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            gather_output=False,
+            skip_bias_add=skip_bias_add,
+            is_expert=False,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            **extra,
+        )
+        self.normalization = config.normalization
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"{owner}: normalization {self.normalization!r} is not supported")
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        device = self.weight.device
+        factory = {"device": device, "dtype": config.params_dtype}
+        norm_params = OrderedDict(
+            layer_norm_weight=torch.nn.Parameter(torch.empty(input_size, **factory))
+        )
+        if self.normalization == "LayerNorm":
+            norm_params["layer_norm_bias"] = torch.nn.Parameter(torch.empty(input_size, **factory))
+        for param in norm_params.values():
+            # Replicated over TP; with sequence parallelism each rank normalises other tokens,
+            # so Megatron all-reduces the grads of params flagged like this.
+            param.sequence_parallel = bool(config.sequence_parallel)
+        # TE registers the norm's parameters first: keep that order (state dict, optimizer).
+        self._parameters = OrderedDict(list(norm_params.items()) + list(self._parameters.items()))
+        self.reset_layer_norm_parameters()
+
+    def reset_layer_norm_parameters(self) -> None:
+        """gamma = 1 (0 when zero-centred: the kernel uses 1 + gamma), beta = 0."""
+        if self.layer_norm_weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            if self.zero_centered_gamma:
+                self.layer_norm_weight.zero_()
+            else:
+                self.layer_norm_weight.fill_(1.0)
+            if self.normalization == "LayerNorm":
+                self.layer_norm_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # An fp32 residual stream meets low-precision params here: TE narrows the input too.
+        if x.dtype != self.layer_norm_weight.dtype:
+            x = x.to(self.layer_norm_weight.dtype)
+        normed = apply_norm(
+            x,
+            self.layer_norm_weight,
+            getattr(self, "layer_norm_bias", None),
+            self.eps,
+            self.normalization,
+            self.zero_centered_gamma,
+        )
+        return super().forward(normed)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalization} -> " + super().extra_repr()

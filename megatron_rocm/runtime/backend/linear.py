@@ -1,0 +1,263 @@
+"""TELinear, TEColumnParallelLinear and TERowParallelLinear without TransformerEngine.
+
+TE's column/row linears and Megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``
+compute the same thing: the same weight layout (``weight`` [out/tp, in] or [out, in/tp],
+``bias``), tensor and sequence parallelism, gradient accumulation straight into ``main_grad``
+(the ``grad-accum-fusion`` patch gives the local classes our wgrad kernel), ``skip_bias_add``,
+the same ``sharded_state_dict`` (``weight``/``bias`` split on the TP axis, ``_extra_state``
+kept), and the same expert-parallel behaviour. So the column and row wrappers *are* the local
+classes of the running tree, with the TE wrappers' constructor contract on top: their keyword
+set (which drifts per tag), and their refusals (``gather_output``, ``input_is_parallel=False``,
+``skip_weight_param_allocation``), so code written against TE fails the same way here.
+
+``TELinear`` itself is used directly only with ``parallel_mode="duplicated"`` (MLA and MoE
+latent down-projections): a replicated weight, no TP communication, its gradient reduced over
+TP by Megatron when sequence parallelism shards the input (``sequence_parallel`` attribute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
+from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+
+_TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
+
+
+def _label_only(name: str | None = None) -> None:
+    """The keywords a duplicated ``TELinear`` takes beyond its own: a module name (a label)."""
+
+
+def _check_te_contract(owner: str, skip_weight_param_allocation: bool) -> None:
+    if skip_weight_param_allocation:
+        raise ValueError(f"{owner}: TE linear layers do not support skip_weight_param_allocation")
+
+
+class TEColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel linear (output split over TP) with TE's constructor contract."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable,
+        gather_output: bool,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if gather_output:
+            raise ValueError(
+                "TEColumnParallelLinear: TE linear layers do not support gather_output=True"
+            )
+        _check_te_contract(type(self).__name__, skip_weight_param_allocation)
+        extra = accepted_kwargs(
+            ColumnParallelLinear.__init__,
+            kwargs,
+            owner=type(self).__name__,
+            inert={"stride": 1, **_TE_ONLY_INERT},
+        )
+        super().__init__(
+            input_size,
+            output_size,
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            gather_output=False,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            **extra,
+        )
+
+
+class TERowParallelLinear(RowParallelLinear):
+    """Row-parallel linear (input split over TP) with TE's constructor contract."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not input_is_parallel:
+            raise ValueError("TERowParallelLinear: TE linear layers need input_is_parallel=True")
+        extra = accepted_kwargs(
+            RowParallelLinear.__init__,
+            kwargs,
+            owner=type(self).__name__,
+            inert={"stride": 1, **_TE_ONLY_INERT},
+        )
+        super().__init__(
+            input_size,
+            output_size,
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            input_is_parallel=True,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            **extra,
+        )
+
+
+class _ReplicatedLinearFunction(torch.autograd.Function):
+    """``y = x W^T`` whose weight gradient goes straight into ``main_grad`` when asked.
+
+    Mirrors Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with no TP
+    communication: with gradient-accumulation fusion the wgrad GEMM accumulates into
+    ``weight.main_grad`` and autograd gets a placeholder, flagged ``grad_added_to_main_grad``
+    so Megatron's DDP hooks do not add it again.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse_wgrad):  # noqa: ANN001, ANN205 - autograd signature
+        ctx.save_for_backward(x, weight)
+        ctx.fuse_wgrad = fuse_wgrad and hasattr(weight, "main_grad")
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if not ctx.fuse_wgrad:
+            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            return grad_input, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), None
+        if weight.main_grad.dtype == torch.float32:
+            wgrad_gemm_accum_fp32(x, grad_output, weight.main_grad)
+        else:
+            wgrad_gemm_accum_fp16(x, grad_output, weight.main_grad)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            placeholder = make(weight.main_grad.shape, dtype=x.dtype, device=x.device)
+            weight.grad_added_to_main_grad = True
+            return grad_input, placeholder, None
+        return grad_input, None, None
+
+
+class TELinear(torch.nn.Module):
+    """TE's plain ``Linear`` as Megatron uses it: ``parallel_mode="duplicated"`` (or None).
+
+    Column/row parallel TE linears are ``TEColumnParallelLinear`` / ``TERowParallelLinear``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config: Any,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        skip_weight_param_allocation: bool,
+        tp_comm_buffer_name: str | None = None,
+        is_expert: bool = False,
+        tp_group: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if parallel_mode not in ("duplicated", None):
+            raise ValueError(
+                f"{owner}: parallel_mode={parallel_mode!r}: use TEColumnParallelLinear or "
+                f"TERowParallelLinear for tensor-parallel linears"
+            )
+        if parallel_mode == "duplicated" and tp_group is not None:
+            raise ValueError(f"{owner}: a duplicated linear should not have tp_group set")
+        _check_te_contract(owner, skip_weight_param_allocation)
+        accepted_kwargs(_label_only, kwargs, owner=owner, inert=_TE_ONLY_INERT)
+        self.config = config
+        self.parallel_mode = parallel_mode
+        self.skip_bias_add = skip_bias_add
+        self.te_return_bias = skip_bias_add and bias
+        self.is_expert = is_expert
+        self.in_features, self.out_features = input_size, output_size
+        device = _param_device(config)
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, device=device, dtype=dtype)
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.empty(output_size, device=device, dtype=dtype))
+            if bias
+            else None
+        )
+        if getattr(config, "perform_initialization", True) and device != "meta":
+            _initialize(self.weight, init_method)
+            if self.bias is not None:
+                with torch.no_grad():
+                    self.bias.zero_()
+        expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        for param in self.parameters():
+            param.allreduce = not (is_expert and expert_parallel)
+            param.tensor_model_parallel = False
+            if parallel_mode == "duplicated":
+                # Sequence-parallel input: each TP rank saw a different slice of tokens.
+                param.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
+        out = _ReplicatedLinearFunction.apply(x, self.weight, fuse)
+        if self.bias is None:
+            return out, None
+        if self.te_return_bias:
+            return out, self.bias
+        return out + self.bias, None
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Replicated across TP and DP, like TE's duplicated ``TELinear``."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, None, sharded_offsets)
+
+    def get_extra_state(self) -> None:
+        """TE modules carry an ``_extra_state`` entry (FP8 metadata); keep the key."""
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore: no FP8 metadata without TE."""
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, parallel_mode={self.parallel_mode}"
+        )
+
+
+def _param_device(config: Any) -> torch.device | str:
+    if getattr(config, "use_cpu_initialization", False):
+        return "cpu"
+    if getattr(config, "init_model_with_meta_device", False):
+        return "meta"
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+
+def _initialize(weight: torch.nn.Parameter, init_method: Callable) -> None:
+    """Initialise with the default generator, which Megatron seeds alike on every TP rank: a
+    duplicated weight must start identical everywhere (TE uses its data-parallel RNG tracker
+    for the same reason; the model-parallel tracker differs per TP rank)."""
+    init_method(weight)

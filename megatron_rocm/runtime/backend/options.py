@@ -1,0 +1,129 @@
+"""Options that need TransformerEngine's kernels, refused at argument validation without TE.
+
+Without TE some of upstream's options fail late and obscurely (a MagicMock deep in the model,
+an assertion at the first step) and some are silently ignored: ``--fp8-format`` trains in bf16
+because ``get_fp8_context`` returns a null context. The ``te-spec-backend`` patch calls
+:func:`reject_te_only_options` in ``validate_args``; when ``transformer_engine`` cannot be
+imported, every option below that is set stops the run before any GPU work, one line per
+option, naming the flag and what to do instead. With TE installed it does nothing.
+
+Every option is read with ``getattr``: each exists only at some Megatron versions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TeOnlyOption:
+    """One Megatron option that needs TransformerEngine: where it lives and what to say."""
+
+    dest: str  # attribute on Megatron's args namespace
+    flag: str  # command-line spelling, for the message
+    advice: str  # what to do instead
+    is_set: Callable[[Any], bool] = bool
+
+
+def _is(value: str) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+def _not_in(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is not None and v not in values
+
+
+_NO_FP8 = "train in bf16 (--bf16) instead; FP8/FP4 recipes need TE's quantized GEMMs"
+
+TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
+    TeOnlyOption("fp8", "--fp8-format", _NO_FP8),
+    TeOnlyOption("fp4", "--fp4-format", _NO_FP8),
+    TeOnlyOption("fp8_param_gather", "--fp8-param-gather", _NO_FP8),
+    TeOnlyOption(
+        "tp_comm_overlap",
+        "--tp-comm-overlap",
+        "remove it; it needs TE's userbuffers (the TP all-gather/reduce-scatter still overlap "
+        "with the backward GEMMs through torch.distributed)",
+    ),
+    TeOnlyOption(
+        "cuda_graph_impl",
+        "--cuda-graph-impl transformer_engine",
+        "use --cuda-graph-impl local (Megatron's own CUDA graphs)",
+        _is("transformer_engine"),
+    ),
+    TeOnlyOption(
+        "external_cuda_graph",
+        "--external-cuda-graph",
+        "use --cuda-graph-impl local (Megatron's own CUDA graphs)",
+    ),
+    TeOnlyOption("delay_wgrad_compute", "--delay-wgrad-compute", "remove it"),
+    TeOnlyOption(
+        "fine_grained_activation_offloading",
+        "--fine-grained-activation-offloading",
+        "remove it, or use activation recomputation (--recompute-granularity)",
+    ),
+    TeOnlyOption(
+        "cpu_offloading",
+        "--cpu-offloading",
+        "remove it, or use activation recomputation (--recompute-granularity)",
+    ),
+    TeOnlyOption(
+        "use_transformer_engine_op_fuser", "--use-transformer-engine-op-fuser", "remove it"
+    ),
+    TeOnlyOption(
+        "te_rng_tracker", "--te-rng-tracker", "remove it (Megatron's RNG tracker is used)"
+    ),
+    TeOnlyOption("fused_residual_rmsnorm", "--fused-residual-rmsnorm", "remove it"),
+    TeOnlyOption(
+        "softmax_type",
+        "--softmax-type",
+        "use --softmax-type vanilla (attention sinks need TE's fused attention)",
+        _not_in("vanilla"),
+    ),
+    TeOnlyOption("qk_clip", "--qk-clip", "remove it (needs TE's max-logit output)"),
+    TeOnlyOption(
+        "log_max_attention_logit",
+        "--log-max-attention-logit",
+        "remove it (needs TE's max-logit output)",
+    ),
+    TeOnlyOption(
+        "cross_entropy_fusion_impl",
+        "--cross-entropy-fusion-impl te",
+        "use --cross-entropy-fusion-impl native",
+        _is("te"),
+    ),
+    TeOnlyOption("moe_permute_fusion", "--moe-permute-fusion", "remove it"),
+    TeOnlyOption("moe_router_fusion", "--moe-router-fusion", "remove it"),
+    TeOnlyOption(
+        "transformer_impl",
+        "--transformer-impl inference_optimized",
+        "use --transformer-impl transformer_engine (the native backend) or local",
+        _is("inference_optimized"),
+    ),
+)
+
+
+def transformer_engine_installed() -> bool:
+    """Whether ``import transformer_engine`` can work (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def te_only_options_in_use(args: Any) -> list[str]:
+    """One message per TE-only option set on ``args``."""
+    return [
+        f"{opt.flag}: needs TransformerEngine, which is not installed; {opt.advice}"
+        for opt in TE_ONLY_OPTIONS
+        if hasattr(args, opt.dest) and opt.is_set(getattr(args, opt.dest))
+    ]
+
+
+def reject_te_only_options(args: Any) -> None:
+    """Without TE, raise one ``ValueError`` listing each TE-only option in use."""
+    if transformer_engine_installed():
+        return
+    problems = te_only_options_in_use(args)
+    if problems:
+        raise ValueError("megatron-rocm: " + "\n".join(problems))

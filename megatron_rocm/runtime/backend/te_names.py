@@ -1,0 +1,36 @@
+"""The names the ``te-spec-backend`` patch binds in ``megatron/core/extensions/transformer_engine.py``.
+
+``from megatron_rocm.runtime.backend.te_names import *`` runs at the end of upstream's TE
+extension module when ``import transformer_engine`` failed, so every
+``from megatron.core.extensions.transformer_engine import TELinear`` (specs, models, upstream's
+own tests) gets the native module. Only names listed in ``__all__`` are rebound: everything
+else in that module keeps its no-TE meaning (``HAVE_TE`` False, TE-only helpers unusable), so
+code paths that really need TE still take their TE-less branch.
+"""
+
+from __future__ import annotations
+
+from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+from megatron_rocm.runtime.backend.layernorm_linear import TELayerNormColumnParallelLinear
+from megatron_rocm.runtime.backend.linear import (
+    TEColumnParallelLinear,
+    TELinear,
+    TERowParallelLinear,
+)
+from megatron_rocm.runtime.backend.norm import TENorm
+
+# MoE grouped linears: wired in with the grouped-GEMM module (None = not available, which is
+# upstream's own value without TE).
+TEGroupedLinear = TEColumnParallelGroupedLinear = TERowParallelGroupedLinear = None
+
+__all__ = [
+    "TEColumnParallelGroupedLinear",
+    "TEColumnParallelLinear",
+    "TEDotProductAttention",
+    "TEGroupedLinear",
+    "TELayerNormColumnParallelLinear",
+    "TELinear",
+    "TENorm",
+    "TERowParallelGroupedLinear",
+    "TERowParallelLinear",
+]
