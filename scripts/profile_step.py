@@ -1,6 +1,6 @@
 """Where a training step of a patched tree spends its GPU time: one process, several configs.
 
-    python scripts/profile_step.py TREE [--layers 4] [--configs default,unfused,...]
+    python scripts/profile_step.py TREE [--layers 4] [--configs default,te,unfused,...]
 
 Builds the 0.85B Llama-style shape (hidden 1536, FFN 5504, 12 heads, 4 KV groups, seq 2048,
 micro-batch 2) with fewer layers from TREE (a patched Megatron checkout), runs forward +
@@ -20,11 +20,15 @@ import torch
 import torch.nn.functional as F
 
 CONFIGS = {
-    # name: (fusion flags on?, SDPA on?)
-    "default": (True, True),
-    "no-sdpa": (True, False),
-    "unfused": (False, False),
-    "unfused+sdpa": (False, True),
+    # name: (layer spec, fusion flags on?, SDPA on?, extra environment)
+    "default": ("local", True, True, {}),
+    "no-sdpa": ("local", True, False, {}),
+    "unfused": ("local", False, False, {}),
+    "unfused+sdpa": ("local", False, True, {}),
+    # the TE spec on the native backend, SDPA's own kernel choice / cuDNN attention first
+    "te": ("te", True, True, {}),
+    "te-cudnn": ("te", True, True, {"MEGATRON_ROCM_SDPA_BACKENDS": "cudnn,flash,efficient"}),
+    "te-flash": ("te", True, True, {"MEGATRON_ROCM_SDPA_BACKENDS": "flash,efficient"}),
 }
 
 
@@ -34,8 +38,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def build(tree: str, layers: int, fused: bool, seq: int):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build(tree: str, layers: int, fused: bool, seq: int, spec: str = "local"):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -62,7 +69,9 @@ def build(tree: str, layers: int, fused: bool, seq: int):
     )
     model = GPTModel(
         cfg,
-        get_gpt_layer_local_spec(),
+        get_gpt_layer_local_spec()
+        if spec == "local"
+        else get_gpt_layer_with_transformer_engine_spec(),
         vocab_size=32000,
         max_sequence_length=seq,
         position_embedding_type="rope",
@@ -100,9 +109,11 @@ def main() -> int:
     mask = mask.view(1, 1, args.seq, args.seq)
     rows = []
     for name in args.configs.split(","):
-        fused, sdpa = CONFIGS[name]
+        spec, fused, sdpa, env = CONFIGS[name]
         os.environ["MEGATRON_ROCM_SDPA"] = "1" if sdpa else "0"
-        model = build(args.tree, args.layers, fused, args.seq)
+        os.environ.pop("MEGATRON_ROCM_SDPA_BACKENDS", None)
+        os.environ.update(env)
+        model = build(args.tree, args.layers, fused, args.seq, spec)
         for _ in range(3):
             step(model, tokens, labels, mask)
         torch.cuda.synchronize()

@@ -2,10 +2,12 @@
 """Train a small GPT or Llama-style model with a patched Megatron tree and summarise the run.
 
 Runs ``pretrain_gpt.py`` of TREE (a checkout with the megatron-rocm series applied) under
-torchrun with the local transformer implementation (no TransformerEngine), mock data and bf16.
-By default every fusion keeps upstream's default (on), which is what the series makes work
-without Apex; ``--unfused`` adds every ``--no-*-fusion`` flag and ``MEGATRON_ROCM_SDPA=0``,
-the configuration upstream needs without Apex (the baseline to compare against).
+torchrun with mock data and bf16. The transformer implementation is upstream's default
+(``transformer_engine``: on a machine without TE, the native backend) unless
+``--transformer-impl local`` asks for the local spec. Every fusion keeps upstream's default
+(on), which is what the series makes work without Apex; ``--unfused`` adds every
+``--no-*-fusion`` flag, ``MEGATRON_ROCM_SDPA=0`` and the local spec: the configuration upstream
+itself can run without Apex and TE (the baseline to compare against).
 
 The log is streamed to the terminal and to a file, then parsed: the last line printed is a
 one-line JSON summary (losses, mean iteration time without the first 3 iterations, tokens/s,
@@ -132,7 +134,6 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
         "--clip-grad=1.0",
         "--init-method-std=0.02",
         "--bf16",
-        "--transformer-impl=local",
         "--mock-data",
         "--tokenizer-type=NullTokenizer",
         f"--vocab-size={shape.vocab}",
@@ -158,6 +159,9 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
             "--attention-dropout=0.0",
             "--hidden-dropout=0.0",
         ]
+    impl = "local" if opts.unfused else opts.transformer_impl
+    if impl != "default":
+        args.append(f"--transformer-impl={impl}")
     if opts.unfused:
         args += list(UNFUSED_FLAGS)
     return args
@@ -318,7 +322,15 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="GPUs / torchrun processes (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    p.add_argument("--unfused", action="store_true", help="every --no-*-fusion flag, no SDPA")
+    p.add_argument(
+        "--transformer-impl",
+        choices=("default", "transformer_engine", "local"),
+        default="default",
+        help="default: pass no flag (upstream's default, transformer_engine)",
+    )
+    p.add_argument(
+        "--unfused", action="store_true", help="every --no-*-fusion flag, no SDPA, local spec"
+    )
     p.add_argument("--micro-batch-size", type=int, help="override the preset's micro-batch")
     p.add_argument("--global-batch-size", type=int, help="override the preset's global batch")
     p.add_argument(
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cd {tree} && {sdpa}" + " ".join(cmd))
         return 0
 
-    suffix = "-unfused" if opts.unfused else ""
+    suffix = "-unfused" if opts.unfused else f"-{opts.transformer_impl}"
     log_path = opts.log or Path(f"train_small-{opts.preset}-{opts.preset_size}{suffix}.log")
     if opts.parse_log:
         rc, lines = 0, opts.parse_log.read_text(errors="replace").splitlines()
@@ -398,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": opts.preset,
         "size": opts.preset_size,
         "unfused": opts.unfused,
+        "transformer_impl": "local" if opts.unfused else opts.transformer_impl,
         "nproc": opts.nproc,
         "tp": opts.tp,
         "sp": opts.sp,

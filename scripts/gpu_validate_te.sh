@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# GPU validation of the native TE-spec backend, as a new user would run it, on a lent GPU box
+# with no network. Carry .upstream/ and .whl/ (scripts/make_carry.sh) with the working tree.
+#
+#   scripts/gpu_validate_te.sh OUT STAGE [STAGE ...]
+#
+# Stages (run in the order given):
+#   setup    wheels onto PYTHONPATH, upstream refs from the bundle, `megatron-rocm apply` of
+#            every ref in REFS (default: core_v0.12.0 core_v0.16.0 core_v0.19.0 main)
+#   train    pretrain_gpt.py with upstream's default --transformer-impl (the TE spec on the
+#            native backend): small GPT on every ref, small Llama on every ref, and the local
+#            spec Llama on the newest ref for the loss comparison; ITERS (default 50)
+#   tp2      TP=2 + SP, TE spec, small Llama on the newest ref (needs 2 GPUs)
+#   units    upstream's own unit tests on the newest ref, patched (and unpatched with
+#            UNPATCHED=1), through scripts/upstream_unit_tests.py when present
+#   profile  scripts/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
+#   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS)
+#   smoke    `megatron-rocm smoke` on the newest ref
+# Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
+set -u
+OUT=$1; shift
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+W=${WORK:-/tmp/mrocm-te}
+PY=${PYTHON:-python3}
+REFS=(${REFS:-core_v0.12.0 core_v0.16.0 core_v0.19.0 main})
+NEWEST=${REFS[$((${#REFS[@]} - 1))]}
+ITERS=${ITERS:-50}
+mkdir -p "$OUT" "$W"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$HERE
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
+train() {  # train NAME TREE ARGS... -> OUT/NAME.json (last line: train_small's summary)
+  local name=$1 tree=$2; shift 2
+  (cd "$HERE" && $PY scripts/train_small.py "$tree" --log "$OUT/$name.log" "$@" \
+     > "$OUT/$name.out" 2>&1; tail -1 "$OUT/$name.out" > "$OUT/$name.json")
+}
+
+stage_setup() {
+  log "device: $($PY -c 'import torch;print(torch.cuda.get_device_name(0), torch.cuda.device_count(), torch.__version__, torch.version.cuda or torch.version.hip)')"
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site "$HERE"/.whl/*.whl "$HERE"/.whl/build/pybind11-*.whl 2>&1 | tail -2
+  rm -rf "$W/src" && git clone -q "$HERE/.upstream/mlm.bundle" "$W/src"
+  (cd "$W/src" && for t in $(git tag -l 'snap/*'); do git tag -f "${t#snap/}" "$t" >/dev/null; done \
+     && git branch -f main snap/main >/dev/null 2>&1)
+  for R in "${REFS[@]}"; do
+    rm -rf "$W/p-$R"
+    $PY -m megatron_rocm apply --source "$W/src" --ref "$R" --dest "$W/p-$R" --json \
+      > "$OUT/apply-$R.json" 2> "$OUT/apply-$R.err" && log "apply $R: ok" || log "apply $R: FAILED $(tail -1 "$OUT/apply-$R.err")"
+  done
+}
+
+stage_train() {
+  local pids=()
+  for R in "${REFS[@]}"; do
+    train "te-gpt-$R" "$W/p-$R" --preset gpt --iters "$ITERS" & pids+=($!)
+    train "te-llama-$R" "$W/p-$R" --preset llama --iters "$ITERS" & pids+=($!)
+  done
+  train "local-llama-$NEWEST" "$W/p-$NEWEST" --preset llama --iters "$ITERS" \
+    --transformer-impl local & pids+=($!)
+  wait "${pids[@]}"
+  for f in "$OUT"/te-*.json "$OUT"/local-*.json; do log "$(basename "$f" .json): $(cat "$f")"; done
+}
+
+stage_tp2() {
+  train "te-llama-tp2sp-$NEWEST" "$W/p-$NEWEST" --preset llama --iters "${TP_ITERS:-30}" \
+    --nproc 2 --tp 2 --sp
+  log "te-llama-tp2sp-$NEWEST: $(cat "$OUT/te-llama-tp2sp-$NEWEST.json")"
+}
+
+stage_units() {
+  local tree="$W/p-$NEWEST"
+  if [ -f "$HERE/scripts/upstream_unit_tests.py" ]; then
+    $PY "$HERE/scripts/upstream_unit_tests.py" run "$tree" --out "$OUT/units-patched-$NEWEST.json" \
+      ${UNIT_ARGS:-} > "$OUT/units-patched.log" 2>&1
+    log "units patched: $(tail -3 "$OUT/units-patched.log" | tr '\n' ' ')"
+    if [ "${UNPATCHED:-0}" = 1 ]; then
+      rm -rf "$W/u-$NEWEST" && git clone -q "$W/src" "$W/u-$NEWEST" && git -C "$W/u-$NEWEST" checkout -q "$NEWEST"
+      $PY "$HERE/scripts/upstream_unit_tests.py" run "$W/u-$NEWEST" --out "$OUT/units-unpatched-$NEWEST.json" \
+        ${UNIT_ARGS:-} > "$OUT/units-unpatched.log" 2>&1
+      log "units unpatched: $(tail -3 "$OUT/units-unpatched.log" | tr '\n' ' ')"
+    fi
+  else
+    (cd "$tree" && timeout "${UNIT_TIMEOUT:-300}" $PY -m torch.distributed.run --standalone \
+       --nproc-per-node 1 -m pytest -q -p no:cacheprovider --junitxml "$OUT/units.xml" \
+       ${UNIT_FILES:-tests/unit_tests/transformer/test_attention.py} > "$OUT/units-patched.log" 2>&1)
+    log "units patched: $(grep -E '[0-9]+ (passed|failed)' "$OUT/units-patched.log" | tail -1)"
+  fi
+}
+
+stage_profile() {
+  (cd "$HERE" && $PY scripts/profile_step.py "$W/p-$NEWEST" --layers "${PROFILE_LAYERS:-4}" \
+     --mbs "${PROFILE_MBS:-8}" --configs "${PROFILE_CONFIGS:-default,te,te-cudnn,te-flash}" \
+     > "$OUT/profile.txt" 2>&1)
+  log "profile: $(grep '^| ' "$OUT/profile.txt" | tr '\n' ' ')"
+}
+
+stage_bench() {
+  local mbs=${BENCH_MBS:-8} it=${BENCH_ITERS:-12}
+  for impl in transformer_engine local; do
+    train "bench-$impl-$NEWEST" "$W/p-$NEWEST" --preset llama --preset-size 0.85b --iters "$it" \
+      --micro-batch-size "$mbs" --transformer-impl "$impl"
+    log "bench $impl mbs $mbs: $(cat "$OUT/bench-$impl-$NEWEST.json")"
+  done
+  if [ "${BENCH_UNFUSED:-1}" = 1 ]; then
+    train "bench-unfused-$NEWEST" "$W/p-$NEWEST" --preset llama --preset-size 0.85b --iters "$it" \
+      --micro-batch-size "${UNFUSED_MBS:-8}" --unfused
+    log "bench unfused mbs ${UNFUSED_MBS:-8}: $(cat "$OUT/bench-unfused-$NEWEST.json")"
+  fi
+}
+
+stage_smoke() {
+  $PY -m megatron_rocm smoke "$W/p-$NEWEST" --json "$OUT/smoke-$NEWEST.json" \
+    --junit "$OUT/smoke-$NEWEST.xml" > "$OUT/smoke-$NEWEST.log" 2>&1
+  log "smoke $NEWEST: exit $? $(tail -1 "$OUT/smoke-$NEWEST.log")"
+}
+
+for stage in "$@"; do
+  log "== stage $stage"
+  "stage_$stage"
+done
+log "done"
