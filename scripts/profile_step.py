@@ -94,6 +94,9 @@ def main() -> int:
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument(
+        "--ops", action="store_true", help="group by aten op and input shape, not by kernel"
+    )
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
     import torch.distributed as dist
@@ -124,13 +127,19 @@ def main() -> int:
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / n * 1e3
         rows.append((name, ms))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if args.ops:  # aten ops with the GPU time of their kernels: says *which* op is slow
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=activities) as prof:
             step(model, tokens, labels, mask)
             torch.cuda.synchronize()
         print(f"\n=== {name}: {ms:.1f} ms per fwd+bwd ({args.layers} layers)")
         print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70
+            prof.key_averages(group_by_input_shape=args.ops).table(
+                sort_by="self_cuda_time_total" if args.ops else "cuda_time_total",
+                row_limit=args.top,
+                max_name_column_width=70,
+                max_shapes_column_width=60,
             )
         )
         del model

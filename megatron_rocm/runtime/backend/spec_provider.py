@@ -3,62 +3,54 @@
 Upstream's ``TESpecProvider`` (``extensions/transformer_engine_spec_provider.py``, 0.13+)
 returns the TE wrapper classes it imported from ``extensions/transformer_engine.py``; with the
 ``te-spec-backend`` patch those names are already the native modules. Two of its answers are
-version checks against the installed TE, which reads 0.0.0 without TE, and would route around
-the native modules:
+version checks against the installed TE, which without TE reads 0.0.0 (or None, which makes
+the check itself raise, on 0.13-0.16), and would route around the native modules:
 
 * ``layer_norm(for_qk=True)`` returns Apex's ``FusedLayerNorm`` below TE 1.9 (the QK norm then
   needs Apex): here it is ``TENorm``;
-* ``grouped_mlp_modules(False)`` returns the *local* linears below TE 1.7, with a warning:
-  here the experts' linears are the native TE ones.
+* ``grouped_mlp_modules(False)`` returns the *local* linears below TE 1.7: here the experts
+  are ``SequentialMLP`` over the native TE column/row linears, as with TE.
 
-Everything else is inherited, so each tag keeps its own provider API (the methods and return
-shapes drift: tuples up to 0.16, ``ExpertsBuilder`` partials later). The patch replaces the
-module's ``TESpecProvider`` name with ``native_spec_provider(TESpecProvider)``.
+Everything else is inherited, so each tag keeps its own provider API (methods and return
+shapes drift: ``(module, submodules)`` tuples up to 0.16, ``ExpertsBuilder`` partials later).
+The patch replaces the module's ``TESpecProvider`` name with
+``native_spec_provider(TESpecProvider)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
+import inspect
 from typing import Any
 
 from megatron_rocm.runtime.backend import te_names
 
 
-def _with_native_linears(spec: Any) -> Any:
-    """The experts spec ``spec`` with the local column/row linears swapped for the TE ones."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+def _sequential_experts(provider: Any, returns_tuple: bool) -> Any:
+    """``SequentialMLP`` over the native TE linears, in the running tag's spec format."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
-    swap = {
-        ColumnParallelLinear: te_names.TEColumnParallelLinear,
-        RowParallelLinear: te_names.TERowParallelLinear,
+    fields = {f.name for f in dataclasses.fields(MLPSubmodules)}
+    kwargs: dict[str, Any] = {
+        "linear_fc1": te_names.TEColumnParallelLinear,
+        "linear_fc2": te_names.TERowParallelLinear,
     }
-
-    def fix(submodules: Any) -> Any:
-        if submodules is None or not dataclasses.is_dataclass(submodules):
-            return submodules
-        changes = {
-            f.name: swap[getattr(submodules, f.name)]
-            for f in dataclasses.fields(submodules)
-            if getattr(submodules, f.name, None) in swap
-        }
-        return dataclasses.replace(submodules, **changes) if changes else submodules
-
-    if isinstance(spec, tuple):  # (module, submodules), up to 0.16
-        module, submodules = spec
-        return module, fix(submodules)
-    if isinstance(spec, functools.partial):  # ExpertsBuilder, 0.17+
-        keywords = dict(spec.keywords)
-        if "submodules" in keywords:
-            keywords["submodules"] = fix(keywords["submodules"])
-        return functools.partial(spec.func, *spec.args, **keywords)
-    return spec
+    if "activation_func" in fields and hasattr(provider, "activation_func"):
+        kwargs["activation_func"] = provider.activation_func()
+    submodules = MLPSubmodules(**kwargs)
+    if returns_tuple:
+        return SequentialMLP, submodules
+    return functools.partial(SequentialMLP, submodules=submodules)
 
 
 @functools.cache
 def native_spec_provider(upstream: type) -> type:
     """A subclass of the running tree's ``TESpecProvider`` that keeps to the native modules."""
+    legacy_api = (
+        "moe_use_legacy_grouped_gemm" in inspect.signature(upstream.grouped_mlp_modules).parameters
+    )
 
     class NativeSpecProvider(upstream):  # type: ignore[misc, valid-type]
         """``TESpecProvider`` on megatron-rocm's native backend (TransformerEngine absent)."""
@@ -69,11 +61,9 @@ def native_spec_provider(upstream: type) -> type:
             return super().layer_norm(rms_norm=rms_norm, for_qk=for_qk, **kwargs)
 
         def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, *args: Any, **kwargs: Any) -> Any:
-            with warnings.catch_warnings():
-                # "Only transformer-engine>=1.7.0 supports MoE experts": about TE, not us.
-                warnings.simplefilter("ignore")
-                spec = super().grouped_mlp_modules(moe_use_grouped_gemm, *args, **kwargs)
-            return _with_native_linears(spec)
+            if moe_use_grouped_gemm and te_names.TEColumnParallelGroupedLinear is not None:
+                return super().grouped_mlp_modules(moe_use_grouped_gemm, *args, **kwargs)
+            return _sequential_experts(self, returns_tuple=legacy_api)
 
     NativeSpecProvider.__qualname__ = "NativeSpecProvider"
     return NativeSpecProvider

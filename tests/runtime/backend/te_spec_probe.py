@@ -1,0 +1,177 @@
+"""Run inside a patched megatron-core tree (on ``sys.path``) on CPU; print one JSON object.
+
+    python te_spec_probe.py KIND:DTYPE [KIND:DTYPE ...]     e.g. gpt:float32 llama:bfloat16
+
+KIND is gpt, llama (RMSNorm, SwiGLU, RoPE, GQA) or moe (llama with 4 experts).
+
+Builds the model twice from the same seed, through upstream's TE spec (``get_gpt_layer_with_
+transformer_engine_spec``: the native backend, since TE is absent) and through the local spec,
+runs forward + backward on one batch and reports what the tests compare: module classes,
+losses, logits and gradients side by side (parameters matched through the local spec's own
+key map onto TE names), and the sharded-state-dict keys and shapes of both models.
+
+A separate process per case: Megatron keeps global parallel state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+# Megatron's rotary embedding allocates on torch.cuda.current_device(); on a CPU-only torch
+# that raises. Point it at the CPU (this probe's only concession to running without a GPU).
+if not torch.cuda.is_available():
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+SEQ, BATCH, VOCAB = 16, 2, 96
+# local spec name -> TE spec name (upstream's TransformerLayer maps these keys the same way)
+LOCAL_TO_TE = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def config(kind: str, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+    )
+    if kind in ("llama", "moe"):
+        kw.update(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            num_query_groups=2,
+            activation_func=torch.nn.functional.silu,
+            ffn_hidden_size=96,
+        )
+    if kind == "moe":
+        kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    return TransformerConfig(**kw)
+
+
+def build(kind: str, dtype: torch.dtype, spec_name: str):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    moe = {"num_experts": 4} if kind == "moe" else {}
+    if spec_name == "te":
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    else:
+        spec = specs.get_gpt_layer_local_spec(**moe)
+    torch.manual_seed(1234)
+    return GPTModel(
+        config=config(kind, dtype),
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope" if kind != "gpt" else "learned_absolute",
+    )
+
+
+def run(model, tokens):
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    logits = model(tokens, positions, mask)
+    loss = logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return logits.detach().float(), loss.item()
+
+
+def te_name(local_name: str, te_names: set[str]) -> str:
+    """The TE spec's name for a local-spec parameter (norms folded into the next linear)."""
+    for old, new in LOCAL_TO_TE.items():
+        mapped = local_name.replace(old, new)
+        if old in local_name and mapped in te_names:
+            return mapped
+    return local_name
+
+
+def sharded_layout(model) -> dict[str, list[int] | None]:
+    """Checkpoint keys -> global shapes (None for non-tensor entries such as _extra_state)."""
+    return {
+        key: (list(value.global_shape) if hasattr(value, "global_shape") else None)
+        for key, value in model.sharded_state_dict().items()
+    }
+
+
+def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
+    te_model, local_model = build(kind, dtype, "te"), build(kind, dtype, "local")
+    te_logits, te_loss = run(te_model, tokens)
+    local_logits, local_loss = run(local_model, tokens)
+    te_params = dict(te_model.named_parameters())
+    grad_diff, weight_diff, unmatched = {}, {}, []
+    for name, param in local_model.named_parameters():
+        twin = te_params.get(te_name(name, set(te_params)))
+        if twin is None or twin.shape != param.shape:
+            unmatched.append(name)
+            continue
+        weight_diff[name] = (twin.detach().float() - param.detach().float()).abs().max().item()
+        grad_diff[name] = (twin.grad.float() - param.grad.float()).abs().max().item()
+    te_layout, local_layout = sharded_layout(te_model), sharded_layout(local_model)
+    layer = te_model.decoder.layers[0]
+    attn = layer.self_attention
+    return {
+        "classes": {
+            "linear_qkv": type(attn.linear_qkv).__module__,
+            "core_attention": type(attn.core_attention).__module__,
+            "linear_proj": type(attn.linear_proj).__module__,
+            "mlp": type(layer.mlp).__name__,
+        },
+        "te_loss": te_loss,
+        "local_loss": local_loss,
+        "logits_max_diff": (te_logits - local_logits).abs().max().item(),
+        "logits_scale": local_logits.abs().max().item(),
+        "weight_max_diff": max(weight_diff.values()),
+        "grad_max_diff": max(grad_diff.values()),
+        "grad_scale": max(p.grad.float().abs().max().item() for p in te_params.values()),
+        "grads_finite": all(torch.isfinite(p.grad).all().item() for p in te_params.values()),
+        "unmatched_local_params": unmatched,
+        "te_param_count": sum(p.numel() for p in te_params.values()),
+        "local_param_count": sum(p.numel() for p in local_model.parameters()),
+        "te_layout": te_layout,
+        "local_layout_as_te": {te_name(k, set(te_layout)): v for k, v in local_layout.items()},
+    }
+
+
+def main() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    results = {}
+    for item in sys.argv[1:]:
+        kind, dtype_name = item.split(":")
+        try:
+            results[item] = case(kind, getattr(torch, dtype_name), tokens)
+        except Exception as exc:  # reported per case: one broken variant must not hide others
+            results[item] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Upstream's TE spec on the native backend, on real megatron-core sdists with TE absent (CPU).
+
+For each supported release line, the series (with ``te-spec-backend``) is applied to the PyPI
+sdist, then ``te_spec_probe.py`` builds a GPT, a Llama-style model (RMSNorm, SwiGLU, RoPE, GQA)
+and a Llama-style MoE through ``get_gpt_layer_with_transformer_engine_spec()`` *and* through the
+local spec from one seed, and runs forward + backward. The native TE modules are the local
+classes underneath, so the two models must agree exactly: same weights, logits and gradients
+(fp32 and bf16), and the same checkpoint layout once the local norms take their TE names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cache_paths import DOWNLOAD_CACHE
+
+from megatron_rocm.main import main
+
+pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
+pytest.importorskip("torch")
+
+# One release per variant of the te-spec-backend patch (and the newest of each line).
+RELEASES = ["0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
+CASES = ["gpt:float32", "llama:float32", "moe:float32", "llama:bfloat16"]
+PROBE = Path(__file__).with_name("te_spec_probe.py")
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def probe_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """release -> case -> probe result, one apply and one probe process per release."""
+    results: dict[str, dict] = {}
+    root = tmp_path_factory.mktemp("te-spec")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
+        for release in RELEASES:
+            dest = root / release
+            code = main(["apply", "--source", "pypi", "--ref", release, "--dest", str(dest)])
+            if code != 0:
+                results[release] = {"apply": f"exit {code}"}
+                continue
+            proc = subprocess.run(
+                [sys.executable, str(PROBE), *CASES],
+                cwd=dest,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])},
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            lines = proc.stdout.strip().splitlines()
+            results[release] = (
+                json.loads(lines[-1])
+                if proc.returncode == 0 and lines
+                else {"probe": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"}
+            )
+    return results
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("case", CASES)
+def test_te_spec_matches_local_spec(probe_results: dict, release: str, case: str) -> None:
+    per_release = probe_results[release]
+    assert "apply" not in per_release and "probe" not in per_release, per_release
+    result = per_release[case]
+    assert "error" not in result, result.get("error")
+    classes = result["classes"]
+    assert classes["linear_qkv"] == "megatron_rocm.runtime.backend.layernorm_linear"
+    assert classes["core_attention"] == "megatron_rocm.runtime.backend.attention"
+    assert classes["linear_proj"] == "megatron_rocm.runtime.backend.linear"
+    assert classes["mlp"] == ("MoELayer" if case.startswith("moe") else "MLP")
+    assert result["grads_finite"] and result["grad_scale"] > 0
+    assert result["unmatched_local_params"] == []
+    assert result["te_param_count"] == result["local_param_count"]
+    # Same weights from the same seed; same math: exact agreement, not a tolerance.
+    assert result["weight_max_diff"] == 0.0
+    assert result["logits_max_diff"] == 0.0
+    assert result["grad_max_diff"] == 0.0
+    assert result["te_loss"] == result["local_loss"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_checkpoint_layout_is_the_te_layout(probe_results: dict, release: str) -> None:
+    """The TE spec's sharded state dict (what a TE checkpoint holds) has the local spec's keys
+    and shapes once the local norms take their TE names: checkpoints move between backends."""
+    result = probe_results[release]["llama:float32"]
+    assert "error" not in result, result.get("error")
+    assert result["te_layout"] == result["local_layout_as_te"]
+    assert any(k.endswith("linear_qkv.layer_norm_weight") for k in result["te_layout"])
