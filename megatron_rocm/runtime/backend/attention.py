@@ -7,7 +7,9 @@ Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`
 * context parallelism (``config.context_parallel_size > 1``): ``backend.context_parallel``;
 * packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed_attention``;
 * ``attention_bias`` (relative position embeddings): an additive float mask;
-* a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer.
+* a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer;
+* a block-causal mask under a causal mask type (``--reset-attention-mask`` data): attention
+  within each document (``backend.document_mask``); TE ignores that mask.
 
 Features that only TE's kernels have (non-vanilla softmax with sinks, returning the max logit for
 QK-clip, ``num_splits`` for batch invariance) are refused in the constructor with one clear line;
@@ -19,6 +21,7 @@ unfused softmax, and SDPA accumulates in fp32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -54,6 +57,12 @@ def _cp_group(config: Any, groups: Any) -> Any:
         return parallel_state.get_context_parallel_group(check_initialized=False)
     except TypeError:  # tags whose getter has no check_initialized
         return parallel_state.get_context_parallel_group()
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(s: int, device: torch.device) -> torch.Tensor:
+    """Megatron's causal mask (True = masked) for ``s`` tokens, [1, 1, s, s]."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
 
 
 class TEDotProductAttention(torch.nn.Module):
@@ -160,6 +169,19 @@ class TEDotProductAttention(torch.nn.Module):
                 return self._packed(query, key, value, mask_type, attention_bias, packed_seq_params)
             if self.cp_size > 1:
                 return self._context_parallel(query, key, value, mask_type, attention_bias)
+            documents = self._documents(query, key, attention_mask, mask_type, attention_bias)
+            if documents is not None:
+                from megatron_rocm.runtime.backend.document_mask import block_causal_attention
+
+                return block_causal_attention(
+                    query,
+                    key,
+                    value,
+                    documents,
+                    softmax_scale=self.softmax_scale,
+                    dropout_p=self._dropout_p(),
+                    window_size=self.window_size,
+                )
             return sdpa_sbhd(
                 query,
                 key,
@@ -171,6 +193,40 @@ class TEDotProductAttention(torch.nn.Module):
                 dropout_p=self._dropout_p(),
                 window_size=self.window_size,
             )
+
+    @staticmethod
+    def _documents(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        mask_type: str,
+        attention_bias: torch.Tensor | None,
+    ) -> Any:
+        """Documents of a block-causal mask (``--reset-attention-mask`` data), else None.
+
+        A causal mask type ignores the mask, as with TE, when the mask is the plain causal
+        one or not a square ``[b|1, 1, s, s]`` mask. But a block-causal mask -- documents packed
+        in one sample -- is honoured: TE would silently attend across documents.
+        """
+        s = query.shape[0]
+        if (
+            mask_type != "causal"
+            or attention_mask is None
+            or attention_bias is not None
+            or key.shape[0] != s
+            or attention_mask.dim() != 4
+            or tuple(attention_mask.shape[-2:]) != (s, s)
+            or attention_mask.dtype != torch.bool
+        ):
+            return None
+        if torch.equal(
+            attention_mask, _causal_mask(s, attention_mask.device).expand_as(attention_mask)
+        ):
+            return None  # the default loader's mask: plain causal, nothing to honour
+        from megatron_rocm.runtime.backend.document_mask import documents_from_causal_mask
+
+        documents = documents_from_causal_mask(attention_mask, query.shape[1])
+        return None if documents is None or documents.plain_causal else documents
 
     def _context_parallel(
         self,

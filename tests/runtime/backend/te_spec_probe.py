@@ -2,7 +2,8 @@
 
     python te_spec_probe.py KIND:DTYPE [KIND:DTYPE ...]     e.g. gpt:float32 llama:bfloat16
 
-KIND is gpt, llama (RMSNorm, SwiGLU, RoPE, GQA) or moe (llama with 4 experts).
+KIND is gpt, llama (RMSNorm, SwiGLU, RoPE, GQA) or moe (llama with 4 experts); the case
+``modules`` checks the native modules one by one (refusals, fused wgrad, masks).
 
 Builds the model twice from the same seed, through upstream's TE spec (``get_gpt_layer_with_
 transformer_engine_spec``: the native backend, since TE is absent) and through the local spec,
@@ -154,6 +155,97 @@ def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
     }
 
 
+def _raises(fn, text: str) -> bool:
+    try:
+        fn()
+    except ValueError as exc:
+        return text in str(exc)
+    return False
+
+
+def modules_case() -> dict:
+    """Module-level behaviour of the native TE classes inside a real Megatron tree."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rocm.runtime.backend.sdpa import attention_reference_te
+    from megatron_rocm.runtime.backend.te_names import (  # the extension's names (0.13+)
+        TEColumnParallelLinear,
+        TEDotProductAttention,
+        TELayerNormColumnParallelLinear,
+        TELinear,
+    )
+
+    cfg = config("llama", torch.float32)
+    init = torch.nn.init.normal_
+    out: dict = {}
+    common = dict(config=cfg, init_method=init, bias=False, skip_bias_add=False, is_expert=False)
+    out["gather_output_refused"] = _raises(
+        lambda: TEColumnParallelLinear(8, 8, gather_output=True, **common), "gather_output"
+    )
+    out["unknown_value_refused"] = _raises(
+        lambda: TEColumnParallelLinear(
+            8, 8, gather_output=False, symmetric_ar_type="two_shot", **common
+        ),
+        "symmetric_ar_type",
+    )
+    # duplicated TELinear: plain math, and wgrad straight into main_grad when fused
+    cfg.gradient_accumulation_fusion = True
+    lin = TELinear(
+        8,
+        6,
+        parallel_mode="duplicated",
+        config=cfg,
+        init_method=init,
+        bias=True,
+        skip_bias_add=False,
+        skip_weight_param_allocation=False,
+    )
+    lin.weight.main_grad = torch.zeros(6, 8)
+    lin.weight.grad_added_to_main_grad = False
+    x = torch.randn(5, 2, 8, requires_grad=True)
+    y, bias = lin(x)
+    want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    y.sum().backward()
+    expected_wgrad = torch.ones(10, 6).t() @ x.detach().reshape(10, 8)
+    out["telinear_forward_diff"] = (y - want).abs().max().item()
+    out["telinear_bias_returned"] = bias is None
+    out["telinear_main_grad_diff"] = (lin.weight.main_grad - expected_wgrad).abs().max().item()
+    out["telinear_flagged"] = bool(lin.weight.grad_added_to_main_grad)
+    cfg.gradient_accumulation_fusion = False
+    # zero-centred gamma in the LN-linear: gamma is stored as w - 1
+    cfg.layernorm_zero_centered_gamma = True
+    lnl = TELayerNormColumnParallelLinear(8, 4, gather_output=False, **common)
+    out["zero_centered_init"] = bool((lnl.layer_norm_weight == 0).all())
+    xs = torch.randn(3, 2, 8)
+    got, _ = lnl(xs)
+    normed = torch.nn.functional.rms_norm(
+        xs, (8,), lnl.layer_norm_weight + 1, cfg.layernorm_epsilon
+    )
+    out["zero_centered_diff"] = (got - normed @ lnl.weight.t()).abs().max().item()
+    out["ln_param_order"] = [n for n, _ in lnl.named_parameters()]
+    cfg.layernorm_zero_centered_gamma = False
+    # core attention: causal ignores a plain mask, honours a block-causal (packed) one
+    attn = TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+    s = 12
+    q, k, v = (torch.randn(s, 2, n, cfg.kv_channels) for n in (4, 2, 2))
+    plain = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    base = attn(q, k, v, plain, AttnMaskType.causal)
+    ref = attention_reference_te(q, k, v, mask_type="causal")
+    out["attention_causal_diff"] = (base - ref).abs().max().item()
+    block = plain.clone().repeat(2, 1, 1, 1)
+    block[1, :, 5:, :5] = True  # sample 1: documents [0, 5) and [5, 12)
+    packed = attn(q, k, v, block, AttnMaskType.causal)
+    ref_block = attention_reference_te(q, k, v, mask_type="arbitrary", attention_mask=block)
+    out["attention_block_causal_diff"] = (packed - ref_block).abs().max().item()
+    out["attention_block_causal_differs"] = (packed - base).abs().max().item()
+    cfg.softmax_type = "learnable" if hasattr(cfg, "softmax_type") else None
+    if cfg.softmax_type:
+        out["sinks_refused"] = _raises(
+            lambda: TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self"), "softmax_type"
+        )
+    return out
+
+
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -164,8 +256,11 @@ def main() -> None:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
     results = {}
     for item in sys.argv[1:]:
-        kind, dtype_name = item.split(":")
         try:
+            if item == "modules":
+                results[item] = modules_case()
+                continue
+            kind, dtype_name = item.split(":")
             results[item] = case(kind, getattr(torch, dtype_name), tokens)
         except Exception as exc:  # reported per case: one broken variant must not hide others
             results[item] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -45,7 +45,7 @@ def probe_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 results[release] = {"apply": f"exit {code}"}
                 continue
             proc = subprocess.run(
-                [sys.executable, str(PROBE), *CASES],
+                [sys.executable, str(PROBE), *CASES, "modules"],
                 cwd=dest,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])},
                 capture_output=True,
@@ -91,3 +91,19 @@ def test_checkpoint_layout_is_the_te_layout(probe_results: dict, release: str) -
     assert "error" not in result, result.get("error")
     assert result["te_layout"] == result["local_layout_as_te"]
     assert any(k.endswith("linear_qkv.layer_norm_weight") for k in result["te_layout"])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
+    """TE's refusals and contracts, fused wgrad into main_grad, honoured block-causal masks."""
+    result = probe_results[release]["modules"]
+    assert "error" not in result, result.get("error")
+    assert result["gather_output_refused"] and result["unknown_value_refused"]
+    assert result["telinear_forward_diff"] == 0.0 and result["telinear_bias_returned"]
+    assert result["telinear_main_grad_diff"] < 1e-5 and result["telinear_flagged"]
+    assert result["zero_centered_init"] and result["zero_centered_diff"] < 1e-5
+    assert result["ln_param_order"] == ["layer_norm_weight", "weight"]  # TE's order
+    assert result["attention_causal_diff"] < 1e-5
+    assert result["attention_block_causal_diff"] < 1e-5
+    assert result["attention_block_causal_differs"] > 1e-2  # the mask really changed things
+    assert result.get("sinks_refused", True)

@@ -1,0 +1,83 @@
+"""TE-only options are refused at argument validation when TransformerEngine is absent."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rocm.runtime.backend import options
+from megatron_rocm.runtime.backend.options import (
+    TE_ONLY_OPTIONS,
+    reject_te_only_options,
+    te_only_options_in_use,
+)
+
+DEFAULTS = {
+    "fp8": None,
+    "fp4": None,
+    "fp8_param_gather": False,
+    "tp_comm_overlap": False,
+    "cuda_graph_impl": "none",
+    "external_cuda_graph": False,
+    "delay_wgrad_compute": False,
+    "fine_grained_activation_offloading": False,
+    "cpu_offloading": False,
+    "use_transformer_engine_op_fuser": False,
+    "te_rng_tracker": False,
+    "fused_residual_rmsnorm": False,
+    "softmax_type": "vanilla",
+    "qk_clip": False,
+    "log_max_attention_logit": False,
+    "cross_entropy_fusion_impl": "native",
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+    "transformer_impl": "transformer_engine",
+}
+SET = {
+    "fp8": "hybrid",
+    "fp4": "nvfp4",
+    "cuda_graph_impl": "transformer_engine",
+    "softmax_type": "learnable",
+    "cross_entropy_fusion_impl": "te",
+    "transformer_impl": "inference_optimized",
+}
+
+
+@pytest.fixture(autouse=True)
+def no_te(monkeypatch):
+    monkeypatch.setattr(options, "transformer_engine_installed", lambda: False)
+
+
+def test_upstream_defaults_pass():
+    reject_te_only_options(SimpleNamespace(**DEFAULTS))
+    reject_te_only_options(SimpleNamespace())  # an old tag without any of these options
+
+
+@pytest.mark.parametrize("opt", TE_ONLY_OPTIONS, ids=lambda o: o.dest)
+def test_each_option_is_refused_with_its_flag(opt):
+    args = SimpleNamespace(**{**DEFAULTS, opt.dest: SET.get(opt.dest, True)})
+    with pytest.raises(ValueError) as err:
+        reject_te_only_options(args)
+    message = str(err.value)
+    assert opt.flag in message and "TransformerEngine" in message
+    assert len(message.splitlines()) == 1
+
+
+def test_every_default_is_in_the_table():
+    assert {o.dest for o in TE_ONLY_OPTIONS} == set(DEFAULTS)
+
+
+def test_local_cuda_graphs_and_vanilla_softmax_are_fine():
+    args = SimpleNamespace(**{**DEFAULTS, "cuda_graph_impl": "local", "transformer_impl": "local"})
+    assert te_only_options_in_use(args) == []
+
+
+def test_several_options_one_line_each():
+    args = SimpleNamespace(**{**DEFAULTS, "fp8": "e4m3", "tp_comm_overlap": True})
+    assert len(te_only_options_in_use(args)) == 2
+
+
+def test_nothing_is_refused_when_te_is_installed(monkeypatch):
+    monkeypatch.setattr(options, "transformer_engine_installed", lambda: True)
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, "fp8": "hybrid"}))
