@@ -1,0 +1,304 @@
+"""Attention on one (query block, key/value block) pair with its log-sum-exp, forward and backward.
+
+Context-parallel attention splits one softmax row over several key blocks. Each block returns
+its output and the log-sum-exp (lse) of its scores; ``SoftmaxMerger`` combines them exactly.
+The backward of a block is given the *final* output and lse, so the probabilities a kernel
+recomputes, ``exp(S - lse)``, are the global ones, and ``dS = P * (dP - rowsum(dO * O))`` is the
+global gradient restricted to the block: no block needs another block's scores.
+
+Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) and return
+``out [b, heads, sq, dv]`` in the input dtype and ``lse [b, heads, sq]`` in fp32:
+
+* ``flash``: ``aten._scaled_dot_product_flash_attention`` (CUDA and ROCm; fp16/bf16, equal
+  query/value head dims, a multiple of 8, at most 256). Grouped kv heads are native on CUDA.
+* ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA and ROCm; head dims
+  multiples of 8; fp32 too).
+* ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, no dropout).
+* ``math``: fp32 matmuls (any device). It materialises the block's scores: a fallback only.
+
+``MEGATRON_ROCM_CP_KERNEL`` (flash, efficient, cpu_flash, math; default auto) picks one
+explicitly; an explicit kernel that cannot run raises, an automatic fallback is logged once.
+
+Dropout: the GPU kernels return their philox seed and offset, which go back into their
+backward, so it regenerates the same mask; ``math`` draws one seed per block from the current
+generator and regenerates its mask from that seed. Dropout is elementwise and the merge is
+linear, so the merged output is exactly dropout applied to the global softmax.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+
+Tensor = torch.Tensor
+aten = torch.ops.aten
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for merging and summing blocks; fp64 stays fp64 (tests check gradients in fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class SoftmaxMerger:
+    """Running (output, lse) of one softmax whose keys arrive block by block, in fp32."""
+
+    def __init__(self, like_query: Tensor, value_dim: int) -> None:
+        b, heads, s, _ = like_query.shape
+        kw = {"device": like_query.device, "dtype": accumulation_dtype(like_query.dtype)}
+        self.out = torch.empty(b, heads, s, value_dim, **kw)
+        self.lse = torch.empty(b, heads, s, **kw)
+
+    def add(self, rows: slice, out: Tensor, lse: Tensor, *, first: bool = False) -> None:
+        """Fold a block's result for query rows ``rows`` into the running softmax.
+
+        ``first``: these rows have seen no block yet, so the block is copied, not merged.
+        """
+        acc_out, acc_lse = self.out[:, :, rows], self.lse[:, :, rows]
+        if first:
+            acc_out.copy_(out)
+            acc_lse.copy_(lse)
+            return
+        new_lse = torch.logaddexp(acc_lse, lse)
+        acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
+        acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse - new_lse).unsqueeze(-1))
+        acc_lse.copy_(new_lse)
+
+
+class BlockKernel:
+    """One attention kernel with lse: ``forward`` -> (out, lse, state); ``backward`` -> grads."""
+
+    name = "?"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        """Why this kernel cannot run these inputs (None when it can)."""
+        raise NotImplementedError
+
+    def native_gqa(self) -> bool:
+        return False
+
+    def _fwd(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, p: float):  # noqa: ANN202
+        raise NotImplementedError
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        raise NotImplementedError
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if k.shape[1] == q.shape[1] or self.native_gqa():
+            return k, v
+        repeat = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropout_p: float
+    ) -> tuple[Tensor, Tensor, Any]:
+        k, v = self._heads(q, k, v)
+        return self._fwd(q, k, v, causal, scale, dropout_p)
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        state: Any,
+        *,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of this block given the global ``out`` and ``lse`` of its query rows."""
+        ke, ve = self._heads(q, k, v)
+        dq, dk, dv = self._bwd(dout, q, ke, ve, out, lse, state, causal, scale, dropout_p)
+        if ke is not k:  # expanded heads: sum each group's gradient back onto its kv head
+            groups = k.shape[1]
+            dk = dk.unflatten(1, (groups, -1)).sum(2)
+            dv = dv.unflatten(1, (groups, -1)).sum(2)
+        return dq, dk, dv
+
+
+def _pad_lse(lse: Tensor, length: int) -> Tensor:
+    """The kernels' backward wants the lse length their forward produced (CUDA pads to 32)."""
+    lse = lse.contiguous()
+    return lse if lse.shape[-1] == length else F.pad(lse, (0, length - lse.shape[-1]))
+
+
+class FlashKernel(BlockKernel):
+    name = "flash"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        if not q.is_cuda:
+            return "needs a GPU"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs fp16/bf16, got {q.dtype}"
+        if q.shape[-1] != v.shape[-1] or q.shape[-1] % 8 or q.shape[-1] > 256:
+            return f"needs equal q/v head dims, multiples of 8 and <= 256 (got {q.shape[-1]}, {v.shape[-1]})"
+        if not torch.backends.cuda.flash_sdp_enabled():
+            return "flash SDPA is disabled (torch.backends.cuda.enable_flash_sdp)"
+        available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        if not available():
+            return "this torch build has no flash attention"
+        if not is_hip() and torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "flash attention needs sm80 or newer"
+        return None
+
+    def native_gqa(self) -> bool:
+        # ROCm's flash kernels of several torch releases reject grouped heads.
+        return not is_hip()
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)
+        )
+        sq = q.shape[2]
+        state = (cum_q, cum_k, max_q, max_k, seed, offset, lse.shape[-1])
+        return out, lse[..., :sq].float(), state
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        cum_q, cum_k, max_q, max_k, seed, offset, length = state
+        return aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, _pad_lse(lse, length), cum_q, cum_k, max_q, max_k, p, causal,
+            seed, offset, scale=scale,
+        )  # fmt: skip
+
+
+class EfficientKernel(BlockKernel):
+    name = "efficient"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        if not q.is_cuda:
+            return "needs a GPU"
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"needs fp16/bf16/fp32, got {q.dtype}"
+        if q.shape[-1] % 8 or v.shape[-1] % 8:
+            return f"needs head dims that are multiples of 8 (got {q.shape[-1]}, {v.shape[-1]})"
+        if not torch.backends.cuda.mem_efficient_sdp_enabled():
+            return (
+                "memory-efficient SDPA is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
+            )
+        return None
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, p, causal, scale=scale
+        )
+        return out, lse[..., : q.shape[2]].float(), (seed, offset, lse.shape[-1])
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        seed, offset, length = state
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, _pad_lse(lse, length), seed, offset, p,
+            [True, True, True, False], causal, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+
+
+class CpuFlashKernel(BlockKernel):
+    name = "cpu_flash"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        if q.is_cuda:
+            return "runs on the CPU only"
+        if dropout_p > 0:
+            return "cannot replay dropout in its backward"
+        if q.shape[-1] != v.shape[-1]:
+            return f"needs equal q/v head dims (got {q.shape[-1]}, {v.shape[-1]})"
+        return None
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.to(accumulation_dtype(q.dtype)), None
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
+        )
+
+
+class MathKernel(BlockKernel):
+    name = "math"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        return None
+
+    @staticmethod
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+        acc = accumulation_dtype(q.dtype)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = scores.shape[-2:]
+            upper = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(upper, float("-inf"))
+        return scores
+
+    @staticmethod
+    def _keep(seed: int, like: Tensor, p: float) -> Tensor:
+        generator = torch.Generator(device=like.device).manual_seed(seed)
+        keep = torch.rand(like.shape, generator=generator, device=like.device) >= p
+        return keep.to(like.dtype) / (1.0 - p)
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        scores = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        seed = None
+        if p > 0:
+            seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
+            probs = probs * self._keep(seed, probs, p)
+        return torch.matmul(probs, v.to(probs.dtype)).to(q.dtype), lse, seed
+
+    def _bwd(self, do, q, k, v, out, lse, seed, causal, scale, p):  # noqa: ANN001, ANN202
+        probs = torch.exp(self._scores(q, k, causal, scale) - lse.unsqueeze(-1))
+        acc = probs.dtype
+        do_acc = do.to(acc)
+        dprobs = torch.matmul(do_acc, v.to(acc).transpose(-1, -2))
+        kept = probs
+        if seed is not None:
+            keep = self._keep(seed, probs, p)
+            kept, dprobs = probs * keep, dprobs * keep
+        dv = torch.matmul(kept.transpose(-1, -2), do_acc)
+        delta = (do_acc * out.to(acc)).sum(-1, keepdim=True)
+        dscores = probs * (dprobs - delta) * scale
+        dq = torch.matmul(dscores, k.to(acc))
+        dk = torch.matmul(dscores.transpose(-1, -2), q.to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+KERNELS: dict[str, BlockKernel] = {
+    k.name: k for k in (FlashKernel(), EfficientKernel(), CpuFlashKernel(), MathKernel())
+}
+
+
+def pick_kernel(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> BlockKernel:
+    """The fastest kernel that runs these inputs, or the one ``MEGATRON_ROCM_CP_KERNEL`` names."""
+    requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
+    if requested != "auto":
+        kernel = KERNELS.get(requested)
+        if kernel is None:
+            raise ValueError(
+                f"MEGATRON_ROCM_CP_KERNEL={requested!r} is not one of auto, {', '.join(KERNELS)}"
+            )
+        reason = kernel.unsupported(q, k, v, dropout_p)
+        if reason:
+            raise ValueError(f"MEGATRON_ROCM_CP_KERNEL={requested}: this kernel {reason}")
+        return kernel
+    reasons = []
+    for name in ("flash", "efficient") if q.is_cuda else ("cpu_flash",):
+        reason = KERNELS[name].unsupported(q, k, v, dropout_p)
+        if reason is None:
+            return KERNELS[name]
+        reasons.append(f"{name} {reason}")
+    message = "; ".join(reasons)
+    log_fallback_once(
+        f"cp-math:{message}",
+        f"context-parallel attention uses the unfused math kernel ({message})",
+    )
+    return KERNELS["math"]

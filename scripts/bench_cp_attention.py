@@ -1,0 +1,163 @@
+"""Attention TFLOP/s of context-parallel attention vs single-GPU SDPA at the same total length.
+
+    torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
+        [--comm p2p,all_gather,a2a] [--json FILE]
+
+Llama-ish shapes: batch 1, 32 query heads, 8 kv groups, head dim 128, bf16, causal, forward +
+backward. Per total length L, every rank first times single-GPU SDPA over all L tokens
+(``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
+ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
+zigzag layout, for each comm type. One JSON line per case, with the device named:
+
+* ``ms``: median wall time of forward + backward (the slowest rank's, for CP);
+* ``tflops_per_gpu``: causal attention FLOPs (forward ``2 * 2 * b * h * L^2 * d / 2``,
+  backward 2.5x forward) / number of GPUs / time. Near-linear CP keeps this close to the
+  single-GPU figure; ``speedup`` = single-GPU ms / CP ms (cp is ideal);
+* ``max_abs_err``: CP output vs the single-GPU output on the same data (bf16 rounding only).
+
+``--cpu`` runs the same code on gloo with tiny lengths (a check of the script, not a benchmark).
+Needs no network; takes well under two minutes on H100/H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel  # noqa: E402
+from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
+    context_parallel_attention,
+    zigzag_shard,
+)
+from megatron_rocm.runtime.kernels.attention import sdpa_attention  # noqa: E402
+
+HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
+
+
+def causal_flops(length: int) -> float:
+    forward = 4 * BATCH * HEADS * length * length * DIM / 2
+    return forward * 3.5
+
+
+def timed(fn: Callable[[], object], iters: int, device: torch.device, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on a GPU, wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def slowest(ms: float, device: torch.device) -> float:
+    value = torch.tensor([ms], device=device, dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def bench_length(
+    length: int, comms: list[str], iters: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[dict]:
+    """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    scale = DIM**-0.5
+    gen = torch.Generator(device=device).manual_seed(length)
+    shapes = {"q": HEADS, "k": GROUPS, "v": GROUPS}
+    full = {
+        n: torch.randn(length, BATCH, h, DIM, generator=gen, device=device, dtype=dtype)
+        for n, h in shapes.items()
+    }
+    full["g"] = torch.randn(length, BATCH, HEADS * DIM, generator=gen, device=device, dtype=dtype)
+    leaves = [full[n].clone().requires_grad_() for n in "qkv"]
+    single_out = sdpa_attention(*leaves, None, "causal", scale).detach()
+    single_ms = timed(
+        lambda x=leaves: sdpa_attention(*x, None, "causal", scale).backward(full["g"]),
+        iters,
+        device,
+    )
+    yield {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
+           "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
+    del leaves  # free the single-GPU tensors before the CP cases
+    local = {n: zigzag_shard(t, cp, rank) for n, t in full.items()}
+    expected = zigzag_shard(single_out, cp, rank).float()
+    for comm in comms:
+        cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
+
+        def run(comm: str = comm, cp_leaves: list = cp_leaves) -> torch.Tensor:
+            return context_parallel_attention(
+                *cp_leaves, cp_group=None, causal=True, softmax_scale=scale, comm_type=comm
+            )
+
+        err = (run().detach().float() - expected).abs().max()
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        dist.barrier()
+        ms = slowest(timed(lambda run=run: run().backward(local["g"]), iters, device), device)
+        kernel = "sdpa" if comm == "a2a" else pick_kernel(*cp_leaves, 0.0).name
+        yield {"case": f"cp{cp}_{comm}", "L": length, "ms": round(ms, 3),
+               "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
+               "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
+               "kernel": kernel}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="8192,16384,32768")
+    parser.add_argument("--comm", default="p2p,all_gather,a2a")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", help="also append the JSON lines to this file (rank 0)")
+    parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
+    args = parser.parse_args()
+
+    if args.cpu:
+        dist.init_process_group("gloo")
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    name = "cpu" if args.cpu else torch.cuda.get_device_name(device)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    sink = open(args.json, "a") if args.json and rank == 0 else None  # noqa: SIM115
+
+    def emit(record: dict) -> None:
+        if rank == 0:
+            line = json.dumps({"bench": "cp_attention", "device": name, "gpus": cp, **record})
+            print(line, flush=True)
+            if sink:
+                sink.write(line + "\n")
+
+    for length in lengths:
+        for record in bench_length(length, args.comm.split(","), args.iters, device, dtype):
+            emit(record)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if sink:
+        sink.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

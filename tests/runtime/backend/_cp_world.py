@@ -1,0 +1,251 @@
+"""A persistent torch.distributed world for the context-parallel tests.
+
+Starting processes and importing torch costs seconds, so one world of ``size`` spawned
+processes serves every test of a module: the test process sends a case (a function of this
+module, by name, plus keyword arguments) to every rank and collects each rank's return value.
+Values travel as ``torch.save`` bytes, so tensors need no shared-memory plumbing.
+
+Gloo on the CPU; NCCL (RCCL on ROCm) with one GPU per rank for the ``gpu`` cases.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_rocm.runtime.backend.context_parallel import context_parallel_attention
+
+_GROUPS: dict[tuple[tuple[int, ...], ...], Any] = {}
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def shard(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Upstream's CP split, written out independently of the package: chunks r and 2cp-1-r."""
+    chunks = x.chunk(2 * cp, dim=0)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]]).clone()
+
+
+def unshard(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of ``shard`` given every rank's part in rank order."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=0)
+    return torch.cat(chunks)  # type: ignore[arg-type]
+
+
+def contiguous_split(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """A *wrong* layout (plain contiguous split), to show the parity check notices."""
+    return x.chunk(cp, dim=0)[rank].clone()
+
+
+def _group(partition: list[list[int]] | None) -> tuple[Any, tuple[int, ...]]:
+    """(CP group containing this rank, its global ranks); every rank creates every group."""
+    rank = dist.get_rank()
+    if partition is None:
+        return None, tuple(range(dist.get_world_size()))
+    key = tuple(tuple(p) for p in partition)
+    if key not in _GROUPS:
+        _GROUPS[key] = [dist.new_group(list(p)) for p in key]
+    for ranks, group in zip(key, _GROUPS[key]):
+        if rank in ranks:
+            return group, ranks
+    raise AssertionError(f"rank {rank} is in no group of {partition}")
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def parity_case(
+    *,
+    tensors: dict[str, torch.Tensor],
+    comm_type: str,
+    causal: bool,
+    scale: float | None,
+    dtype: torch.dtype,
+    kernel: str = "auto",
+    partition: list[list[int]] | None = None,
+    layout: str = "zigzag",
+    fused: bool = False,
+) -> dict[str, Any]:
+    """Run CP attention on this rank's shard of the full q/k/v; return output and grads."""
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
+    group, members = _group(partition)
+    cp, cp_rank = len(members), members.index(dist.get_rank())
+    split = shard if layout == "zigzag" else contiguous_split
+    device = _device()
+    local = {n: split(t, cp, cp_rank).to(device) for n, t in tensors.items()}
+    if fused:  # q/k/v as strided views of one projection output, as Megatron splits them
+        heads = [local[n].shape[2] for n in "qkv"]
+        fused_leaf = torch.cat([local[n] for n in "qkv"], dim=2).to(dtype).requires_grad_()
+        inputs = fused_leaf.split(heads, dim=2)
+    else:
+        inputs = leaves = [local[n].to(dtype).requires_grad_() for n in "qkv"]
+    out = context_parallel_attention(
+        *inputs, cp_group=group, causal=causal, softmax_scale=scale, comm_type=comm_type
+    )
+    out.backward(local["grad"].to(dtype))
+    grads = fused_leaf.grad.split(heads, dim=2) if fused else [t.grad for t in leaves]
+    result = {"out": out.detach()}
+    result.update({f"d{n}": grad for n, grad in zip("qkv", grads)})
+    return {"members": members, **{n: t.float().cpu() for n, t in result.items()}}
+
+
+def dropout_case(
+    *, comm_type: str, p: float, kernel: str, dtype: torch.dtype, shape: tuple[int, ...], eps: float
+) -> dict[str, float]:
+    """Is the backward the derivative of the dropped-out forward? (a directional derivative)
+
+    The same RNG seed before every call makes the forward a deterministic function of q/k/v.
+    Its central difference along a random direction must equal <grad, direction> summed over
+    all ranks; a backward that regenerated a different dropout mask would not.
+    """
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
+    rank, device = dist.get_rank(), _device()
+    s, b, heads, groups, dim = shape
+    generator = torch.Generator().manual_seed(100 + rank)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, dtype=torch.float64).to(device, dtype)
+
+    q, k, v = rand(s, b, heads, dim), rand(s, b, groups, dim), rand(s, b, groups, dim)
+    grad, dirs = rand(s, b, heads * dim), [rand(*t.shape) for t in (q, k, v)]
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float = p) -> torch.Tensor:
+        torch.manual_seed(7 + rank)
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            cp_group=None,
+            causal=True,
+            softmax_scale=None,
+            dropout_p=p,
+            comm_type=comm_type,
+        )
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = forward(*leaves)
+    out.backward(grad)
+    with torch.no_grad():
+        again = forward(q, k, v)
+        plain = forward(q, k, v, p=0.0)
+        plus = forward(*(t + eps * d for t, d in zip((q, k, v), dirs)))
+        minus = forward(*(t - eps * d for t, d in zip((q, k, v), dirs)))
+        numeric = ((plus.double() - minus.double()) * grad.double()).sum() / (2 * eps)
+        analytic = sum((t.grad.double() * d.double()).sum() for t, d in zip(leaves, dirs))
+        both = torch.stack([numeric, analytic]).to(device)
+        dist.all_reduce(both)
+    return {
+        "numeric": both[0].item(),
+        "analytic": both[1].item(),
+        "repeatable": bool(torch.equal(out.detach(), again)),
+        "dropped": (out.detach() - plain).abs().max().item(),
+    }
+
+
+def _serve(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=300),
+    )
+    while (task := tasks.get()) is not None:
+        name, kwargs = task
+        try:
+            results.put((rank, True, _dumps(globals()[name](**_loads(kwargs)))))
+        except Exception:  # noqa: BLE001 - reported to the test process
+            results.put((rank, False, traceback.format_exc()))
+    # Leave without destroy_process_group: on rank 0, which hosts the store, it waits for
+    # the other ranks' connections to close and would stall the teardown.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class World:
+    """``size`` ranks waiting for cases; ``run`` returns every rank's result, in rank order."""
+
+    def __init__(self, size: int, backend: str = "gloo") -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.alive = True
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                args=(r, size, port, backend, self.tasks[r], self.results),
+                daemon=True,
+            )
+            for r in range(size)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, name: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        payload = _dumps(kwargs)
+        for tasks in self.tasks:
+            tasks.put((name, payload))
+        values: dict[int, Any] = {}
+        errors = []
+        for _ in range(self.size):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                raise AssertionError(
+                    f"{name}: no answer from the ranks within {timeout} s"
+                ) from None
+            if ok:
+                values[rank] = _loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:  # the other ranks may be stuck in a collective: start afresh next time
+            self.close()
+            raise AssertionError("\n".join(errors))
+        return [values[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        self.alive = False
+        for tasks in self.tasks:
+            tasks.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()

@@ -1,0 +1,400 @@
+"""Context-parallel attention vs single-process attention over the whole sequence.
+
+Worlds of 2 and 4 gloo processes (``_cp_world``) run each case on their shards of one full
+q/k/v in upstream's zigzag layout; the test process reassembles outputs and gradients and
+compares them with ``attention_reference`` (the local DotProductAttention math) over the full
+sequence: forward and dq/dk/dv, causal and not, GQA, odd head dims, every comm type, CP groups
+that are strided subgroups of the world. The ``gpu`` cases (NCCL, 2 GPUs) run the flash and
+memory-efficient kernels the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from _cp_world import World, shard, unshard  # noqa: E402
+
+from megatron_rocm.runtime.backend import _cp_block_attention as blocks  # noqa: E402
+from megatron_rocm.runtime.backend._cp_layout import (  # noqa: E402
+    DIAGONAL,
+    FULL,
+    KV_FRONT,
+    Q_BACK,
+    global_to_rank_major,
+    rank_major_to_global,
+)
+from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
+    SUPPORTED_CP_COMM_TYPES,
+    context_parallel_attention,
+    ring_step_plan,
+    zigzag_chunk_ids,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from megatron_rocm.runtime.kernels.attention import attention_reference  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+# (tokens of the whole sequence, batch, query heads, kv groups, head dim, value head dim)
+GQA = (16, 2, 4, 2, 8, 8)
+ODD = (24, 1, 2, 2, 5, 5)  # odd head dim, plain multi-head
+VALUE_DIM = (16, 1, 4, 2, 8, 6)  # value head dim != query/key head dim
+COMM = list(SUPPORTED_CP_COMM_TYPES)
+
+
+# --- layout -------------------------------------------------------------------------------
+
+
+def _upstream_split(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """get_batch_on_this_cp_rank's indexing, restated: view as 2cp chunks, pick r and 2cp-1-r."""
+    chunked = x.view(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    return chunked.index_select(0, torch.tensor([rank, 2 * cp - 1 - rank])).reshape(
+        -1, *x.shape[1:]
+    )
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_layout_matches_upstream_and_round_trips(cp: int) -> None:
+    x = torch.arange(2 * cp * 3 * 2).view(2 * cp * 3, 2)
+    shards = [zigzag_shard(x, cp, r) for r in range(cp)]
+    for rank, part in enumerate(shards):
+        assert torch.equal(part, _upstream_split(x, cp, rank))
+        assert torch.equal(part, shard(x, cp, rank))  # the worlds' own sharding agrees
+        assert zigzag_chunk_ids(cp, rank) == (rank, 2 * cp - 1 - rank)
+    assert torch.equal(zigzag_unshard(shards), x)
+    assert torch.equal(unshard(shards), x)
+    assert torch.equal(global_to_rank_major(x, cp), torch.cat(shards))
+    assert torch.equal(rank_major_to_global(global_to_rank_major(x, cp), cp), x)
+
+
+def test_zigzag_shard_rejects_a_length_not_divisible_by_2cp() -> None:
+    with pytest.raises(ValueError, match="not a multiple of 2 \\* cp = 4"):
+        zigzag_shard(torch.zeros(6, 1), 2, 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_ring_step_plan_matches_the_causal_mask(cp: int) -> None:
+    """Each ring step's plan is exactly the causal mask between the two ranks' positions."""
+    positions = torch.arange(2 * cp * 2)
+    half = 2
+    for rank in range(cp):
+        q_pos = shard(positions, cp, rank)
+        for step in range(cp):
+            kv_pos = shard(positions, cp, (rank - step) % cp)
+            keep = q_pos[:, None] >= kv_pos[None, :]
+            plan = ring_step_plan(rank, cp, step, causal=True)
+            if plan == DIAGONAL:
+                assert torch.equal(keep, torch.ones_like(keep).tril())
+            elif plan == KV_FRONT:
+                assert keep[:, :half].all() and not keep[:, half:].any()
+            else:
+                assert plan == Q_BACK
+                assert keep[half:].all() and not keep[:half].any()
+            assert ring_step_plan(rank, cp, step, causal=False) == FULL
+
+
+# --- argument checks (no process group needed: they come first) ---------------------------
+
+
+def _qkv(s: int = 4, heads: int = 4, groups: int = 2) -> list[torch.Tensor]:
+    return [torch.zeros(s, 1, heads, 8), torch.zeros(s, 1, groups, 8), torch.zeros(s, 1, groups, 8)]
+
+
+def test_supported_comm_types() -> None:
+    assert SUPPORTED_CP_COMM_TYPES == ("p2p", "all_gather", "a2a")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tensors", "message"),
+    [
+        ({"comm_type": "a2a+p2p"}, _qkv(), "--cp-comm-type 'a2a\\+p2p' is not supported"),
+        ({"dropout_p": 1.0}, _qkv(), "dropout must be in \\[0, 1\\)"),
+        ({}, _qkv(s=5), "even local sequence"),
+        ({}, _qkv(heads=3), "3 query heads are not a multiple of 2 kv groups"),
+        ({}, _qkv()[:2] + [torch.zeros(3, 1, 2, 8)], "do not match"),
+    ],
+)
+def test_bad_arguments_fail_with_one_clear_line(kwargs: dict, tensors: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        context_parallel_attention(
+            *tensors, cp_group=None, causal=True, softmax_scale=None, **kwargs
+        )
+
+
+# --- block kernels and the log-sum-exp merge (one process) --------------------------------
+
+
+def _block_reference(q, k, v, causal: bool, scale: float):  # noqa: ANN001, ANN202
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        s = q.shape[2]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v.double(), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("name", ["cpu_flash", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_kernel_returns_natural_log_lse_and_exact_gradients(name: str, causal: bool) -> None:
+    kernel = blocks.KERNELS[name]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 6, 8, generator=g) for n in (4, 2, 2))
+    out, lse, state = kernel.forward(q, k, v, causal=causal, scale=0.4, dropout_p=0.0)
+    want_out, want_lse = _block_reference(q, k, v, causal, 0.4)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(out.shape, generator=g)
+    _block_reference(*leaves, causal, 0.4)[0].backward(dout.double())
+    grads = kernel.backward(dout, q, k, v, out, lse, state, causal=causal, scale=0.4, dropout_p=0.0)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_merging_key_blocks_gives_the_full_softmax() -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    merger = blocks.SoftmaxMerger(q, 4)
+    for index, part in enumerate((slice(2, 5), slice(0, 2), slice(5, 6))):  # uneven, any order
+        out, lse, _ = blocks.KERNELS["math"].forward(
+            q, k[:, :, part], v[:, :, part], causal=False, scale=0.5, dropout_p=0.0
+        )
+        merger.add(slice(None), out, lse, first=index == 0)
+    want_out, want_lse = _block_reference(q, k, v, False, 0.5)
+    torch.testing.assert_close(merger.out.double(), want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merger.lse.double(), want_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_kernel_choice_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("MEGATRON_ROCM_CP_KERNEL", raising=False)
+    q, k, v = _qkv()
+    assert blocks.pick_kernel(q, k, v, 0.0).name == "cpu_flash"
+    with caplog.at_level(logging.WARNING, logger="megatron_rocm.runtime.kernels"):
+        assert blocks.pick_kernel(q, k, v, 0.1).name == "math"
+    assert "cannot replay dropout" in caplog.text
+    assert blocks.pick_kernel(q, k, torch.zeros(4, 1, 2, 6), 0.0).name == "math"
+
+
+@pytest.mark.parametrize(
+    ("requested", "dropout_p", "message"),
+    [
+        ("cpu_flash", 0.1, "cpu_flash: this kernel cannot replay dropout"),
+        ("flash", 0.0, "flash: this kernel needs a GPU"),
+        ("fast", 0.0, "'fast' is not one of auto, flash, efficient, cpu_flash, math"),
+    ],
+)
+def test_an_explicit_kernel_that_cannot_run_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, requested: str, dropout_p: float, message: str
+) -> None:
+    monkeypatch.setenv("MEGATRON_ROCM_CP_KERNEL", requested)
+    with pytest.raises(ValueError, match=message):
+        blocks.pick_kernel(*_qkv(), dropout_p)
+
+
+# --- parity across processes ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[Callable[[int], World]]:
+    """``worlds(n)``: a live gloo world of n ranks, started on first use, shared by the module."""
+    live: dict[int, World] = {}
+
+    def get(size: int) -> World:
+        if size not in live or not live[size].alive:
+            live[size] = World(size)
+        return live[size]
+
+    yield get
+    for world in live.values():
+        world.close()
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full-sequence q/k/v and output gradient, already rounded to ``dtype`` (both sides see
+    the same values)."""
+    s, b, heads, groups, dim, value_dim = shape
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "q": (s, b, heads, dim),
+        "k": (s, b, groups, dim),
+        "v": (s, b, groups, value_dim),
+        "grad": (s, b, heads * value_dim),
+    }
+    return {n: torch.randn(*sh, generator=g).to(dtype).float() for n, sh in shapes.items()}
+
+
+def _reference(tensors: dict[str, torch.Tensor], causal: bool, scale: float | None) -> dict:
+    q, k, v = (tensors[n].clone().requires_grad_() for n in "qkv")
+    if v.shape[-1] == q.shape[-1]:
+        out = attention_reference(q, k, v, None, "causal" if causal else "no_mask", scale)
+    else:  # attention_reference assumes one head dim; same math with the value's own
+        rep = q.shape[2] // k.shape[2]
+        scores = torch.einsum("qbnh,kbnh->bnqk", q, k.repeat_interleave(rep, 2))
+        scores = scores * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if causal:
+            mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.einsum("bnqk,kbnh->qbnh", scores.softmax(-1), v.repeat_interleave(rep, 2))
+        out = out.reshape(q.shape[0], q.shape[1], -1)
+    out.backward(tensors["grad"])
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _assert_parity(world: World, shape, dtype=torch.float32, *, causal: bool = True,  # noqa: ANN001
+                   scale: float | None = None, tol: float | None = None, layout: str = "zigzag",
+                   **case) -> None:  # fmt: skip
+    tensors = _inputs(shape, dtype)
+    results = world.run(
+        "parity_case",
+        tensors=tensors,
+        causal=causal,
+        scale=scale,
+        dtype=dtype,
+        layout=layout,
+        **case,
+    )
+    expected = _reference(tensors, causal, scale)
+    groups: dict[tuple[int, ...], list[dict]] = {}
+    for result in results:  # world ranks ascend, so each group's list is in CP-rank order
+        groups.setdefault(result["members"], []).append(result)
+    join = unshard if layout == "zigzag" else torch.cat
+    for name, want in expected.items():
+        atol = (tol or TOL[dtype]) * (1 if name == "out" else 4)
+        for members, parts in groups.items():
+            got = join([part[name] for part in parts])
+            torch.testing.assert_close(
+                got,
+                want,
+                atol=atol,
+                rtol=atol,
+                msg=lambda m, n=name, g=members: f"{n} (CP group {g}): {m}",
+            )
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("shape", "scale"), [(GQA, None), (ODD, 0.37)])
+def test_cp2_matches_full_attention(worlds, comm_type: str, causal: bool, shape, scale) -> None:  # noqa: ANN001
+    _assert_parity(worlds(2), shape, causal=causal, scale=scale, comm_type=comm_type)
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+def test_cp2_bf16(worlds, comm_type: str) -> None:  # noqa: ANN001
+    _assert_parity(worlds(2), GQA, torch.bfloat16, comm_type=comm_type)
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+def test_value_head_dim_differs(worlds, comm_type: str) -> None:  # noqa: ANN001
+    _assert_parity(worlds(2), VALUE_DIM, comm_type=comm_type)
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+def test_strided_views_of_one_projection(worlds, comm_type: str) -> None:  # noqa: ANN001
+    _assert_parity(worlds(2), GQA, comm_type=comm_type, fused=True)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_math_kernel(worlds, comm_type: str) -> None:  # noqa: ANN001
+    _assert_parity(worlds(2), GQA, comm_type=comm_type, kernel="math")
+
+
+@pytest.mark.parametrize(("comm_type", "causal"), [(c, True) for c in COMM] + [("p2p", False)])
+def test_cp4_matches_full_attention(worlds, comm_type: str, causal: bool) -> None:  # noqa: ANN001
+    # 2 kv groups over 4 ranks: a2a must expand the kv heads
+    _assert_parity(worlds(4), (32, 1, 4, 2, 8, 8), causal=causal, comm_type=comm_type)
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+def test_strided_cp_subgroups(worlds, comm_type: str) -> None:  # noqa: ANN001
+    """CP groups {0, 2} and {1, 3}, as Megatron builds them next to TP=2: ring peers are
+    global ranks, not group ranks."""
+    _assert_parity(worlds(4), GQA, comm_type=comm_type, partition=[[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_cp1_groups(worlds, comm_type: str) -> None:  # noqa: ANN001
+    _assert_parity(worlds(4), GQA, comm_type=comm_type, partition=[[0], [1], [2], [3]])
+
+
+@pytest.mark.parametrize("comm_type", COMM)
+def test_the_parity_check_notices_a_wrong_layout(worlds, comm_type: str) -> None:  # noqa: ANN001
+    """Contiguous shards instead of upstream's zigzag (reassembled the same way): without a
+    mask the order does not matter, with the causal mask it must come out wrong."""
+    _assert_parity(worlds(2), GQA, causal=False, comm_type=comm_type, layout="contiguous")
+    with pytest.raises(AssertionError, match="out"):
+        _assert_parity(worlds(2), GQA, comm_type=comm_type, layout="contiguous")
+
+
+@pytest.mark.parametrize(
+    ("comm_type", "kernel"), [("p2p", "math"), ("all_gather", "math"), ("a2a", "auto")]
+)
+def test_dropout_backward_replays_the_forward_mask(worlds, comm_type: str, kernel: str) -> None:  # noqa: ANN001
+    (result, _) = worlds(2).run(
+        "dropout_case", comm_type=comm_type, p=0.3, kernel=kernel, dtype=torch.float64,
+        shape=(4, 1, 2, 1, 3), eps=1e-6,
+    )  # fmt: skip
+    assert result["repeatable"] and result["dropped"] > 0.1
+    assert result["numeric"] == pytest.approx(result["analytic"], rel=1e-6, abs=1e-8)
+
+
+# --- GPUs (NCCL/RCCL, one GPU per rank) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_world() -> Iterator[World]:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA/ROCm GPUs")
+    world = World(2, backend="nccl")
+    yield world
+    world.close()
+
+
+GPU_SHAPE = (512, 1, 8, 2, 64, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comm_type", COMM)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_bf16_parity(gpu_world: World, comm_type: str, causal: bool) -> None:
+    _assert_parity(gpu_world, GPU_SHAPE, torch.bfloat16, causal=causal, comm_type=comm_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("kernel", "dtype"),
+    [("flash", torch.float16), ("efficient", torch.float32), ("efficient", torch.bfloat16)],
+)
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_gpu_kernels(gpu_world: World, kernel: str, dtype: torch.dtype, comm_type: str) -> None:
+    tol = {torch.float32: 2e-3, torch.float16: 1e-2}.get(dtype)  # fp32 kernels may use TF32
+    _assert_parity(gpu_world, GPU_SHAPE, dtype, comm_type=comm_type, kernel=kernel, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("comm_type", "kernel", "dtype", "eps", "rel"),
+    [
+        ("p2p", "efficient", torch.float32, 1e-2, 5e-3),
+        ("all_gather", "efficient", torch.float32, 1e-2, 5e-3),
+        ("p2p", "flash", torch.float16, 5e-2, 3e-2),
+        ("a2a", "auto", torch.float32, 1e-2, 5e-3),
+    ],
+)
+def test_gpu_dropout_backward_replays_the_forward_mask(
+    gpu_world: World, comm_type: str, kernel: str, dtype: torch.dtype, eps: float, rel: float
+) -> None:
+    (result, _) = gpu_world.run(
+        "dropout_case", comm_type=comm_type, p=0.3, kernel=kernel, dtype=dtype,
+        shape=(256, 1, 4, 2, 64), eps=eps,
+    )  # fmt: skip
+    assert result["repeatable"] and result["dropped"] > 0.1
+    assert result["numeric"] == pytest.approx(result["analytic"], rel=rel)
