@@ -114,6 +114,13 @@ class TEDotProductAttention(torch.nn.Module):
                     f"{_OWNER}: --cp-comm-type {self.cp_comm_type} is not supported by the "
                     f"native backend; use one of {', '.join(SUPPORTED_CP_COMM_TYPES)}"
                 )
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            if self.cp_comm_type == "a2a" and heads % self.cp_size:
+                raise ValueError(
+                    f"{_OWNER}: --cp-comm-type a2a needs the attention heads per tensor-parallel "
+                    f"rank ({heads}) to be a multiple of --context-parallel-size {self.cp_size}; "
+                    f"use --cp-comm-type p2p"
+                )
 
     @staticmethod
     def _refuse_te_only(config: Any, num_splits: int | None) -> None:

@@ -98,6 +98,12 @@ TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
     TeOnlyOption("moe_permute_fusion", "--moe-permute-fusion", "remove it"),
     TeOnlyOption("moe_router_fusion", "--moe-router-fusion", "remove it"),
     TeOnlyOption(
+        "cp_comm_type",
+        "--cp-comm-type a2a+p2p",
+        "use --cp-comm-type p2p, all_gather or a2a (hierarchical CP needs TE)",
+        lambda v: "a2a+p2p" in (v if isinstance(v, list) else [v]),
+    ),
+    TeOnlyOption(
         "transformer_impl",
         "--transformer-impl inference_optimized",
         "use --transformer-impl transformer_engine (the native backend) or local",

@@ -33,6 +33,7 @@ DEFAULTS = {
     "moe_permute_fusion": False,
     "moe_router_fusion": False,
     "transformer_impl": "transformer_engine",
+    "cp_comm_type": ["p2p"],
 }
 SET = {
     "fp8": "hybrid",
@@ -41,6 +42,7 @@ SET = {
     "softmax_type": "learnable",
     "cross_entropy_fusion_impl": "te",
     "transformer_impl": "inference_optimized",
+    "cp_comm_type": ["p2p", "a2a+p2p"],
 }
 
 
