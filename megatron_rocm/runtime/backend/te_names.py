@@ -11,6 +11,11 @@ code paths that really need TE still take their TE-less branch.
 from __future__ import annotations
 
 from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+from megatron_rocm.runtime.backend.grouped_linear import (
+    TEColumnParallelGroupedLinear,
+    TEGroupedLinear,
+    TERowParallelGroupedLinear,
+)
 from megatron_rocm.runtime.backend.layernorm_linear import TELayerNormColumnParallelLinear
 from megatron_rocm.runtime.backend.linear import (
     TEColumnParallelLinear,
@@ -18,10 +23,6 @@ from megatron_rocm.runtime.backend.linear import (
     TERowParallelLinear,
 )
 from megatron_rocm.runtime.backend.norm import TENorm
-
-# MoE grouped linears: wired in with the grouped-GEMM module (None = not available, which is
-# upstream's own value without TE).
-TEGroupedLinear = TEColumnParallelGroupedLinear = TERowParallelGroupedLinear = None
 
 __all__ = [
     "TEColumnParallelGroupedLinear",

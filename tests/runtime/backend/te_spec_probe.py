@@ -57,7 +57,7 @@ def config(kind: str, dtype: torch.dtype):
         bias_activation_fusion=False,
         apply_rope_fusion=False,
     )
-    if kind in ("llama", "moe"):
+    if kind in ("llama", "moe", "moeg"):
         kw.update(
             normalization="RMSNorm",
             gated_linear_unit=True,
@@ -66,7 +66,8 @@ def config(kind: str, dtype: torch.dtype):
             activation_func=torch.nn.functional.silu,
             ffn_hidden_size=96,
         )
-    if kind == "moe":
+    if kind in ("moe", "moeg"):
+        kw.update(moe_grouped_gemm=kind == "moeg")
         kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
     return TransformerConfig(**kw)
 
@@ -75,7 +76,9 @@ def build(kind: str, dtype: torch.dtype, spec_name: str):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    moe = {"num_experts": 4} if kind == "moe" else {}
+    moe = {"num_experts": 4} if kind in ("moe", "moeg") else {}
+    if kind == "moeg":
+        moe["moe_grouped_gemm"] = True
     if spec_name == "te":
         spec = specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
@@ -152,6 +155,22 @@ def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
         "local_param_count": sum(p.numel() for p in local_model.parameters()),
         "te_layout": te_layout,
         "local_layout_as_te": {te_name(k, set(te_layout)): v for k, v in local_layout.items()},
+    }
+
+
+def grouped_case(tokens: torch.Tensor) -> dict:
+    """MoE through the TE spec with --moe-grouped-gemm: the experts must really be grouped."""
+    from megatron_rocm.runtime.kernels import grouped_gemm
+
+    model = build("moeg", torch.float32, "te")
+    _, loss = run(model, tokens)
+    experts = model.decoder.layers[0].mlp.experts
+    return {
+        "experts": type(experts).__name__,
+        "fc1": type(experts.linear_fc1).__module__,
+        "loss": loss,
+        "grads_finite": all(torch.isfinite(p.grad).all().item() for p in model.parameters()),
+        "grouped_impl": getattr(grouped_gemm.last_run(), "implementation", None),
     }
 
 
@@ -259,6 +278,9 @@ def main() -> None:
         try:
             if item == "modules":
                 results[item] = modules_case()
+                continue
+            if item == "grouped":
+                results[item] = grouped_case(tokens)
                 continue
             kind, dtype_name = item.split(":")
             results[item] = case(kind, getattr(torch, dtype_name), tokens)

@@ -45,7 +45,7 @@ def probe_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 results[release] = {"apply": f"exit {code}"}
                 continue
             proc = subprocess.run(
-                [sys.executable, str(PROBE), *CASES, "modules"],
+                [sys.executable, str(PROBE), *CASES, "modules", "grouped"],
                 cwd=dest,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])},
                 capture_output=True,
@@ -107,3 +107,13 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     assert result["attention_block_causal_diff"] < 1e-5
     assert result["attention_block_causal_differs"] > 1e-2  # the mask really changed things
     assert result.get("sinks_refused", True)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_moe_grouped_gemm_really_groups(probe_results: dict, release: str) -> None:
+    """--moe-grouped-gemm on the TE spec builds TEGroupedMLP on the native grouped linears."""
+    result = probe_results[release]["grouped"]
+    assert "error" not in result, result.get("error")
+    assert result["experts"] == "TEGroupedMLP"
+    assert result["fc1"] == "megatron_rocm.runtime.backend.grouped_linear"
+    assert result["grads_finite"] and result["grouped_impl"] is not None
