@@ -10,11 +10,26 @@ Layouts: ``t`` is ``[s, b, h, d]`` (sbhd) or ``[total_tokens, h, d]`` (thd); ``f
 ``[s, 1|b, 1, rot_dim]`` (any float dtype; angles in radians). Channels past ``rot_dim``
 pass through unchanged (partial rotary). ``interleaved`` rotates pairs ``(2i, 2i+1)``
 instead of halves.
+
+Dispatch (the project's policy, as :mod:`~megatron_rocm.runtime.kernels.softmax`): on a GPU
+(CUDA or ROCm) a Triton kernel (:mod:`~megatron_rocm.runtime.kernels._rope_triton`) reads
+``t`` once and writes the output once, computing ``cos``/``sin`` from the angles itself, in
+the forward and in the backward; elsewhere the torch path below. Other dtypes or layouts fall
+back to the torch path with the reason logged once; ``MEGATRON_ROCM_KERNELS=reference`` forces
+it; learned angles (``freqs.requires_grad``) keep plain autograd. Both paths round as
+Megatron's unfused code does (``cos``/``sin`` cast to ``t``'s dtype, then each product and the
+sum rounded to it), so they agree bit for bit up to the last bit of ``cos``/``sin``; TE's
+fused kernel instead rounds once from fp32 (see docs/kernels.md for the error bound).
+The output is always a new contiguous tensor, like TE's (Megatron views it afterwards).
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -59,6 +74,69 @@ class _RotaryFunction(torch.autograd.Function):
         return _rotate(grad, cos, sin, ctx.interleaved, sign=-1.0), None, None, None
 
 
+class _TritonRotaryFunction(torch.autograd.Function):
+    """One Triton pass forward and one backward (the inverse rotation of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, angles, pos, interleaved):  # noqa: ANN001, ANN205 - autograd signature
+        ctx.save_for_backward(angles, pos)
+        ctx.interleaved = interleaved
+        return _run_triton(t, angles, pos, interleaved, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
+        angles, pos = ctx.saved_tensors
+        dt = _run_triton(grad, angles, pos, ctx.interleaved, inverse=True)
+        return dt, None, None, None
+
+
+def _run_triton(
+    x: torch.Tensor,
+    angles: torch.Tensor,
+    pos: torch.Tensor | None,
+    interleaved: bool,
+    inverse: bool,
+) -> torch.Tensor:
+    """``x`` as the kernel's ``[R1, R2, H, D]``: sbhd as is (``[s, b, d]`` gets ``h = 1``),
+    thd ``[T, h, d]`` as ``[T, 1, h, d]``. Only the head dim must be contiguous."""
+    from megatron_rocm.runtime.kernels import _rope_triton
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # e.g. an expanded gradient; Megatron's q/k have unit stride here
+    x4 = x.unsqueeze(1) if pos is not None else x if x.dim() == 4 else x.unsqueeze(2)
+    return _rope_triton.rotate(x4, angles, pos, interleaved, inverse).view(x.shape)
+
+
+def _triton_problem(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot take ``t``/``freqs`` (to log), or None if it can."""
+    if t.dtype not in SUPPORTED_DTYPES or freqs.dtype not in SUPPORTED_DTYPES:
+        return f"no Triton kernel for t {t.dtype} with freqs {freqs.dtype}"
+    if freqs.size(-1) == 0:
+        return "rotary dim 0"
+    return None
+
+
+def _triton(t: torch.Tensor, freqs: torch.Tensor, layout_problem: str | None) -> bool:
+    """Whether this call goes through Triton; an automatic fallback is logged once."""
+    if freqs.requires_grad or not use_triton(t, freqs):
+        return False
+    problem = layout_problem or _triton_problem(t, freqs)
+    if problem:
+        log_fallback_once(f"rope:{problem}", f"rope: {problem}; using the torch path")
+        return False
+    return True
+
+
+def _sbhd_angles(t: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """``freqs`` (cut and squeezed to ``t``'s rank) as the kernel's ``[s, 1|b, rot]`` table."""
+    if t.dim() not in (3, 4) or freqs.dim() != t.dim():
+        return None, f"layout t{tuple(t.shape)} with freqs{tuple(freqs.shape)}"
+    if freqs.size(1) not in (1, t.size(1)) or (t.dim() == 4 and freqs.size(2) != 1):
+        return None, f"freqs{tuple(freqs.shape)} are not [s, 1|b, 1, rot]"
+    angles = freqs[:, :, 0] if t.dim() == 4 else freqs
+    return (angles if angles.stride(-1) == 1 else angles.contiguous()), None
+
+
 def _check(t: torch.Tensor, freqs: torch.Tensor) -> int:
     rot_dim = freqs.shape[-1]
     if rot_dim % 2 or rot_dim > t.shape[-1]:
@@ -91,7 +169,11 @@ def fused_apply_rotary_pos_emb(
         freqs = freqs.squeeze(-2)  # [s, 1, 1, d] for a 3-D t
     if freqs.size(0) < t.size(0):
         raise ValueError(f"freqs cover {freqs.size(0)} positions, t has {t.size(0)}")
-    return _apply(t, freqs[: t.size(0)], interleaved)
+    freqs = freqs[: t.size(0)]
+    angles, problem = _sbhd_angles(t, freqs)
+    if _triton(t, freqs, problem):
+        return _TritonRotaryFunction.apply(t, angles, None, interleaved)
+    return _apply(t, freqs, interleaved)
 
 
 def _thd_positions(
@@ -138,6 +220,10 @@ def fused_apply_rotary_pos_emb_thd(
         raise ValueError(f"thd freqs must be [max_s, 1, 1, rot_dim], got {tuple(freqs.shape)}")
     pos = pos.clamp(0, freqs.size(0) - 1)
     table = freqs.reshape(freqs.size(0), freqs.size(-1))  # [max_s, rot_dim]
+    problem = None if t.dim() == 3 else f"thd t must be [tokens, h, d], got {tuple(t.shape)}"
+    if _triton(t, freqs, problem):
+        angles = table.unsqueeze(1) if table.stride(-1) == 1 else table.contiguous().unsqueeze(1)
+        return _TritonRotaryFunction.apply(t, angles, pos, interleaved)
     return _apply(t, table[pos].unsqueeze(1), interleaved)  # angles [T, 1, rot_dim]
 
 
