@@ -130,7 +130,7 @@ def main() -> int:
         activities = [torch.profiler.ProfilerActivity.CUDA]
         if args.ops:  # aten ops with the GPU time of their kernels: says *which* op is slow
             activities.append(torch.profiler.ProfilerActivity.CPU)
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=args.ops) as prof:
             step(model, tokens, labels, mask)
             torch.cuda.synchronize()
         print(f"\n=== {name}: {ms:.1f} ms per fwd+bwd ({args.layers} layers)")
