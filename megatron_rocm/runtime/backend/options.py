@@ -112,6 +112,20 @@ TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
 )
 
 
+def _legacy_grouped_gemm_without_package(value: Any) -> bool:
+    return bool(value) and importlib.util.find_spec("grouped_gemm") is None
+
+
+# Not a TE option, but the same kind of late failure: the legacy grouped GEMM (0.12-0.16) needs
+# the `grouped_gemm` CUDA extension, which a stock ROCm install does not have.
+LEGACY_GROUPED_GEMM = TeOnlyOption(
+    "moe_use_legacy_grouped_gemm",
+    "--moe-use-legacy-grouped-gemm",
+    "drop it: --moe-grouped-gemm alone runs the native grouped GEMM",
+    _legacy_grouped_gemm_without_package,
+)
+
+
 def transformer_engine_installed() -> bool:
     """Whether ``import transformer_engine`` can work (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -119,11 +133,18 @@ def transformer_engine_installed() -> bool:
 
 def te_only_options_in_use(args: Any) -> list[str]:
     """One message per TE-only option set on ``args``."""
-    return [
+    problems = [
         f"{opt.flag}: needs TransformerEngine, which is not installed; {opt.advice}"
         for opt in TE_ONLY_OPTIONS
         if hasattr(args, opt.dest) and opt.is_set(getattr(args, opt.dest))
     ]
+    legacy = LEGACY_GROUPED_GEMM
+    if hasattr(args, legacy.dest) and legacy.is_set(getattr(args, legacy.dest)):
+        problems.append(
+            f"{legacy.flag}: needs the grouped_gemm package, which is not installed; "
+            f"{legacy.advice}"
+        )
+    return problems
 
 
 def reject_te_only_options(args: Any) -> None:

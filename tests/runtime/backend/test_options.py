@@ -83,3 +83,11 @@ def test_several_options_one_line_each():
 def test_nothing_is_refused_when_te_is_installed(monkeypatch):
     monkeypatch.setattr(options, "transformer_engine_installed", lambda: True)
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, "fp8": "hybrid"}))
+
+
+def test_legacy_grouped_gemm_needs_its_package(monkeypatch):
+    monkeypatch.setattr(options.importlib.util, "find_spec", lambda name: None)
+    args = SimpleNamespace(**{**DEFAULTS, "moe_use_legacy_grouped_gemm": True})
+    (message,) = te_only_options_in_use(args)
+    assert "--moe-use-legacy-grouped-gemm" in message and "--moe-grouped-gemm" in message
+    assert te_only_options_in_use(SimpleNamespace(**DEFAULTS)) == []
