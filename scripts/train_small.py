@@ -18,6 +18,7 @@ the loss did not go down. See docs/training.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -106,7 +107,7 @@ def flops_per_iteration(shape: Shape, preset: str, global_batch: int, vocab: int
 def batch_sizes(shape: Shape, opts: argparse.Namespace) -> tuple[int, int]:
     """(micro, global) batch: the preset's unless overridden; global scales with data parallel."""
     micro = opts.micro_batch_size or shape.micro_batch
-    dp = opts.nproc // opts.tp
+    dp = opts.nproc // (opts.tp * opts.cp)
     return micro, opts.global_batch_size or max(shape.global_batch, micro) * dp
 
 
@@ -143,6 +144,7 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
         "--log-interval=1",
         "--log-throughput",
         f"--tensor-model-parallel-size={opts.tp}",
+        f"--context-parallel-size={opts.cp}",
         "--distributed-backend=nccl",
     ]
     if opts.sp:
@@ -322,6 +324,8 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="GPUs / torchrun processes (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    p.add_argument("--seq-length", type=int, help="override the preset's sequence length")
     p.add_argument(
         "--transformer-impl",
         choices=("default", "transformer_engine", "local"),
@@ -347,8 +351,8 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     opts = p.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
     opts.extra = extra
-    if opts.nproc % opts.tp:
-        p.error(f"--nproc {opts.nproc} is not a multiple of --tp {opts.tp}")
+    if opts.nproc % (opts.tp * opts.cp):
+        p.error(f"--nproc {opts.nproc} is not a multiple of --tp {opts.tp} x --cp {opts.cp}")
     if opts.sp and opts.tp < 2:
         p.error("--sp needs --tp 2 or more")
     return opts
@@ -357,6 +361,8 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_cli(argv)
     shape = SHAPES[(opts.preset, opts.preset_size)]
+    if opts.seq_length:
+        shape = dataclasses.replace(shape, seq_length=opts.seq_length)
     tree = opts.tree.resolve()
     args = megatron_args(shape, opts.preset, opts) + opts.extra
     cmd = [
@@ -413,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformer_impl": "local" if opts.unfused else opts.transformer_impl,
         "nproc": opts.nproc,
         "tp": opts.tp,
+        "cp": opts.cp,
         "sp": opts.sp,
         "seq_length": shape.seq_length,
         "micro_batch_size": micro,
