@@ -1,4 +1,9 @@
-"""Turn exceptions into one line on stderr and a documented exit code (no tracebacks for users)."""
+"""Turn exceptions into one line on stderr and a documented exit code (no tracebacks for users).
+
+``FatalError`` subclasses carry their own code. An ``OSError`` that escapes a verb is the
+environment's doing (disk full, permissions, a folder where a file should be): exit 3 with one
+line. Anything else is a bug: exit 4, the traceback goes to the log the line names.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rocm.errors import EXIT_INTERRUPTED, FatalError
+from megatron_rocm.cache import cache_dir
+from megatron_rocm.errors import (
+    EXIT_ENVIRONMENT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    FatalError,
+    Interrupted,
+)
+from megatron_rocm.output import stdout_closed
 
-EXIT_INTERNAL = 4
+__all__ = ["EXIT_INTERNAL", "Result", "error_handler", "log_path"]
 
 
 @dataclass
@@ -22,21 +35,36 @@ class Result:
 
 
 def log_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megatron-rocm" / "megatron-rocm.log"
+    return cache_dir() / "megatron-rocm.log"
 
 
 def _write_log(exc: BaseException) -> Path:
+    text = "".join(traceback.format_exception(exc))
     path = log_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError:
         fd, name = tempfile.mkstemp(prefix="megatron-rocm-", suffix=".log")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(traceback.format_exception(exc)))
+            f.write(text)
         path = Path(name)
     return path
+
+
+def _say(line: str) -> None:
+    """One line on stderr, with control characters escaped so it stays one line."""
+    flat = line.replace("\r", "\\r").replace("\n", "\\n")
+    try:
+        print(f"megatron-rocm: {flat}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr itself is gone: the exit code still says it
+
+
+def _os_error_line(e: OSError) -> str:
+    what = e.strerror or type(e).__name__
+    where = f": {e.filename}" if e.filename else ""
+    return f"error: {what}{where}"
 
 
 @contextlib.contextmanager
@@ -46,17 +74,25 @@ def error_handler() -> Iterator[Result]:
     try:
         yield result
     except FatalError as e:
-        print(f"megatron-rocm: error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
+        result.code = e.code
+    except Interrupted as e:
+        _say(e.message)
         result.code = e.code
     except KeyboardInterrupt:
-        print("megatron-rocm: interrupted", file=sys.stderr)
+        _say("interrupted")
         result.code = EXIT_INTERRUPTED
-    except BrokenPipeError:
-        result.code = 1
+    except BrokenPipeError as e:
+        if stdout_closed():
+            return  # the reader went away (`| head`): not an error, keep the verb's code
+        path = _write_log(e)
+        _say(f"{_os_error_line(e)} (details in {path})")
+        result.code = EXIT_ENVIRONMENT
+    except OSError as e:
+        path = _write_log(e)
+        _say(f"{_os_error_line(e)} (details in {path})")
+        result.code = EXIT_ENVIRONMENT
     except Exception as e:  # noqa: BLE001 - the boundary: anything else is a bug
         path = _write_log(e)
-        print(
-            f"megatron-rocm: internal error: {type(e).__name__}: {e} (traceback in {path})",
-            file=sys.stderr,
-        )
+        _say(f"internal error: {type(e).__name__}: {e} (traceback in {path})")
         result.code = EXIT_INTERNAL

@@ -1,16 +1,28 @@
 """The one error family the CLI turns into a single line and a documented exit code.
 
-Exit codes: 0 ok · 1 patches do not apply / checks failed · 2 usage · 3 source or environment.
-Anything that is not a ``FatalError`` is a bug: one line plus the path of a log with the traceback.
+Exit codes (README "Commands", ``megatron-rocm --help``), each with one meaning:
+
+- 0 ok
+- 1 patches do not apply / checks failed
+- 2 usage or bad input (bad option values, ref or branch names, a malformed series, a dirty
+  fork), always reported before anything is cloned or changed
+- 3 source or environment (unreachable source, missing git, unwritable paths, wrong Python)
+- 4 internal error (a bug: one line here, the traceback in the log it names)
+- 5 busy: another megatron-rocm process holds the lock on that destination; nothing changed
+- 130 / 143 interrupted by SIGINT / SIGTERM (128 + the signal number)
 """
 
 from __future__ import annotations
+
+import signal
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
-EXIT_INTERRUPTED = 130
+EXIT_INTERNAL = 4
+EXIT_BUSY = 5
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class FatalError(Exception):
@@ -35,3 +47,26 @@ class SourceError(FatalError):
     """The upstream source or the environment is unusable (unreachable, not a repo, no git...)."""
 
     code = EXIT_ENVIRONMENT
+
+
+class Busy(FatalError):
+    """Another megatron-rocm process holds the lock: retry once it is done (nothing changed)."""
+
+    code = EXIT_BUSY
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP: exit ``128 + signum``; the message says what state remains.
+
+    A ``KeyboardInterrupt`` so that code which already cleans up on Ctrl-C also cleans up on
+    SIGTERM, and so that ``except Exception`` never swallows it.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT, message: str = "interrupted") -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.message = message
+
+    @property
+    def code(self) -> int:
+        return 128 + int(self.signum)

@@ -2,6 +2,8 @@
 
 Only this module sees the ``argparse.Namespace``; every verb is a typed function that takes
 keyword arguments and returns an exit code, so verbs are trivial to call from tests.
+``main`` returns the exit code (it never raises ``SystemExit``), prints argparse's errors as
+one line, and guards stdout against a closed pipe.
 """
 
 from __future__ import annotations
@@ -9,10 +11,27 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from megatron_rocm import __version__
 from megatron_rocm.error_handler import error_handler
 from megatron_rocm.errors import EXIT_USAGE
+from megatron_rocm.output import pipe_safe_stdout
+
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
+    "3 source or environment, 4 internal error (traceback in the log it names), 5 busy "
+    "(another megatron-rocm run holds the lock), 130/143 interrupted (SIGINT/SIGTERM)."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        flat = message.replace("\n", " ")
+        self.exit(EXIT_USAGE, f"megatron-rocm: error: {self.prog}: {flat} (see --help)\n")
+
 
 DEFAULT_SOURCE_HELP = (
     "where upstream comes from: a git URL (default: https://github.com/NVIDIA/Megatron-LM.git), "
@@ -44,14 +63,13 @@ def _add_json(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="megatron-rocm",
         description="Port upstream Megatron-LM to AMD GPUs (ROCm) with a versioned patch series.",
-        epilog="Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
-        "3 source or environment, 4 internal error (traceback in the log it names).",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
     _add_source(p)
@@ -205,14 +223,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    with error_handler() as result:
-        result.code = _dispatch(args)
-    return result.code
+    with pipe_safe_stdout():
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version, or a usage error already printed
+            return e.code if isinstance(e.code, int) else EXIT_USAGE
+        if args.command is None:
+            print("megatron-rocm: error: no command given (see --help)", file=sys.stderr)
+            return EXIT_USAGE
+        with error_handler() as result:
+            result.code = _dispatch(args)
+        return result.code
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ No upstream code: the files are generated lines. Tags and what they do to the tw
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from megatron_rocm.patchtool.gitcmd import DIFF_ARGS
 
@@ -23,9 +27,32 @@ SOFTMAX = "megatron/core/fusions/softmax.py"
 NORM = "megatron/core/norm.py"
 
 
-def run(*args: str, cwd: Path) -> str:
+def seal(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    """The hermetic test environment (conftest's autouse fixture; module-scoped builders):
+    private HOME and cache, no user git config, fixed identity and dates, no fault injection."""
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    monkeypatch.delenv("MEGATRON_ROCM_SERIES", raising=False)
+    monkeypatch.setenv("MEGATRON_ROCM_CACHE", str(home / ".cache" / "megatron-rocm"))
+    for key in list(os.environ):
+        if key.startswith("GIT_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Test Author")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "author@example.invalid")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Test Author")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "author@example.invalid")
+    monkeypatch.setenv("GIT_AUTHOR_DATE", "2025-01-01T00:00:00+0000")
+    monkeypatch.setenv("GIT_COMMITTER_DATE", "2025-01-01T00:00:00+0000")
+    monkeypatch.setenv("GIT_EDITOR", "false")
+    for key in ("MEGATRON_ROCM_FAULT", "MEGATRON_ROCM_FAULT_READY"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def run(*args: str, cwd: Path, check: bool = True) -> str:
     return subprocess.run(
-        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+        ["git", *args], cwd=cwd, check=check, capture_output=True, text=True
     ).stdout.strip()
 
 
@@ -158,14 +185,29 @@ def apply_argv(upstream: Path, series: Path, dest: Path, ref: str = "core_v0.2.0
     ]
 
 
-def snapshot(repo: Path) -> tuple[str, str, str, str]:
-    """Everything apply must leave untouched on failure: HEAD, refs, status, working files."""
+def snapshot(repo: Path) -> tuple[str, ...]:
+    """Everything apply must leave untouched on failure: HEAD (symbolic and commit), refs, the
+    index, status, and every working file's content hash and mode."""
     head = run("rev-parse", "HEAD", cwd=repo) if (repo / ".git").exists() else ""
+    symbolic = subprocess.run(
+        ["git", "symbolic-ref", "-q", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     refs = run("for-each-ref", "--format=%(refname) %(objectname)", cwd=repo)
-    status = run("status", "--porcelain", "--untracked-files=all", cwd=repo)
+    index = run("ls-files", "--stage", cwd=repo)
+    status = run("status", "--porcelain", "--untracked-files=all", "--ignored", cwd=repo)
     files = "\n".join(
-        f"{p.relative_to(repo)}:{p.read_bytes().hex()[:64]}:{p.stat().st_size}"
+        f"{p.relative_to(repo)}:{hashlib.sha256(p.read_bytes()).hexdigest()}:{p.stat().st_mode:o}"
         for p in sorted(repo.rglob("*"))
-        if p.is_file() and ".git" not in p.parts
+        if p.is_file() and ".git" not in p.relative_to(repo).parts
     )
-    return head, refs, status, files
+    return head, symbolic, refs, index, status, files
+
+
+def leftovers(dest: Path) -> list[str]:
+    """What megatron-rocm may leave behind for ``dest``: scratch clones and the lock beside
+    it, the lock, journal, private index and scratch folders in its git dir."""
+    found = [p.name for p in dest.parent.glob(f".{dest.name}.*")]
+    git_dir = dest / ".git"
+    if git_dir.is_dir():
+        found += [f".git/{p.name}" for p in git_dir.glob("megatron-rocm*")]
+    return sorted(found)

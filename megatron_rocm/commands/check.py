@@ -6,9 +6,9 @@ from pathlib import Path
 
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json, print_ref_report
-from megatron_rocm.patchtool import engine, gitcmd, upstream
+from megatron_rocm.patchtool import engine, gitcmd, refnames, upstream
 from megatron_rocm.patchtool.results import RefReport
-from megatron_rocm.patchtool.series import Series, load_series
+from megatron_rocm.patchtool.series import Series, load_series, parse_version
 
 
 def check_refs(
@@ -17,12 +17,17 @@ def check_refs(
     series: Series,
     version_override: str | None,
     three_way: bool = False,
+    where: str | None = None,
 ) -> list[RefReport]:
     """Plan the series on each ref with one shared ``cat-file`` reader; no checkout."""
     with gitcmd.CatFile(repo) as cat:
-        return [
-            engine.plan(repo, cat, ref, series, version_override, three_way).report for ref in refs
-        ]
+        reports = []
+        for ref in refs:
+            commit = engine.resolve_commit(repo, ref, where)
+            report = engine.plan(repo, cat, commit, series, version_override, three_way).report
+            report.ref = ref
+            reports.append(report)
+        return reports
 
 
 def check(
@@ -33,14 +38,18 @@ def check(
     version_override: str | None,
     as_json: bool,
 ) -> int:
-    series = load_series(series_dir)  # fail fast on a broken series, before any clone
+    for ref in refs or []:  # every value checked before any clone or download
+        refnames.check_ref(ref)
+    if version_override is not None:
+        parse_version(version_override)
+    series = load_series(series_dir)
     src = upstream.classify(source)
+    if src.kind == "pypi" and refs:
+        refs = [f"core_v{upstream.pypi.version_from_ref(r)}" for r in refs]
     repo = upstream.reading_repo(src, refs, quiet=as_json)
     if not refs:
-        refs = [upstream.default_ref(repo)]
-    if src.kind == "pypi":
-        refs = [f"core_v{upstream.pypi.version_from_ref(r)}" for r in refs]
-    reports = check_refs(repo, refs, series, version_override)
+        refs = [upstream.default_ref(repo, where=src.label)]
+    reports = check_refs(repo, refs, series, version_override, where=src.label)
     if as_json:
         print_json(
             {

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from megatron_rocm.errors import EXIT_OK, UsageError
 from megatron_rocm.output import print_json
-from megatron_rocm.patchtool import gitcmd
+from megatron_rocm.patchtool import gitcmd, refnames
 from megatron_rocm.patchtool.export import export_fork
-from megatron_rocm.patchtool.series import load_series
+from megatron_rocm.patchtool.series import load_series, parse_version
 
 
 def export(
@@ -19,7 +19,9 @@ def export(
     version_override: str | None,
     as_json: bool,
 ) -> int:
-    repo = Path(repo_dir).expanduser().resolve()
+    if version_override is not None:
+        parse_version(version_override)
+    repo = Path(refnames.check_text(repo_dir, "--repo")).expanduser().resolve()
     if not gitcmd.is_git_repo(repo):
         raise UsageError(f"{repo} is not a git repository (run export inside a patched fork)")
     series = load_series(series_dir)

@@ -7,19 +7,18 @@ dependencies refused, rollback on failure). ``--dry-run`` prints the plan and ch
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import time
 from pathlib import Path
 
+from megatron_rocm.cache import cache_dir
 from megatron_rocm.envtools import installer
 from megatron_rocm.errors import EXIT_OK
 
 
 def _workdir() -> Path:
     """Per-run folder for the constraints file and the pip lists before/after (an audit trail)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megatron-rocm" / "install" / time.strftime("%Y%m%d-%H%M%S")
+    return cache_dir() / "install" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _show_plan(p: installer.Plan) -> None:

@@ -10,8 +10,9 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, UsageError
-from megatron_rocm.patchtool import gitcmd, pypi, upstream
+from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
+from megatron_rocm.output import writable, write_file
+from megatron_rocm.patchtool import gitcmd, pypi, refnames, upstream
 from megatron_rocm.patchtool.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
 from megatron_rocm.patchtool.report import FORMATS, render, write_reports
 from megatron_rocm.patchtool.series import load_series, parse_version
@@ -32,6 +33,10 @@ def _pypi_refs(patterns: list[str] | None) -> tuple[Path, list[RefSpec]]:
     return repo, refs
 
 
+def _single_file(formats: list[str], out: str) -> bool:
+    return len(set(formats)) == 1 and not (Path(out).is_dir() or out.endswith(("/", "\\")))
+
+
 def _output(m: Matrix, formats: list[str], out: str | None) -> None:
     formats = list(dict.fromkeys(formats))
     if out is None:
@@ -40,12 +45,14 @@ def _output(m: Matrix, formats: list[str], out: str | None) -> None:
         sys.stdout.write(render(m, formats[0]))
         return
     target = Path(out)
-    if len(formats) == 1 and not (target.is_dir() or out.endswith(("/", "\\"))):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(render(m, formats[0]), encoding="utf-8")
+    if _single_file(formats, out):
+        write_file(target, render(m, formats[0]), "--out")
         paths = [target]
     else:
-        paths = write_reports(m, formats, target)
+        try:
+            paths = write_reports(m, formats, target)
+        except OSError as e:
+            raise SourceError(f"cannot write --out {out}: {e.strerror}") from None
     for p in paths:
         print(f"wrote {p}")
     print(m.summary())
@@ -67,6 +74,12 @@ def matrix(
         raise UsageError(f"unknown report format {unknown[0]!r} (choose from {', '.join(FORMATS)})")
     if out is None and len(set(formats)) > 1:
         raise UsageError("several --format values need --out DIR")
+    for pattern in tag_patterns or []:
+        refnames.check_pattern(pattern)
+    if out is not None:  # before the work: an unwritable --out must not cost a whole run
+        writable(out, "--out", folder=not _single_file(formats, out))
+    if version_override is not None:
+        parse_version(version_override)
     src = upstream.classify(source)
     if src.kind == "pypi":
         repo, refs = _pypi_refs(tag_patterns)

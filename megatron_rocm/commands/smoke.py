@@ -7,24 +7,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rocm.envtools.installer import ROCM_TORCH, megatron_tree
+from megatron_rocm.envtools.installer import ROCM_TORCH, check_python, megatron_tree
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
+from megatron_rocm.output import note, writable
 from megatron_rocm.runtime.platform import torch_or_none
 
 NEEDS_TREE = ("imports", "training", "collectives.tensor_parallel")
 
 
 def _tree_for(checks: list, tree_dir: str) -> Path | None:
-    """A tree is required when a selected check needs one; otherwise used only if valid."""
+    """A tree is required when a selected check needs one; otherwise used only if valid.
+
+    A tree this Python cannot run (its ``requires-python``, as ``install`` checks it) is
+    refused with one line when required, and left out with a note otherwise.
+    """
     if any(c.name == p or c.name.startswith(p + ".") for c in checks for p in NEEDS_TREE):
         try:
-            return megatron_tree(tree_dir)
+            tree = megatron_tree(tree_dir)
         except UsageError as e:
             raise UsageError(f"{e}; to check the kernels alone use --only kernels") from e
+        check_python(tree)
+        return tree
     try:
-        return megatron_tree(tree_dir)
+        tree = megatron_tree(tree_dir)
+        check_python(tree)
     except UsageError:
         return None
+    except SourceError as e:
+        note(f"not using the tree: {e}")
+        return None
+    return tree
 
 
 def smoke(
@@ -39,6 +51,9 @@ def smoke(
             f"--steps must be at least 4 (got {steps}): loss is compared between "
             "the first and the last two steps"
         )
+    for option, path in (("--json", json_file), ("--junit", junit_file)):
+        if path is not None:  # before the run: an unwritable report must not cost the run
+            writable(path, option)
     torch = torch_or_none()
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
@@ -54,7 +69,10 @@ def smoke(
     )
     result = runner.Report(device=device, torch=str(torch.__version__))
     result.checks = runner.run_checks(ctx, checks)
-    report.write(result, json_file, junit_file)
+    try:
+        report.write(result, json_file, junit_file)
+    except OSError as e:
+        raise SourceError(f"cannot write the smoke report: {e.strerror}: {e.filename}") from None
     counts = {
         s: sum(c.status == s for c in result.checks)
         for s in (runner.PASS, runner.FAIL, runner.SKIP)

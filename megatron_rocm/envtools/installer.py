@@ -175,9 +175,10 @@ def filter_deps(reqs: Sequence[str], have: dict[str, str], torch: str) -> list[s
     return keep
 
 
-def _check_python(tree: Path) -> None:
+def check_python(tree: Path) -> None:
     """Refuse before any step when the tree's ``requires-python`` excludes this interpreter
-    (megatron-core 0.17+ needs Python 3.12): pip would only say so after the helpers build."""
+    (megatron-core 0.17+ needs Python 3.12): pip would only say so after the helpers build,
+    and ``smoke`` would fail on a raw ImportError. Shared by ``install`` and ``smoke``."""
     spec = _read_toml(tree / "pyproject.toml").get("project", {}).get("requires-python")
     if not spec:
         return
@@ -221,7 +222,7 @@ def plan(
             f"torch is not installed; install the ROCm build of PyTorch first: "
             f"{ROCM_TORCH} (pick the rocm6.x that matches your driver)"
         )
-    _check_python(tree)
+    check_python(tree)
     pins = {n: have[n] for n in PINNED if n in have}
     deps = filter_deps(tree_requirements(tree), have, have["torch"])
     deps += [d for d in training_requirements(have) if d not in deps]

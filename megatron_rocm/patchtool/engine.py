@@ -2,37 +2,33 @@
 
 ``plan`` applies every patch in memory (no checkout) and labels each hunk; ``write_commits``
 turns a successful plan into one commit per patch using a temporary index. Nothing a user can
-see (refs, HEAD, index, working tree) changes here: the caller moves refs last, so a failure or
-a kill at any point leaves the repository as it was (only unreachable objects remain).
+see (refs, HEAD, index, working tree) changes here: ``transaction`` owns the order of effects
+and moves refs last, so a failure or a kill here leaves only unreachable objects.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.version import Version
 
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import gitcmd
-from megatron_rocm.patchtool.hunks import (
-    FileDiff,
-    apply_file,
-    decode,
-    encode,
-    parse_diff,
-    split_lines,
+from megatron_rocm.patchtool import diffio, gitcmd
+from megatron_rocm.patchtool.hunks import FileDiff, apply_file, decode, encode, split_lines
+from megatron_rocm.patchtool.results import (
+    HunkLabel,
+    HunkResult,
+    PatchResult,
+    RefReport,
+    accepts,
 )
-from megatron_rocm.patchtool.results import HunkLabel, HunkResult, PatchResult, RefReport
 from megatron_rocm.patchtool.series import Patch, Series, Variant, parse_version, release_of
 
 PACKAGE_INFO = "megatron/core/package_info.py"
-TRAILER = "Megatron-ROCm-Patch"
+TRAILER = diffio.TRAILER
+BASE_TRAILER = "Megatron-ROCm-Base"  # the upstream commit the fork was built on
 SCOPE_CONFIG = "megatron-rocm.scope"  # set on repos built from sdists: the paths they hold
 _FIELD_RE = {
     k: re.compile(rf"^{k}\s*=\s*['\"]?([0-9A-Za-z]*)['\"]?", re.M)
@@ -73,12 +69,24 @@ def tree_version(cat: gitcmd.CatFile, commit: str) -> Version:
         return Version(core)
 
 
-def resolve_commit(repo: Path, ref: str) -> str:
+def find_commit(repo: Path, ref: str) -> str | None:
+    """The commit ``ref`` names in ``repo`` (tag, branch, origin's branch or commit id)."""
     for candidate in (ref, f"refs/tags/{ref}", f"origin/{ref}", f"refs/remotes/origin/{ref}"):
         commit = gitcmd.rev_parse(repo, candidate)
         if commit:
             return commit
-    raise UsageError(f"unknown ref {ref!r} in {repo} (a tag, branch or commit of the source)")
+    return None
+
+
+def resolve_commit(repo: Path, ref: str, where: str | None = None) -> str:
+    """``find_commit`` or a usage error naming ``where`` (the source as the user gave it:
+    never a temporary clone the user cannot see)."""
+    commit = find_commit(repo, ref)
+    if commit is None:
+        raise UsageError(
+            f"unknown ref {ref!r} in {where or repo} (a tag, branch or commit of the source)"
+        )
+    return commit
 
 
 def repo_scope(repo: Path) -> list[str]:
@@ -86,35 +94,17 @@ def repo_scope(repo: Path) -> list[str]:
     return out
 
 
+def present_scope(repo: Path, commit: str) -> list[str]:
+    """The scope folders that exist at ``commit`` (which ones depends on the release)."""
+    return [
+        s
+        for s in repo_scope(repo)
+        if gitcmd.git_ok("cat-file", "-e", "--end-of-options", f"{commit}:{s}", cwd=repo)
+    ]
+
+
 def in_scope(path: str, scope: list[str]) -> bool:
     return not scope or any(path == s or path.startswith(s.rstrip("/") + "/") for s in scope)
-
-
-def _load_diff(patch: Patch, variant: Variant) -> list[FileDiff]:
-    path = patch.diff_path(variant)
-    try:
-        text = path.read_text(encoding="utf-8", errors="surrogateescape")
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from None
-    return parse_diff(text, origin=str(path))
-
-
-def _merge3(repo: Path, ours: bytes, base: bytes, theirs: bytes) -> bytes | None:
-    """``git merge-file`` in temp files; None when the merge conflicts."""
-    with tempfile.TemporaryDirectory(prefix="mrocm-merge-") as tmp:
-        paths = []
-        for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
-            p = Path(tmp) / name
-            p.write_bytes(data)
-            paths.append(str(p))
-        proc = subprocess.run(
-            [gitcmd.git_binary(), "merge-file", "-p", *paths],
-            cwd=repo,
-            capture_output=True,
-            env=gitcmd.sanitized_env(),
-            check=False,
-        )
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def _try_three_way(
@@ -129,7 +119,7 @@ def _try_three_way(
     on_base = apply_file(split_lines(decode(base)), fd)
     if on_base.lines is None or not all(r.label is HunkLabel.CLEAN for r in on_base.results):
         return None
-    merged = _merge3(repo, current, base, encode("".join(on_base.lines)))
+    merged = gitcmd.merge_file(repo, current, base, encode("".join(on_base.lines)))
     if merged is None:
         return None
     for r in outcome_results:
@@ -150,9 +140,7 @@ def plan(
     commit = resolve_commit(repo, ref)
     version = parse_version(version_override) if version_override else tree_version(cat, commit)
     # A partial source (sdist) holds only some folders, and which ones depends on the release.
-    scope = [
-        s for s in repo_scope(repo) if gitcmd.git_ok("cat-file", "-e", f"{commit}:{s}", cwd=repo)
-    ]
+    scope = present_scope(repo, commit)
     report = RefReport(ref=ref, commit=commit, version=str(version))
     overlay: dict[str, bytes | None] = {}
     modes: dict[str, str] = {}
@@ -173,7 +161,7 @@ def plan(
         if variant.skip:
             result.variant = "skip"
             continue
-        for fd in _load_diff(patch, variant):
+        for fd in diffio.load(patch.diff_path(variant), patch.id):
             data = current(fd.path)
             if data is None and not fd.is_new and not in_scope(fd.path, scope):
                 gone = f"{fd.path} is not part of this source"
@@ -189,13 +177,7 @@ def plan(
                 if merged is not None and three_way:
                     new = merged
             result.hunks += outcome.results
-            acceptable = all(
-                r.label.applies
-                or r.label is HunkLabel.ALREADY_APPLIED
-                or (three_way and r.label is HunkLabel.NEEDS_3WAY)
-                for r in outcome.results
-            )
-            if acceptable and new != data:
+            if all(accepts(r.label, three_way) for r in outcome.results) and new != data:
                 pp.files[fd.path] = new
                 overlay[fd.path] = new
                 if fd.is_new:
@@ -206,20 +188,16 @@ def plan(
 
 def _commit_env(repo: Path, base: str) -> dict[str, str]:
     """Fixed identity and dates (the base commit's): the same plan gives the same commit ids."""
-    stamp = gitcmd.git_text("show", "-s", "--format=%ct", base, cwd=repo)
+    stamp = gitcmd.git_text("show", "-s", "--format=%ct", "--end-of-options", base, cwd=repo)
     date = f"@{stamp} +0000"
     return {**gitcmd.IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
 
 
-def commit_message(patch: Patch) -> str:
-    return f"{patch.reason}\n\n{TRAILER}: {patch.id}\n"
-
-
-def _kill_hook(done: int) -> None:
-    """Fault injection for tests: SIGKILL ourselves after ``done`` commits were written."""
-    at = os.environ.get("MEGATRON_ROCM_TEST_KILL_AFTER")
-    if at is not None and int(at) == done:
-        os.kill(os.getpid(), signal.SIGKILL)
+def commit_message(patch: Patch, base: str) -> str:
+    """The reason as subject (one line, as ``git am`` of the diff file makes it), then the
+    trailers: which patch, and on which upstream commit the fork was built (export's anchor)."""
+    subject = " ".join(patch.reason.split())
+    return f"{subject}\n\n{TRAILER}: {patch.id}\n{BASE_TRAILER}: {base}\n"
 
 
 def write_commits(p: Plan) -> list[tuple[PatchPlan, str]]:
@@ -236,19 +214,18 @@ def write_commits(p: Plan) -> list[tuple[PatchPlan, str]]:
         }
         tree = gitcmd.write_tree(repo, changes, base=parent)
         parent = gitcmd.git_text(
-            "commit-tree",
+            "commit-tree",  # ids we computed: nothing here comes from the user
             tree,
             "-p",
             parent,
             cwd=repo,
             env=env,
-            input=encode(commit_message(pp.patch)),
+            input=encode(commit_message(pp.patch, p.commit)),
         )
         made.append((pp, parent))
-        _kill_hook(len(made))
     return made
 
 
 def _mode(repo: Path, commit: str, path: str) -> str:
-    out = gitcmd.git_text("ls-tree", commit, "--", path, cwd=repo)
+    out = gitcmd.git_text("ls-tree", "--end-of-options", commit, "--", path, cwd=repo)
     return out.split()[0] if out else "100644"

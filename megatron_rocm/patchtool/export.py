@@ -2,32 +2,31 @@
 
 A patch's stored diff is kept byte for byte when applying it to the commit's parent gives the
 commit's tree (it may have landed at an offset on this tag: rewriting it then would only churn
-line numbers). Otherwise the commit's normalized diff replaces it. A commit without a trailer
-on top of the fork becomes a new patch appended to the series.
+line numbers). Otherwise the commit's normalized diff replaces it, with the ``git am`` header
+of ``diffio``. A commit without a trailer on top of the fork becomes a new patch appended to
+the series; ``forkscan`` refuses every commit export could not map back safely.
+
+Nothing is written until every commit has been mapped: a refusal half way leaves the series as
+it was, and the writes themselves (each a rename) are not interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.version import Version
 
 from megatron_rocm.errors import UsageError
-from megatron_rocm.patchtool import engine, gitcmd
-from megatron_rocm.patchtool.hunks import apply_file, decode, encode, parse_diff, split_lines
+from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts
+from megatron_rocm.patchtool.forkscan import ForkCommit, fork_commits, refuse_busy_or_dirty
+from megatron_rocm.patchtool.hunks import apply_file, decode, encode, split_lines
+from megatron_rocm.patchtool.results import accepts
 from megatron_rocm.patchtool.series import Patch, Series, Variant, format_patch_toml, release_of
 
-_TRAILER_RE = re.compile(rf"^{engine.TRAILER}:\s*(\S+)\s*$", re.M)
-
-
-@dataclass
-class ForkCommit:
-    commit: str
-    parent: str
-    patch_id: str | None  # None: a user commit without trailer (a new patch)
-    subject: str
+__all__ = ["ExportItem", "ForkCommit", "export_fork", "fork_commits"]
 
 
 @dataclass
@@ -37,38 +36,20 @@ class ExportItem:
     diff: str = ""
 
 
-def fork_commits(repo: Path) -> tuple[str, list[ForkCommit]]:
-    """Walk HEAD's first parents: user commits on top, then trailer commits, then the base."""
-    out = gitcmd.git("log", "--first-parent", "-z", "--format=%H %P%n%B", "HEAD", cwd=repo)
-    commits: list[ForkCommit] = []
-    seen_trailer = False
-    for record in decode(out).split("\0"):
-        if not record.strip():
-            continue
-        head, _, body = record.partition("\n")
-        ids = head.split()
-        m = _TRAILER_RE.search(body)
-        if m is None and seen_trailer:
-            return ids[0], list(reversed(commits))
-        if len(ids) < 2:
-            break
-        if len(ids) > 2:
-            raise UsageError(
-                f"merge commit {ids[0][:12]} in the fork; export needs a linear branch"
-            )
-        seen_trailer = seen_trailer or m is not None
-        commits.append(
-            ForkCommit(
-                ids[0],
-                ids[1],
-                m.group(1) if m else None,
-                body.strip().splitlines()[0] if body.strip() else "",
-            )
-        )
-    raise UsageError(
-        f"{repo} is not a megatron-rocm fork: no commit on HEAD carries a "
-        f"'{engine.TRAILER}:' trailer (run `megatron-rocm apply` first)"
-    )
+@dataclass
+class Writes:
+    """Files to write once the whole fork is mapped (path -> bytes), folders to create."""
+
+    files: dict[Path, bytes] = field(default_factory=dict)
+    folders: list[Path] = field(default_factory=list)
+
+    def commit(self) -> None:
+        for folder in self.folders:
+            folder.mkdir(parents=True, exist_ok=True)
+        for path, data in self.files.items():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
 
 
 def _slug(subject: str) -> str:
@@ -87,10 +68,9 @@ def _unchanged(
 
     On a partial tree (an sdist: ``scope`` set) files outside the scope are left out.
     """
-    fds = parse_diff(patch.diff_path(variant).read_text(encoding="utf-8", errors="surrogateescape"))
     fds = [
         fd
-        for fd in fds
+        for fd in diffio.load(patch.diff_path(variant), patch.id)
         if fd.is_new
         or engine.in_scope(fd.path, scope)
         or cat.read(f"{c.parent}:{fd.path}") is not None
@@ -100,7 +80,7 @@ def _unchanged(
     for fd in fds:
         before = cat.read(f"{c.parent}:{fd.path}")
         outcome = apply_file(None if before is None else split_lines(decode(before)), fd)
-        if not all(r.label.applies for r in outcome.results):
+        if not all(accepts(r.label) for r in outcome.results):
             return False
         after = None if outcome.lines is None else encode("".join(outcome.lines))
         if after != cat.read(f"{c.commit}:{fd.path}"):
@@ -136,34 +116,45 @@ def _add_variant(patch: Patch, version: Version, split: bool) -> Variant:
     return new
 
 
+def _touched(repo: Path, c: ForkCommit) -> list[str]:
+    out = gitcmd.git(
+        "diff",
+        "--name-only",
+        "-z",
+        "--no-renames",
+        "--end-of-options",
+        c.parent,
+        c.commit,
+        cwd=repo,
+    )
+    return [p for p in out.decode("utf-8", errors="surrogateescape").split("\0") if p]
+
+
 def export_fork(
     repo: Path, series: Series, version_override: str | None, new_variant: bool
 ) -> tuple[Version, list[ExportItem]]:
-    base, commits = fork_commits(repo)
-    scope = [
-        s
-        for s in engine.repo_scope(repo)
-        if gitcmd.git_ok("cat-file", "-e", f"{base}:{s}", cwd=repo)
-    ]
+    refuse_busy_or_dirty(repo)
+    base, commits = fork_commits(repo, series)
+    scope = engine.present_scope(repo, base)
     items: list[ExportItem] = []
+    writes = Writes()
+    original = Series(series.folder, list(series.patches))
     with gitcmd.CatFile(repo) as cat:
         version = Version(version_override) if version_override else engine.tree_version(cat, base)
         seen: set[str] = set()
         for c in commits:
             if c.patch_id in seen:
                 raise UsageError(f"patch {c.patch_id} has more than one commit; squash them")
-            touched = gitcmd.git_text(
-                "diff", "--name-only", "--no-renames", c.parent, c.commit, cwd=repo
-            ).splitlines()
             text = gitcmd.diff(repo, c.parent, c.commit)
             if c.patch_id is None:
-                items.append(_new_patch(series, c, version, text))
+                items.append(_new_patch(series, c, version, text, writes))
+                seen.add(items[-1].patch_id)
                 continue
             seen.add(c.patch_id)
             patch = series.get(c.patch_id)
             variant = patch.variant_for(version)
             if variant is not None and not variant.skip and not new_variant:
-                if _unchanged(cat, patch, variant, c, touched, scope):
+                if _unchanged(cat, patch, variant, c, _touched(repo, c), scope):
                     items.append(ExportItem(patch.id, "unchanged", variant.diff))
                     continue
                 if scope:
@@ -171,41 +162,45 @@ def export_fork(
                         f"patch {patch.id} changed, but this fork holds only {', '.join(scope)} "
                         "(a PyPI sdist); export from a full clone so no file is dropped"
                     )
-                patch.diff_path(variant).write_bytes(text)
+                writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
                 items.append(ExportItem(patch.id, "updated", variant.diff))
                 continue
             variant = _add_variant(patch, version, split=True)
-            patch.diff_path(variant).write_bytes(text)
-            (patch.folder / "patch.toml").write_text(format_patch_toml(patch), encoding="utf-8")
+            writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
+            writes.files[patch.folder / "patch.toml"] = format_patch_toml(patch).encode()
             items.append(ExportItem(patch.id, "new-variant", variant.diff))
-        unseen = [p for p in series.patches if p.id not in seen]
+        unseen = [p for p in original.patches if p.id not in seen]
         if unseen:
             # A patch with no commit is fine when it changes nothing on this base (out of a
             # partial source's scope, or already upstream); otherwise the fork dropped it.
-            base_plan = engine.plan(repo, cat, base, series, str(version))
+            base_plan = engine.plan(repo, cat, base, original, str(version))
             changes = {pp.patch.id: bool(pp.files) for pp in base_plan.patches}
             for patch in unseen:
                 v = patch.variant_for(version)
                 if v is not None and not v.skip:
                     action = "missing" if changes.get(patch.id) else "no-change"
                     items.append(ExportItem(patch.id, action, v.diff))
+    with interrupts.Guard() as guard, guard.deferred():
+        writes.commit()
     return version, items
 
 
-def _new_patch(series: Series, c: ForkCommit, version: Version, text: bytes) -> ExportItem:
+def _new_patch(
+    series: Series, c: ForkCommit, version: Version, text: bytes, writes: Writes
+) -> ExportItem:
     pid = _slug(c.subject)
     if any(p.id == pid for p in series.patches) or (series.folder / pid).exists():
         raise UsageError(f"new commit {c.commit[:12]} would become patch {pid!r}, which exists")
     folder = series.folder / pid
-    folder.mkdir(parents=True)
     patch = Patch(pid, c.subject, "not-submitted", folder)
     variant = _add_variant(patch, version, split=False)
-    patch.diff_path(variant).write_bytes(text)
-    (folder / "patch.toml").write_text(format_patch_toml(patch), encoding="utf-8")
+    writes.folders.append(folder)
+    writes.files[patch.diff_path(variant)] = diffio.render(pid, patch.reason, text)
+    writes.files[folder / "patch.toml"] = format_patch_toml(patch).encode()
     listing = series.folder / "series"
-    content = listing.read_text(encoding="utf-8")
-    listing.write_text(
-        content + ("" if content.endswith("\n") else "\n") + pid + "\n", encoding="utf-8"
-    )
+    content = writes.files.get(listing, listing.read_bytes()).decode("utf-8")
+    writes.files[listing] = (
+        content + ("" if content.endswith("\n") else "\n") + pid + "\n"
+    ).encode("utf-8")
     series.patches.append(patch)
     return ExportItem(pid, "new-patch", variant.diff)

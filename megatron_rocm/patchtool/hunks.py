@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import unidiff
 
 from megatron_rocm.errors import UsageError
-from megatron_rocm.patchtool.results import HunkLabel, HunkResult
+from megatron_rocm.patchtool.results import HunkLabel, HunkResult, accepts
 
 MAX_FUZZ = 2
 _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+\Z")
@@ -197,7 +197,7 @@ def apply_file(lines: list[str] | None, fd: FileDiff) -> FileOutcome:
             continue
         out[pos : pos + len(old)] = new
         floor = pos + len(new)
-    if fd.is_deleted and all(r.label.applies for r in results):
+    if fd.is_deleted and all(accepts(r.label) for r in results):
         return FileOutcome(None, results)
     return FileOutcome(out, results)
 

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import fnmatch
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from megatron_rocm import __version__
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import engine, gitcmd, surface
-from megatron_rocm.patchtool.hunks import FileDiff, parse_diff
+from megatron_rocm.patchtool import diffio, engine, gitcmd, surface
+from megatron_rocm.patchtool.hunks import FileDiff
 from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport
-from megatron_rocm.patchtool.series import Series, release_of
+from megatron_rocm.patchtool.series import Series
 from megatron_rocm.patchtool.upstream import RELEASE_TAG
 
 MIN_RELEASE = (0, 12, 0)
@@ -69,6 +70,20 @@ def list_refs(repo: Path) -> dict[str, RefSpec]:
 def _release_key(name: str) -> tuple[int, ...]:
     m = RELEASE_TAG.match(name)
     return tuple(int(x) for x in m.groups()) if m else ()
+
+
+_VERSIONED_NAME = re.compile(r"^(?:core_v|core_r|v)(\d+\.\d+(?:\.\d+)?\S*)$")
+
+
+def name_version(name: str) -> Version | None:
+    """The version a tag or branch name carries (``core_v0.14.0rc0`` -> 0.14.0rc0), if any."""
+    m = _VERSIONED_NAME.match(name)
+    if not m:
+        return None
+    try:
+        return Version(m.group(1))
+    except InvalidVersion:
+        return None
 
 
 def select_refs(repo: Path, patterns: list[str] | None) -> list[RefSpec]:
@@ -123,10 +138,14 @@ class Row:
 
     @property
     def sort_key(self) -> tuple:
-        if self.spec.kind == "release":
-            ver = _release_key(self.spec.name)
-        else:
-            ver = release_of(Version(self.tree_version or self.report.version)).release
+        """Version order, pre-releases before their release (``core_v0.14.0rc7`` <
+        ``core_v0.14.0``): the version in the name, else the tree's own (``main``)."""
+        ver = name_version(self.spec.name)
+        if ver is None:
+            try:
+                ver = Version(self.tree_version or self.report.version)
+            except InvalidVersion:
+                ver = Version("0")
         return (ver, _KIND_RANK[self.spec.kind], self.spec.name)
 
 
@@ -273,9 +292,7 @@ def coverage_for(
             continue
         key = (p.patch_id, p.variant)
         if key not in cache:
-            path = series.get(p.patch_id).folder / p.variant
-            text = path.read_text(encoding="utf-8", errors="surrogateescape")
-            cache[key] = parse_diff(text, origin=str(path))
+            cache[key] = diffio.load(series.get(p.patch_id).folder / p.variant, p.patch_id)
         for fd in cache[key]:
             cov.setdefault(fd.path, []).extend((p.patch_id, h.text) for h in fd.hunks)
     return cov

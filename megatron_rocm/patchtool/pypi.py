@@ -21,8 +21,9 @@ from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from megatron_rocm.cache import cache_dir
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import gitcmd
+from megatron_rocm.patchtool import gitcmd, lock, scratch
 from megatron_rocm.patchtool.series import parse_version
 
 PROJECT = "megatron-core"
@@ -30,14 +31,6 @@ INDEX_ENV = "MEGATRON_ROCM_PYPI_URL"  # JSON API root, default https://pypi.org/
 DEFAULT_INDEX = "https://pypi.org/pypi"
 SCOPES = ("megatron/core", "megatron/training")
 FIXED_DATE = "@1700000000 +0000"
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("MEGATRON_ROCM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "megatron-rocm",
-    )
-    return Path(base)
 
 
 def version_from_ref(ref: str) -> str:
@@ -80,7 +73,7 @@ def fetch_sdist(version: str) -> Path:
         raise SourceError(f"sha256 mismatch for {info['filename']}; download corrupted")
     target_dir.mkdir(parents=True, exist_ok=True)
     path = target_dir / f"megatron_core-{version}.tar.gz"
-    tmp = path.with_suffix(".part")
+    tmp = target_dir / f".{path.name}.{os.getpid()}.part"
     tmp.write_bytes(data)
     tmp.replace(path)
     return path
@@ -116,19 +109,34 @@ def _sdist_files(path: Path) -> dict[str, tuple[str, bytes]]:
 
 
 def sdist_repo(refs: list[str]) -> Path:
-    """A cached bare repo with tag ``core_v<version>`` for each requested release."""
-    repo = cache_dir() / "pypi-megatron-core.git"
-    if not (repo / "HEAD").exists():
-        repo.parent.mkdir(parents=True, exist_ok=True)
-        gitcmd.git("init", "-q", "--bare", str(repo), cwd=repo.parent)
-        for scope in SCOPES:
-            gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=repo)
-    for ref in refs:
-        version = version_from_ref(ref)
-        tag = f"core_v{version}"
-        if gitcmd.rev_parse(repo, f"refs/tags/{tag}"):
-            continue
-        _import(repo, fetch_sdist(version), tag)
+    """A cached bare repo with tag ``core_v<version>`` for each requested release.
+
+    Runs sharing the cache take turns (a waiting lock); a new repo is made in a scratch
+    folder and renamed into place, so a killed run never leaves a half-made one.
+    """
+    root = cache_dir()
+    repo = root / "pypi-megatron-core.git"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SourceError(f"cannot create the cache folder {root}: {e.strerror}") from None
+    with lock.hold(root / "pypi-megatron-core.lock", what="the PyPI sdist cache", wait=True):
+        scratch.sweep(root, "pypi-megatron-core.tmp-")
+        if not (repo / "HEAD").exists():
+            with scratch.folder(root, "pypi-megatron-core.tmp-") as tmp:
+                gitcmd.git("init", "-q", "--bare", "--", str(tmp / "repo.git"), cwd=tmp)
+                for scope in SCOPES:
+                    gitcmd.git(
+                        "config", "--add", "megatron-rocm.scope", scope, cwd=tmp / "repo.git"
+                    )
+                (tmp / "repo.git").replace(repo)
+        scratch.sweep(repo, scratch.GIT_PREFIX)
+        for ref in refs:
+            version = version_from_ref(ref)
+            tag = f"core_v{version}"
+            if gitcmd.rev_parse(repo, f"refs/tags/{tag}"):
+                continue
+            _import(repo, fetch_sdist(version), tag)
     return repo
 
 
@@ -146,7 +154,7 @@ def _import(repo: Path, sdist: Path, tag: str) -> None:
         env=commit_env,
         input=f"{PROJECT} {tag} (sdist from PyPI)\n".encode(),
     )
-    gitcmd.git("update-ref", f"refs/tags/{tag}", commit, cwd=repo)
+    gitcmd.git("update-ref", "--end-of-options", f"refs/tags/{tag}", commit, cwd=repo)
 
 
 def _final_releases() -> dict[str, list[dict]]:

@@ -20,12 +20,27 @@ class HunkLabel(enum.StrEnum):
 
     @property
     def applies(self) -> bool:
-        """Would ``apply`` accept it without --3way? (fuzz is accepted, and reported)."""
+        """Does the hunk land as a change (clean, offset or fuzz; out-of-scope counts: the
+        source lacks the file, so there is nothing to change)? Acceptance is ``accepts``."""
         return self in (HunkLabel.CLEAN, HunkLabel.OFFSET, HunkLabel.FUZZ, HunkLabel.OUT_OF_SCOPE)
 
     @property
     def severity(self) -> int:
         return list(HunkLabel).index(self)
+
+
+def accepts(label: HunkLabel, three_way: bool = False) -> bool:
+    """The one acceptance rule: may ``apply`` go ahead with a hunk labelled ``label``?
+
+    Clean, offset, fuzz and out-of-scope hunks apply; already-applied ones need nothing;
+    needs-3-way only with ``--3way``. Conflict and file-gone never. ``check``, ``matrix``,
+    ``apply`` and ``export`` all decide through this function.
+    """
+    return (
+        label.applies
+        or label is HunkLabel.ALREADY_APPLIED
+        or (three_way and label is HunkLabel.NEEDS_3WAY)
+    )
 
 
 @dataclass
@@ -62,11 +77,12 @@ class PatchResult:
             default=HunkLabel.CLEAN,
         )
 
+    def accepted(self, three_way: bool = False) -> bool:
+        return not self.error and all(accepts(h.label, three_way) for h in self.hunks)
+
     @property
     def ok(self) -> bool:
-        return not self.error and all(
-            h.label.applies or h.label is HunkLabel.ALREADY_APPLIED for h in self.hunks
-        )
+        return self.accepted()
 
 
 @dataclass

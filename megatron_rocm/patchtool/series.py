@@ -143,7 +143,9 @@ def load_patch(folder: Path, patch_id: str) -> Patch:
 
 
 def load_series(folder: str | Path | None = None) -> Series:
-    root = Path(folder) if folder else default_series_dir()
+    if folder is not None and not str(folder).strip():
+        raise UsageError("--series is empty; give the series folder (or leave it out)")
+    root = Path(folder) if folder is not None else default_series_dir()
     listing = root / "series"
     if not listing.is_file():
         raise UsageError(f"no patch series at {root} (missing {listing.name} file)")

@@ -9,7 +9,10 @@ findings the day they land.
 
 Deliberately *not* flagged: ``torch.cuda`` (HIP maps it), Triton, ``flash_attn``, ``mamba_ssm``
 and ``causal_conv1d`` (ROCm ships ports under the same names), ``cupy`` and ``tilelang``
-(ROCm builds exist). See docs/matrix.md.
+(ROCm builds exist), Megatron's own ``megatron.core.nccl_allocator`` module (its NCCL-only
+parts are behind ``--nccl-ub``, flagged as an option), and anything inside a docstring. An
+import under ``try``, ``TYPE_CHECKING`` or an ``if HAVE_<LIB>:`` flag is optional (guarded).
+See docs/matrix.md.
 """
 
 from __future__ import annotations
@@ -111,11 +114,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "nccl-allocator",
-        "NCCL user-buffer allocator (builds against nccl.h, ncclMemAlloc)",
+        "a third-party NCCL user-buffer allocator (builds against nccl.h, ncclMemAlloc)",
         ("nccl_allocator",),
-        _rx(
-            _IMPORT + r"[\w.]*?(?P<symbol>nccl_allocator)\b",
-            r"^\s*from\s+[\w.]+\s+import\s+.*?\b(?P<symbol>nccl_allocator)\b",
+        _rx(  # Megatron's own module (megatron.*, relative imports) is not third-party
+            _IMPORT + r"(?!megatron\b|\.)[\w.]*?(?P<symbol>nccl_allocator)\b",
+            r"^\s*from\s+(?!megatron\b|\.)[\w.]+\s+import\s+.*?\b(?P<symbol>nccl_allocator)\b",
         ),
     ),
     Rule(
@@ -260,16 +263,22 @@ def match_line(text: str) -> tuple[Rule, str] | None:
 
 
 _HEADER = re.compile(r"^\s*(try|except\b[^:]*|if\s+(?:typing\.)?TYPE_CHECKING)\s*:")
+# ``if HAVE_TE:`` / ``elif HAVE_APEX and ...:``: the block runs only when the library is there.
+_HAVE = re.compile(r"^\s*(?:el)?if\b(?![^#:]*\bnot\s+HAVE_)[^#:]*\bHAVE_[A-Z0-9_]+\b[^#]*:")
 _SCOPE = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s")
 
 
 def is_guarded(lines: Sequence[str], index: int) -> bool:
-    """Is line ``index`` (0-based) an optional import: inside try/except or TYPE_CHECKING?
+    """Is line ``index`` (0-based) an optional import?
 
-    Walks the enclosing blocks by indentation up to the nearest def/class: an import in a
-    function body runs whenever the function does, so an outer ``try`` does not protect it.
+    Optional: inside ``try``/``except`` or ``if TYPE_CHECKING`` within the same function, or
+    anywhere below an ``if HAVE_<LIB>:`` flag. Walks the enclosing blocks by indentation: an
+    import in a function body runs whenever the function does, so a ``try`` outside the
+    function does not protect it; but a function defined under ``if HAVE_TE:`` exists only
+    when TE does.
     """
     indent = len(lines[index]) - len(lines[index].lstrip())
+    crossed_scope = False
     for i in range(index - 1, -1, -1):
         text = lines[i]
         stripped = text.strip()
@@ -278,12 +287,49 @@ def is_guarded(lines: Sequence[str], index: int) -> bool:
         own = len(text) - len(text.lstrip())
         if own >= indent:
             continue
-        if _HEADER.match(text):
+        if _HAVE.match(text) or (not crossed_scope and _HEADER.match(text)):
             return True
-        if _SCOPE.match(text) or own == 0:
+        crossed_scope = crossed_scope or bool(_SCOPE.match(text))
+        if own == 0:
             return False
         indent = own
     return False
+
+
+_TRIPLE = re.compile(r"\"\"\"|\'\'\'")
+_DOC_OPEN = re.compile(r"^\s*[rRuU]?$")
+
+
+def docstring_lines(lines: Sequence[str], last: int) -> set[int]:
+    """1-based numbers of the lines up to ``last`` that lie in a docstring (a triple-quoted
+    string that is a statement of its own: text there is prose, never code).
+
+    A line scanner, not a parser: a few milliseconds per file where ``ast`` takes tens, and
+    the matrix reads hundreds of files. Triple quotes inside one-line strings are rare
+    enough in Megatron to ignore.
+    """
+    out: set[int] = set()
+    inside: str | None = None
+    doc = False
+    for no, line in enumerate(lines[:last], 1):
+        pos = 0
+        while True:
+            if inside is None:
+                m = _TRIPLE.search(line, pos)
+                if m is None or "#" in line[pos : m.start()]:
+                    break
+                doc = pos == 0 and bool(_DOC_OPEN.match(line[: m.start()]))
+                inside, pos = m.group(), m.end()
+                if doc:
+                    out.add(no)
+                continue
+            if doc:
+                out.add(no)
+            end = line.find(inside, pos)
+            if end < 0:
+                break
+            inside, pos = None, end + 3
+    return out
 
 
 def _spellings(symbol: str) -> tuple[str, ...]:
@@ -355,24 +401,27 @@ def _diff(before: list[Finding], after: list[Finding]) -> tuple[list[Finding], i
 def _blob_findings(
     repo: Path, hits: Mapping[str, list[tuple[int, str]]]
 ) -> dict[str, list[tuple[str, int, str, str, bool]]]:
-    """blob id -> [(rule, line, text, symbol, guarded)]; a blob is read only to judge guards."""
+    """blob id -> [(rule, line, text, symbol, guarded)]; a blob with a candidate line is read
+    to drop lines inside docstrings and to judge guards."""
     import_rules = {r.id for r in RULES if r.is_import}
     out: dict[str, list[tuple[str, int, str, str, bool]]] = {}
     with gitcmd.CatFile(repo) as cat:
         for oid, rows in hits.items():
-            lines: list[str] | None = None
+            candidates = [(line, text, hit) for line, text in rows if (hit := match_line(text))]
+            if not candidates:
+                continue
+            data = cat.read(oid) or b""
+            lines = data.decode("utf-8", errors="replace").splitlines()
+            prose = docstring_lines(lines, max(line for line, _, _ in candidates))
             found = []
-            for line, text in rows:
-                hit = match_line(text)
-                if hit is None:
+            for line, text, (rule, symbol) in candidates:
+                if line in prose:
                     continue
-                rule, symbol = hit
-                guarded = False
-                if rule.id in import_rules:
-                    if lines is None:
-                        data = cat.read(oid) or b""
-                        lines = data.decode("utf-8", errors="replace").splitlines()
-                    guarded = 0 < line <= len(lines) and is_guarded(lines, line - 1)
+                guarded = (
+                    rule.id in import_rules
+                    and 0 < line <= len(lines)
+                    and is_guarded(lines, line - 1)
+                )
                 found.append((rule.id, line, text.strip(), symbol, guarded))
             if found:
                 out[oid] = found

@@ -7,17 +7,13 @@ sources are only ever read (or cloned from), never modified.
 from __future__ import annotations
 
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import git
-
+from megatron_rocm.cache import cache_dir
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import gitcmd, pypi
-from megatron_rocm.progress import CloneProgress
+from megatron_rocm.patchtool import gitcmd, lock, pypi, refnames, scratch
 
 DEFAULT_URL = "https://github.com/NVIDIA/Megatron-LM.git"
 RELEASE_TAG = re.compile(r"^core_v(\d+)\.(\d+)\.(\d+)$")
@@ -38,11 +34,18 @@ class Source:
 
 
 def classify(source: str | None) -> Source:
+    """What ``--source`` names. Checked before anything is cloned: a value git could read as
+    an option (``--upload-pack=...``) or a remote helper (``ext::``) is a usage error."""
     if source is None:
         return Source("url", DEFAULT_URL)
     if source == "pypi":
         return Source("pypi", pypi.DEFAULT_INDEX)
+    refnames.check_text(source, "--source")
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*::", source):
+        raise UsageError(f"--source {source!r}: remote helpers (<helper>::) are not supported")
     if "://" in source or re.match(r"^[\w.-]+@[\w.-]+:", source):
+        if source.startswith("-"):
+            raise UsageError(f"--source {source!r} starts with '-'; {SOURCE_HINT}")
         return Source("url", source)
     path = Path(source).expanduser()
     if not path.exists():
@@ -60,45 +63,33 @@ def release_tags(repo: Path) -> list[str]:
 
 
 def _cache_mirror(url: str, quiet: bool) -> Path:
-    """A blobless bare mirror of ``url`` in the cache, fetched fresh on every use."""
+    """A blobless bare mirror of ``url`` in the cache, fetched fresh on every use.
+
+    Runs that share the cache take turns (a waiting lock); a first clone goes to a scratch
+    folder renamed into place, so a killed run never leaves half a mirror behind.
+    """
     slug = re.sub(r"[^A-Za-z0-9]+", "-", url).strip("-")[-80:]
-    repo = pypi.cache_dir() / "repos" / f"{slug}.git"
-    progress = CloneProgress(quiet)
+    repos = cache_dir() / "repos"
+    repo = repos / f"{slug}.git"
     try:
-        if (repo / "HEAD").exists():
-            git.Repo(repo).remote("origin").fetch(
-                ["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"],
-                progress=progress,
-                prune=True,
-            )
-        else:
-            repo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=repo.name + ".", dir=repo.parent))
-            try:
-                git.Repo.clone_from(
-                    url,
-                    tmp,
-                    progress=progress,
-                    multi_options=["--bare", "--filter=blob:none"],
-                    env=gitcmd.sanitized_env(),
-                )
-                tmp.replace(repo)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    except git.GitCommandError as e:
-        raise SourceError(
-            f"cannot clone {url}: {_git_reason(e, progress)}; {SOURCE_HINT}"
-        ) from None
+        repos.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SourceError(f"cannot create the cache folder {repos}: {e.strerror}") from None
+    with lock.hold(repos / f"{slug}.lock", what=f"the cache of {url}", wait=True):
+        scratch.sweep(repos, f"{slug}.tmp-")
+        try:
+            if (repo / "HEAD").exists():
+                gitcmd.fetch(repo, "origin", MIRROR_REFSPECS, prune=True, quiet=quiet)
+            else:
+                with scratch.folder(repos, f"{slug}.tmp-") as tmp:
+                    gitcmd.clone(url, tmp / "repo.git", bare=True, blobless=True, quiet=quiet)
+                    (tmp / "repo.git").replace(repo)
+        except gitcmd.GitError as e:
+            raise SourceError(f"cannot clone {url}: {e.reason}; {SOURCE_HINT}") from None
     return repo
 
 
-def _git_reason(e: git.GitCommandError, progress: CloneProgress | None = None) -> str:
-    """git's own last 'fatal:' line (a progress handler swallows stderr, so look there too)."""
-    text = str(e.stderr or "") + "\n" + "\n".join(progress.error_lines if progress else [])
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    fatal = [ln for ln in lines if "fatal" in ln or "error" in ln]
-    text = (fatal or lines or [str(e.status)])[-1]
-    return text.removeprefix("stderr: ").strip("'")
+MIRROR_REFSPECS = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 
 
 def reading_repo(source: Source, refs: list[str] | None, quiet: bool = False) -> Path:
@@ -112,10 +103,10 @@ def reading_repo(source: Source, refs: list[str] | None, quiet: bool = False) ->
     return pypi.sdist_repo(refs)
 
 
-def default_ref(repo: Path) -> str:
+def default_ref(repo: Path, where: str | None = None) -> str:
     tags = release_tags(repo)
     if not tags:
-        raise UsageError(f"{repo} has no core_vX.Y.Z release tags; pass --ref")
+        raise UsageError(f"{where or repo} has no core_vX.Y.Z release tags; pass --ref")
     return tags[-1]
 
 
@@ -142,20 +133,34 @@ def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False)
         origin = source.location
     if not quiet:
         print(f"cloning {source.label}", flush=True)
-    progress = CloneProgress(quiet)
     try:
-        git.Repo.clone_from(
-            origin,
-            dest,
-            progress=progress,
-            no_checkout=True,
-            env=gitcmd.sanitized_env(),
-        )
-    except git.GitCommandError as e:
-        raise SourceError(
-            f"cannot clone {source.label}: {_git_reason(e, progress)}; {SOURCE_HINT}"
-        ) from None
+        gitcmd.clone(origin, dest, quiet=quiet)
+    except gitcmd.GitError as e:
+        raise SourceError(f"cannot clone {source.label}: {e.reason}; {SOURCE_HINT}") from None
     if source.kind == "pypi":
         for scope in pypi.SCOPES:
             gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=dest)
     return dest
+
+
+def fetch_ref(repo: Path, source: Source, ref: str, quiet: bool = False) -> str:
+    """Fetch ``ref`` from ``source`` into an existing clone (FETCH_HEAD only: no ref moves)
+    and return its commit. An unknown ref is a usage error, as on a fresh clone."""
+    if source.kind == "pypi":
+        ref = pypi_ref(ref, quiet)
+        origin = str(pypi.sdist_repo([ref]))
+    else:
+        origin = source.location
+    try:
+        gitcmd.fetch(repo, origin, [ref], quiet=quiet)
+    except gitcmd.GitError as e:
+        low = e.reason.lower()
+        if any(s in low for s in ("couldn't find remote ref", "not our ref", "unadvertised")):
+            raise UsageError(
+                f"unknown ref {ref!r} in {source.label} (a tag, branch or commit of the source)"
+            ) from None
+        raise SourceError(f"cannot fetch {ref!r} from {source.label}: {e.reason}") from None
+    commit = gitcmd.rev_parse(repo, "FETCH_HEAD")
+    if commit is None:
+        raise SourceError(f"fetching {ref!r} from {source.label} gave no commit")
+    return commit

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
-from toyrepo import apply_argv, run, snapshot
+import pytest
+from toyrepo import apply_argv, leftovers, run, snapshot
 
+from megatron_rocm.errors import EXIT_BUSY
 from megatron_rocm.main import main
 from megatron_rocm.patchtool.lock import LOCK_NAME
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
 
 
 def _apply(upstream, series, dest, ref="core_v0.2.0", *extra):
@@ -64,41 +74,30 @@ def test_failed_fresh_apply_leaves_no_destination(toy, capsys):
     root, upstream, series = toy
     dest = root / "new"
     assert _apply(upstream, series, dest, "core_v0.4.0") == 1
+    assert ".apply-" not in capsys.readouterr().err  # never names a deleted scratch clone
     assert not dest.exists()
     assert [p.name for p in root.iterdir() if p.name.startswith(".new")] == []
 
 
-def test_report_is_printed_once_the_fork_is_in_place(toy, monkeypatch):
-    """`apply --json | head` closes the pipe mid-report: the finished fork must stay."""
+def test_closed_stdout_does_not_undo_or_fail_a_finished_apply(toy):
+    """`apply --json | head -0`: the reader is gone before the report; the fork stays and the
+    exit code is apply's own, with nothing on stderr."""
     root, upstream, series = toy
     dest = root / "piped"
-    seen = []
-
-    def closed_pipe(payload):
-        seen.append(dest.is_dir() and payload["ok"])
-        raise BrokenPipeError
-
-    monkeypatch.setattr("megatron_rocm.commands.apply.print_json", closed_pipe)
-    assert _apply(upstream, series, dest, "core_v0.2.0", "--json") == 1
-    assert seen == [True]
-    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest).startswith("rocm/")
-
-
-def test_kill_in_the_middle_of_apply_leaves_tree_identical(toy):
-    root, upstream, series = toy
-    dest = root / "clone"
-    run("clone", "-q", str(upstream), str(dest), cwd=root)
-    before = snapshot(dest)
-    env = {**os.environ, "MEGATRON_ROCM_TEST_KILL_AFTER": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rocm", *apply_argv(upstream, series, dest)],
-        env=env,
-        capture_output=True,
-    )
-    assert proc.returncode == -9
-    assert (dest / ".git" / LOCK_NAME).exists()  # a stale lock of a dead process...
-    assert snapshot(dest) == before
-    assert _apply(upstream, series, dest) == 0  # ...is cleared by the next run
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_rocm", *apply_argv(upstream, series, dest), "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_v0.2.0"
+    assert leftovers(dest) == []
 
 
 def test_dirty_tree_is_refused_and_edits_kept(toy, capsys):
@@ -111,20 +110,145 @@ def test_dirty_tree_is_refused_and_edits_kept(toy, capsys):
     assert (dest / "README.md").read_text() == "my edit\n"
 
 
-def test_second_concurrent_apply_is_refused(toy, capsys):
+HOLD = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "os.write(fd, b'%d otherhost\\n' % os.getpid())\n"
+    "print('held', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def hold_lock(path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_second_concurrent_apply_is_busy_exit_5(toy, capsys):
     root, upstream, series = toy
     dest = root / "clone"
     run("clone", "-q", str(upstream), str(dest), cwd=root)
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    holder = hold_lock(dest / ".git" / LOCK_NAME)
     try:
-        (dest / ".git" / LOCK_NAME).write_text(str(holder.pid))
         before = snapshot(dest)
-        assert _apply(upstream, series, dest) == 1
-        assert f"another megatron-rocm apply (pid {holder.pid})" in capsys.readouterr().err
+        assert _apply(upstream, series, dest) == EXIT_BUSY
+        err = one_line(capsys)
+        assert f"another megatron-rocm run (pid {holder.pid})" in err
         assert snapshot(dest) == before
     finally:
         holder.kill()
         holder.wait()
+    assert _apply(upstream, series, dest) == 0  # the lock died with its holder
+
+
+def test_concurrent_fresh_apply_is_busy_exit_5(toy, capsys):
+    """The loser of two fresh applies to one destination: exit 5, one line, no traceback."""
+    root, upstream, series = toy
+    dest = root / "fresh"
+    holder = hold_lock(root / f".fresh.{LOCK_NAME}")
+    try:
+        assert _apply(upstream, series, dest) == EXIT_BUSY
+        assert "is working on" in one_line(capsys)
+        assert not dest.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_path_that_is_a_folder_is_exit_3(toy, capsys):
+    root, upstream, series = toy
+    dest = root / "clone"
+    run("clone", "-q", str(upstream), str(dest), cwd=root)
+    (dest / ".git" / LOCK_NAME).mkdir()
+    before = snapshot(dest)
+    assert _apply(upstream, series, dest) == 3
+    assert "is a folder" in one_line(capsys)
+    assert snapshot(dest) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+def test_unwritable_lock_file_is_exit_3(toy, capsys):
+    root, upstream, series = toy
+    dest = root / "clone"
+    run("clone", "-q", str(upstream), str(dest), cwd=root)
+    lock = dest / ".git" / LOCK_NAME
+    lock.write_text("")
+    lock.chmod(0o444)
+    assert _apply(upstream, series, dest) == 3
+    assert "cannot take the lock" in one_line(capsys)
+
+
+def test_unknown_ref_is_exit_2_on_fresh_and_existing_dest(toy, capsys):
+    root, upstream, series = toy
+    assert _apply(upstream, series, root / "fresh", "core_v9.9.9") == 2
+    assert "unknown ref 'core_v9.9.9' in " + str(upstream) in one_line(capsys)
+    assert not (root / "fresh").exists() and leftovers(root / "fresh") == []
+    dest = root / "clone"
+    run("clone", "-q", "--no-tags", str(upstream), str(dest), cwd=root)
+    before = snapshot(dest)
+    assert _apply(upstream, series, dest, "core_v9.9.9") == 2  # fetched from --source: unknown
+    assert "unknown ref 'core_v9.9.9'" in one_line(capsys)
+    assert main(["apply", "--series", str(series), "--dest", str(dest), "--ref", "nope"]) == 2
+    assert "pass --source" in one_line(capsys)
+    assert snapshot(dest) == before
+
+
+def test_existing_clone_without_the_tag_fetches_it(toy, capsys):
+    root, upstream, series = toy
+    dest = root / "clone"
+    run("clone", "-q", "--no-tags", "--single-branch", str(upstream), str(dest), cwd=root)
+    assert _apply(upstream, series, dest, "core_v0.2.0") == 0
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_v0.2.0"
+    assert run("status", "--porcelain", cwd=dest) == ""
+
+
+@pytest.mark.parametrize("bad", [("--ref", "-D"), ("--branch", "-D"), ("--branch", "a..b")])
+def test_bad_names_are_exit_2_before_any_clone(toy, capsys, bad):
+    """A source that cannot be cloned proves the check came first (else exit 3)."""
+    root, _, series = toy
+    url = "file://" + str(root / "missing.git")
+    argv = ["apply", "--source", url, "--series", str(series), "--dest", str(root / "d")]
+    assert main([*argv, f"{bad[0]}={bad[1]}"]) == 2
+    assert f"{bad[0]} {bad[1]!r} is not a valid" in one_line(capsys)
+    assert sorted(p.name for p in root.iterdir()) == ["patches", "series-work", "upstream"]
+
+
+def test_branch_that_exists_at_the_tip_is_checked_out(toy, capsys):
+    """The state an interrupted older version left: branch made, HEAD elsewhere."""
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0
+    run("checkout", "-q", "main", cwd=dest)
+    capsys.readouterr()
+    assert _apply(upstream, series, dest) == 0
+    assert "checked out rocm/core_v0.2.0" in capsys.readouterr().out
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_v0.2.0"
+    assert run("status", "--porcelain", cwd=dest) == ""
+
+
+def test_copied_fork_with_stale_index_stat_data_switches(toy):
+    """A fork copied (or restored from a backup) has stale stat data in its index; the
+    switch refreshes it as git checkout does instead of calling every file modified."""
+    root, upstream, series = toy
+    first = root / "first"
+    run("clone", "-q", str(upstream), str(first), cwd=root)
+    copy = root / "copy"
+    shutil.copytree(first, copy, symlinks=True)
+    assert _apply(upstream, series, copy) == 0
+    assert run("status", "--porcelain", cwd=copy) == ""
+
+
+def test_commits_name_their_patch_and_upstream_base(toy):
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0
+    base = run("rev-parse", "core_v0.2.0^{commit}", cwd=dest)
+    body = run("log", "-1", "--format=%B", cwd=dest)
+    assert body.splitlines()[-2:] == ["Megatron-ROCm-Patch: p-norm", f"Megatron-ROCm-Base: {base}"]
 
 
 def test_existing_branch_with_user_commits_is_not_overwritten(toy, capsys):

@@ -102,3 +102,84 @@ def test_export_outside_a_fork_is_a_clear_error(tmp_path, capsys):
     series = make_series(tmp_path, repo)
     assert main(["export", "--repo", str(repo), "--series", str(series)]) == 2
     assert "not a megatron-rocm fork" in capsys.readouterr().err
+
+
+def _series_bytes(series) -> dict:
+    return {
+        p.relative_to(series).as_posix(): p.read_bytes() for p in series.rglob("*") if p.is_file()
+    }
+
+
+def _rewrite(dest, index: int, message: str | None = None, edit: bool = True) -> None:
+    """Amend the index-th fork commit (0 = oldest) and replay the rest, as rebase -i would."""
+    commits = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).splitlines()
+    target, rest = commits[index], commits[index + 1 :]
+    run("checkout", "-q", target, cwd=dest)
+    if edit:
+        path = dest / "README.md"
+        path.write_text(path.read_text() + "an edit\n")
+    args = ["commit", "-q", "-a", "--amend"]
+    args += ["-m", message] if message is not None else ["--no-edit"]
+    run(*args, cwd=dest)
+    for c in rest:
+        run("cherry-pick", "--allow-empty", c, cwd=dest)
+    run("checkout", "-q", "-B", "rocm/core_v0.2.0", cwd=dest)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_patch_commit_that_lost_its_trailer_is_refused_not_lost(fork, capsys, index):
+    """The edit of a trailer-less amend was silently dropped ("0 changed"): now it is named."""
+    dest, series, _ = fork
+    _rewrite(dest, index, message="Softmax without the vendor kernel" if index == 0 else "norm")
+    before = _series_bytes(series)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
+    err = capsys.readouterr().err
+    assert "lost its 'Megatron-ROCm-Patch: <id>' trailer" in err
+    if index == 0:
+        assert "(it looks like patch p-softmax)" in err
+    assert _series_bytes(series) == before
+
+
+def test_a_user_commit_below_a_patch_commit_is_refused(fork, capsys):
+    dest, series, _ = fork
+    first = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).splitlines()[0]
+    tip = run("rev-parse", "HEAD", cwd=dest)
+    run("checkout", "-q", "core_v0.2.0", cwd=dest)
+    (dest / "README.md").write_text("mine\n")
+    run("commit", "-qam", "my change under the patches", cwd=dest)
+    for c in run("rev-list", "--reverse", f"{first}^..{tip}", cwd=dest).splitlines():
+        run("cherry-pick", c, cwd=dest)
+    before = _series_bytes(series)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
+    assert "sits below a patch commit" in capsys.readouterr().err
+    assert _series_bytes(series) == before
+
+
+def test_export_during_a_rebase_is_refused(fork, capsys):
+    dest, series, _ = fork
+    run("rebase", "-q", "--exec", "false", "HEAD~1", cwd=dest, check=False)
+    assert (dest / ".git" / "rebase-merge").exists()
+    before = _series_bytes(series)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
+    assert "a rebase is in progress" in capsys.readouterr().err
+    assert _series_bytes(series) == before
+
+
+def test_export_with_uncommitted_edits_is_refused(fork, capsys):
+    dest, series, _ = fork
+    path = dest / "megatron/core/norm.py"
+    path.write_text(path.read_text() + "# not committed\n")
+    before = _series_bytes(series)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
+    assert "uncommitted changes (megatron/core/norm.py)" in capsys.readouterr().err
+    assert _series_bytes(series) == before
+
+
+def test_exported_diffs_carry_the_git_am_header(fork):
+    dest, series, _ = fork
+    _rewrite(dest, 0)  # keeps the trailer: an ordinary edit of p-softmax
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    text = (series / "p-softmax" / "v0.1.diff").read_text()
+    assert text.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Megatron-ROCm-Patch: p-softmax\n---\ndiff --git" in text
+    assert "+an edit" in text

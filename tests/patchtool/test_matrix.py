@@ -303,3 +303,36 @@ def test_version_override_keeps_tree_order_and_reports_group_failures(upstream):
     md = render(build_matrix(repo, specs, series, source="t"), "md")
     assert "### p-conflict (v0.12.diff): conflict at core_v0.13.0, core_v0.14.0, main" in md
     assert md.count("### p-conflict") == 1
+
+
+def test_rows_are_in_version_order_with_pre_releases_before_their_release(upstream):
+    """``core_v0.13.0rc1`` is older than ``core_v0.13.0``: surface diffs and first breaks
+    follow this order (rc tags used to sort after their release)."""
+    repo, series_dir = upstream
+    for tag, base in (("core_v0.13.0rc1", "core_v0.12.0"), ("core_v0.14.0rc0", "core_v0.13.0")):
+        git(repo, "tag", tag, base)
+    specs = select_refs(repo, ["core_v0.1[234]*", "main"])
+    m = build_matrix(repo, specs, load_series(series_dir), source="t")
+    names = [r.name for r in m.rows]
+    assert names == [
+        "core_v0.12.0",
+        "core_v0.13.0rc1",
+        "core_v0.13.0",
+        "core_v0.14.0rc0",
+        "core_v0.14.0",
+        "main",
+    ]
+    assert [s.previous for s in m.surface.refs][2] == "core_v0.13.0rc1"
+
+
+@pytest.mark.parametrize(
+    ("name", "version"),
+    [("core_v0.14.0rc7", "0.14.0rc7"), ("core_v0.14.0", "0.14.0"), ("core_r0.13.0", "0.13.0")],
+)
+def test_name_version(name, version):
+    from packaging.version import Version
+
+    from megatron_rocm.patchtool.matrix import name_version
+
+    assert name_version(name) == Version(version)
+    assert name_version("main") is None and name_version("core_vX") is None

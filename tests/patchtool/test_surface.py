@@ -53,7 +53,8 @@ from megatron_rocm.patchtool.series import load_series
             "nccl-option",
             "--tp-comm-overlap-cfg",
         ),
-        ("from megatron.core import nccl_allocator", "nccl-allocator", "nccl_allocator"),
+        ("import vendor_ub.nccl_allocator as ub", "nccl-allocator", "nccl_allocator"),
+        ("from vendor_ub import nccl_allocator", "nccl-allocator", "nccl_allocator"),
         (
             "import torch.distributed._symmetric_memory as symm_mem",
             "nvls-symmetric-memory",
@@ -80,6 +81,11 @@ def test_rules_flag_nvidia_only_code(line, rule, symbol):
         "import triton",
         "apex_like = 3",
         "from megatron.core.transformer.moe import grouped_gemm_util",
+        # Megatron's own module, not NVIDIA surface (its NCCL-only use sits behind --nccl-ub)
+        "from megatron.core import mpu, nccl_allocator, tensor_parallel",
+        "import megatron.core.nccl_allocator as nccl_allocator",
+        "from megatron.core.nccl_allocator import create_nccl_mem_pool",
+        "from . import nccl_allocator",
     ],
 )
 def test_rules_ignore_portable_code_and_comments(line):
@@ -117,6 +123,66 @@ def test_guard_analysis():
     guarded = {i + 1 for i in range(len(src)) if surface.is_guarded(src, i)}
     assert {2, 4, 7, 19} <= guarded
     assert not guarded & {8, 10, 13}
+
+
+def test_have_flags_guard_imports_even_inside_functions():
+    """``if HAVE_TE:`` runs its block only with TE present; a function defined under it
+    exists only then, so its imports are optional too (unlike a try around a def)."""
+    src = lines(
+        "if HAVE_TE:\n"  # 1
+        "    import transformer_engine as te\n"  # 2
+        "elif HAVE_APEX and x:\n"  # 3
+        "    import apex\n"  # 4
+        "else:\n"  # 5
+        "    import amp_C\n"  # 6
+        "if HAVE_TE and is_te_min_version('2.2'):\n"  # 7
+        "    def f():\n"  # 8
+        "        from transformer_engine.pytorch import tensor\n"  # 9
+        "if not HAVE_TE:\n"  # 10
+        "    import transformer_engine\n"  # 11
+        "if HAVE_TE or TYPE_CHECKING:\n"  # 12
+        "    import transformer_engine as te\n"  # 13
+        "class C:\n"  # 14
+        "    def g(self):\n"  # 15
+        "        if HAVE_TE_GRAPHS:\n"  # 16
+        "            from transformer_engine.common import recipe\n"  # 17
+    )
+    guarded = {i + 1 for i in range(len(src)) if surface.is_guarded(src, i)}
+    assert guarded & {2, 4, 6, 9, 11, 13, 17} == {2, 4, 9, 13, 17}
+
+
+def test_docstring_lines():
+    src = lines(
+        "def f():\n"  # 1
+        '    """Use it like this:\n'  # 2
+        "\n"  # 3
+        "        import apex.contrib.nccl_allocator as nccl_allocator\n"  # 4
+        '    """\n'  # 5
+        "    import apex\n"  # 6
+        '    SOURCE = """\n'  # 7
+        "    #include <nccl.h>\n"  # 8
+        '    """\n'  # 9
+        '    """One line."""  # --tp-comm-overlap\n'  # 10
+        "    x = '--nccl-ub'\n"  # 11
+    )
+    assert surface.docstring_lines(src, len(src)) == {2, 3, 4, 5, 10}
+
+
+def test_docstrings_are_not_findings(tmp_path):
+    r = tmp_path / "r"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    write(
+        r,
+        "megatron/core/buf.py",
+        'class B:\n    """Example:\n\n        import apex.contrib.nccl_allocator as a\n'
+        '        import transformer_engine as te\n    """\n\n    import apex\n',
+    )
+    git(r, "add", "-A")
+    git(r, "commit", "-q", "-m", "x")
+    commit = git(r, "rev-parse", "HEAD").strip()
+    rs = surface.scan(r, [("t", commit)], {}).refs[0]
+    assert [(f.line, f.symbol) for f in rs.findings] == [(8, "apex")]
 
 
 def git(repo: Path, *args: str) -> str:

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 
 from megatron_rocm.output import first_failure, hunk_summary
 from megatron_rocm.patchtool.matrix import Matrix, status_of
-from megatron_rocm.patchtool.results import HunkLabel
+from megatron_rocm.patchtool.results import accepts
 
 
 def _suite(parent: ET.Element, name: str, **attrs: object) -> ET.Element:
@@ -51,7 +51,7 @@ def render(m: Matrix) -> str:
                     "\n\n".join(
                         f"{h.path} hunk {h.index} {h.label.value}: {h.detail}\n{h.text}"
                         for h in p.hunks
-                        if not (h.label.applies or h.label is HunkLabel.ALREADY_APPLIED)
+                        if not accepts(h.label)
                     )
                     or p.error
                 )

@@ -35,6 +35,7 @@ import torch
 from megatron_rocm.runtime.backend import _grouped_compat as compat
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, reject
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
+from megatron_rocm.runtime.kernels.norm import param_device
 
 
 def _wrapper_keywords(tp_group: Any = None, pg_collection: Any = None, name: Any = None) -> None:
@@ -62,15 +63,6 @@ def _reject_te_features(owner: str, config: Any) -> None:
             reject(owner, what, instead)
     if (getattr(config, "expert_gtp_weight_remat_size", None) or 1) > 1:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
-
-
-def _param_device(config: Any) -> torch.device | str:
-    """Where TE's wrappers put parameters: CPU, meta, or the current GPU."""
-    if getattr(config, "use_cpu_initialization", False):
-        return "cpu"
-    if getattr(config, "init_model_with_meta_device", False):
-        return "meta"
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
 
 def _rng_fork(tracker_name: str | None) -> contextlib.AbstractContextManager:
@@ -165,7 +157,7 @@ class TEGroupedLinear(torch.nn.Module):
     def _allocate(self, init_method: Callable) -> None:
         """Experts' weights as views of one ``[n, out, in]`` buffer, registered like TE's."""
         config, n = self.config, self.num_gemms
-        device, dtype = _param_device(config), config.params_dtype
+        device, dtype = param_device(config), config.params_dtype
         weights = torch.empty(n, self.out_features, self.in_features, device=device, dtype=dtype)
         biases = torch.empty(
             n if self.use_bias else 0, self.out_features, device=device, dtype=dtype

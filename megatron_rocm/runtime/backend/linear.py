@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
 from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
 
@@ -193,7 +194,7 @@ class TELinear(torch.nn.Module):
         self.te_return_bias = skip_bias_add and bias
         self.is_expert = is_expert
         self.in_features, self.out_features = input_size, output_size
-        device = _param_device(config)
+        device = param_device(config)
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, device=device, dtype=dtype)
@@ -246,14 +247,6 @@ class TELinear(torch.nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, parallel_mode={self.parallel_mode}"
         )
-
-
-def _param_device(config: Any) -> torch.device | str:
-    if getattr(config, "use_cpu_initialization", False):
-        return "cpu"
-    if getattr(config, "init_model_with_meta_device", False):
-        return "meta"
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
 
 def _initialize(weight: torch.nn.Parameter, init_method: Callable) -> None:

@@ -119,7 +119,7 @@ def apply_norm(
     raise ValueError(f"normalization must be one of {_NORMS}, got {normalization!r}")
 
 
-def _config_device(config: Any) -> torch.device | str | int | None:
+def param_device(config: Any) -> torch.device | str | int | None:
     """Where TE would create the params: cpu / meta / the current GPU (tags 0.12 .. main)."""
     if getattr(config, "use_cpu_initialization", False):
         return "cpu"
@@ -150,7 +150,7 @@ def build_norm(
         zero_centered_gamma=getattr(config, "layernorm_zero_centered_gamma", False),
         sequence_parallel=getattr(config, "sequence_parallel", False),
         params_dtype=getattr(config, "params_dtype", torch.float32),
-        device=_config_device(config),
+        device=param_device(config),
     )
 
 

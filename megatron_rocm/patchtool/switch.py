@@ -1,0 +1,209 @@
+"""Moving an existing fork onto the new branch: the part of apply after its commit point.
+
+Why not ``git checkout``: a checkout killed half way leaves ``.git/index.lock`` and a work
+tree that is neither branch, with nothing recording what it was doing. Here:
+
+1. ``check`` (before the commit point) runs the same two-tree merge as a dry run, so a file
+   that would be overwritten stops the apply with nothing changed;
+2. the journal (``.git/megatron-rocm-apply.json``) is written atomically: the commit point;
+3. ``finish`` creates the branch ref, updates the work tree through a *private* index (a copy
+   of the real one), swaps that index in with one rename and points HEAD at the branch;
+4. the journal is removed.
+
+A run killed after 2 leaves the journal; the next run on the fork calls ``recover``, which
+finishes the switch, but only after checking that every file that differs is either the old
+or the new version (so an edit made since is never overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megatron_rocm.errors import UsageError
+from megatron_rocm.patchtool import gitcmd, interrupts
+
+JOURNAL = "megatron-rocm-apply.json"
+PRIVATE_INDEX = "megatron-rocm.index"
+
+
+@dataclass
+class Journal:
+    pid: int
+    branch: str  # short name
+    tip: str
+    old: str | None  # HEAD's commit before the switch (None: unborn)
+    create: bool  # the branch ref did not exist
+
+    @property
+    def ref(self) -> str:
+        return f"refs/heads/{self.branch}"
+
+
+def _empty_tree(repo: Path) -> str:
+    return gitcmd.git_text("hash-object", "-t", "tree", "--stdin", cwd=repo, input=b"")
+
+
+def _private_index(repo: Path, gdir: Path) -> dict[str, str]:
+    """A copy of the real index (its stat data spares re-hashing unchanged files), refreshed
+    as ``git checkout`` would: a fork copied or restored from a backup has stale stat data."""
+    private = gdir / PRIVATE_INDEX
+    for stale in (private, private.with_name(PRIVATE_INDEX + ".lock")):
+        stale.unlink(missing_ok=True)
+    real = gitcmd.git_path(repo, "index")
+    env = {"GIT_INDEX_FILE": str(private)}
+    if real.exists():
+        shutil.copyfile(real, private)
+        gitcmd.git("update-index", "-q", "--refresh", cwd=repo, env=env, check=False)
+    return env
+
+
+def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> None:
+    """Refuse, changing nothing, when switching the work tree would overwrite a file."""
+    env = _private_index(repo, gdir)
+    try:
+        gitcmd.git(
+            "read-tree",
+            "-m",
+            "-u",
+            "-n",
+            "--end-of-options",
+            old or _empty_tree(repo),
+            tip,
+            cwd=repo,
+            env=env,
+        )
+    except gitcmd.GitError as e:
+        raise UsageError(
+            f"{repo}: switching to {branch} would overwrite work: {e.reason}; move that file "
+            "away or commit it, then run again (nothing was changed)"
+        ) from None
+    finally:
+        (gdir / PRIVATE_INDEX).unlink(missing_ok=True)
+
+
+def write_journal(gdir: Path, j: Journal) -> None:
+    """Write the journal with one rename: after it, the apply is committed."""
+    tmp = gdir / (JOURNAL + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(asdict(j), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, gdir / JOURNAL)
+
+
+def read_journal(gdir: Path) -> Journal | None:
+    path = gdir / JOURNAL
+    (gdir / (JOURNAL + ".tmp")).unlink(missing_ok=True)  # never renamed: not committed
+    if not path.exists():
+        return None
+    try:
+        return Journal(**json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{path} is unreadable ({e}); remove it and check the fork") from None
+
+
+def finish(repo: Path, gdir: Path, j: Journal, recovering: bool = False) -> None:
+    """Ref, work tree, index, HEAD, journal: in that order, each step idempotent."""
+    current = gitcmd.rev_parse(repo, j.ref)
+    if current is None:
+        gitcmd.git(
+            "update-ref",
+            "-m",
+            "megatron-rocm apply",
+            "--end-of-options",
+            j.ref,
+            j.tip,
+            gitcmd.ZERO_OID,
+            cwd=repo,
+        )
+    elif current != j.tip:
+        raise UsageError(
+            f"branch {j.branch} moved to {current[:12]} since an interrupted apply; "
+            f"remove {gdir / JOURNAL} once you have checked the fork"
+        )
+    interrupts.step("ref-moved")
+    env = _private_index(repo, gdir)
+    if recovering:
+        _verify_only_ours(repo, j)
+        gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.tip, cwd=repo, env=env)
+    else:
+        old = j.old or _empty_tree(repo)
+        gitcmd.git("read-tree", "-m", "-u", "--end-of-options", old, j.tip, cwd=repo, env=env)
+    interrupts.step("tree-updated")
+    os.replace(gdir / PRIVATE_INDEX, gitcmd.git_path(repo, "index"))
+    interrupts.step("index-swapped")
+    gitcmd.git(
+        "symbolic-ref",
+        "-m",
+        f"megatron-rocm apply: checkout {j.branch}",
+        "--end-of-options",
+        "HEAD",
+        j.ref,
+        cwd=repo,
+    )
+    interrupts.step("head-moved")
+    (gdir / JOURNAL).unlink(missing_ok=True)
+
+
+def _blob_ids(repo: Path, commit: str | None, paths: list[str]) -> dict[str, str]:
+    if commit is None or not paths:
+        return {}
+    out = gitcmd.git("ls-tree", "-z", "--end-of-options", commit, "--", *paths, cwd=repo)
+    ids = {}
+    for item in out.decode("utf-8", errors="surrogateescape").split("\0"):
+        meta, _, path = item.partition("\t")
+        if path:
+            ids[path] = meta.split()[2]
+    return ids
+
+
+def _verify_only_ours(repo: Path, j: Journal) -> None:
+    """Every file that differs from the index must be the old or the new version of a file
+    the switch touches; anything else is an edit made since the kill, and stops recovery."""
+    old = j.old or _empty_tree(repo)
+    touched = set(
+        gitcmd.git(
+            "diff", "--name-only", "-z", "--no-renames", "--end-of-options", old, j.tip, cwd=repo
+        )
+        .decode("utf-8", errors="surrogateescape")
+        .split("\0")
+    ) - {""}
+    status = gitcmd.git("status", "--porcelain", "-z", "--untracked-files=all", cwd=repo)
+    changed = []
+    for item in status.decode("utf-8", errors="surrogateescape").split("\0"):
+        if len(item) > 3:
+            kind, path = item[:2], item[3:]
+            if path not in touched:
+                if kind != "??":
+                    raise UsageError(
+                        f"{repo}: {path} was edited after an interrupted apply; commit or "
+                        "stash it, then run again to finish that apply"
+                    )
+                continue
+            changed.append(path)
+    before = _blob_ids(repo, j.old, changed)
+    after = _blob_ids(repo, j.tip, changed)
+    present = [p for p in changed if (repo / p).is_file() or (repo / p).is_symlink()]
+    hashed = dict(
+        zip(
+            present,
+            gitcmd.git_text(
+                "hash-object", "--stdin-paths", cwd=repo, input=("\n".join(present) + "\n").encode()
+            ).split()
+            if present
+            else [],
+        )
+    )
+    for path in changed:
+        have = hashed.get(path)
+        if have is None and (path not in before or path not in after):
+            continue  # absent on one side and absent now
+        if have not in (before.get(path), after.get(path)):
+            raise UsageError(
+                f"{repo}: {path} differs from both versions an interrupted apply was switching "
+                "between (edited since?); save it elsewhere, then run again"
+            )
