@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
+from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
 from megatron_rocm.runtime.kernels.norm import apply_norm
 
 
@@ -42,20 +42,9 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        if gather_output:
-            raise ValueError(f"{owner}: TE linear layers do not support gather_output=True")
         if is_expert:
             raise ValueError(f"{owner}: TE linear layers do not yet support MoE")
-        if skip_weight_param_allocation:
-            raise ValueError(
-                f"{owner}: TE linear layers do not support skip_weight_param_allocation"
-            )
-        extra = accepted_kwargs(
-            ColumnParallelLinear.__init__,
-            kwargs,
-            owner=owner,
-            inert={"stride": 1, "symmetric_ar_type": None},
-        )
+        extra = column_parallel_kwargs(owner, gather_output, skip_weight_param_allocation, kwargs)
         super().__init__(
             input_size,
             output_size,

@@ -39,6 +39,19 @@ def _check_te_contract(owner: str, skip_weight_param_allocation: bool) -> None:
         raise ValueError(f"{owner}: TE linear layers do not support skip_weight_param_allocation")
 
 
+def column_parallel_kwargs(
+    owner: str, gather_output: bool, skip_weight_param_allocation: bool, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """TE's refusals for a column-parallel linear, then the drifting keywords this tree's
+    ``ColumnParallelLinear`` knows (shared by the plain and the norm-fused column linear)."""
+    if gather_output:
+        raise ValueError(f"{owner}: TE linear layers do not support gather_output=True")
+    _check_te_contract(owner, skip_weight_param_allocation)
+    return accepted_kwargs(
+        ColumnParallelLinear.__init__, kwargs, owner=owner, inert={"stride": 1, **_TE_ONLY_INERT}
+    )
+
+
 class TEColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel linear (output split over TP) with TE's constructor contract."""
 
@@ -57,16 +70,8 @@ class TEColumnParallelLinear(ColumnParallelLinear):
         tp_comm_buffer_name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if gather_output:
-            raise ValueError(
-                "TEColumnParallelLinear: TE linear layers do not support gather_output=True"
-            )
-        _check_te_contract(type(self).__name__, skip_weight_param_allocation)
-        extra = accepted_kwargs(
-            ColumnParallelLinear.__init__,
-            kwargs,
-            owner=type(self).__name__,
-            inert={"stride": 1, **_TE_ONLY_INERT},
+        extra = column_parallel_kwargs(
+            type(self).__name__, gather_output, skip_weight_param_allocation, kwargs
         )
         super().__init__(
             input_size,
