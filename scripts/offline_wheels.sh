@@ -15,7 +15,7 @@ get() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
 }
-get setuptools wheel numpy gitpython unidiff packaging six regex pyyaml pydantic nltk pybind11
+get setuptools wheel numpy gitpython unidiff packaging six regex pyyaml pydantic nltk pybind11 psutil einops
 # megatron-core's own build backend pin (build isolation fetches it when the installed
 # setuptools is newer than the tree allows)
 get "setuptools<80"

@@ -12,7 +12,7 @@ from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
 from megatron_rocm.output import note, writable
 from megatron_rocm.runtime.platform import torch_or_none
 
-NEEDS_TREE = ("imports", "training", "collectives.tensor_parallel")
+NEEDS_TREE = ("imports", "training", "parallel", "collectives.tensor_parallel")
 
 
 def _tree_for(checks: list, tree_dir: str) -> Path | None:

@@ -125,7 +125,7 @@ def tree_requirements(tree: Path) -> list[str]:
 
 # Imported by megatron.training / pretrain_gpt.py but declared by no megatron-core release
 # (NVIDIA's containers ship them); found by importing core_v0.12-0.16 trees in a bare venv.
-TRAINING_RUNTIME = ("six", "regex", "pyyaml", "pydantic", "nltk")
+TRAINING_RUNTIME = ("six", "regex", "pyyaml", "pydantic", "nltk", "psutil", "einops")
 
 
 def training_requirements(have: dict[str, str]) -> list[str]:

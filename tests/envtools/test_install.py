@@ -21,7 +21,7 @@ HAVE = {
     "packaging": "25.0",
     "megatron-rocm": "0.1.0",
     # the training-side imports upstream leaves undeclared (see TRAINING_RUNTIME)
-    **{name: "1.0" for name in ("six", "regex", "pyyaml", "pydantic", "nltk")},
+    **{name: "1.0" for name in ("six", "regex", "pyyaml", "pydantic", "nltk", "psutil", "einops")},
 }
 
 
@@ -208,9 +208,13 @@ def test_training_imports_upstream_leaves_undeclared_are_added():
         "pyyaml",
         "pydantic",
         "nltk",
+        "psutil",
+        "einops",
     ]
     assert (
-        training_requirements({n: "1" for n in ("six", "regex", "pyyaml", "pydantic", "nltk")})
+        training_requirements(
+            {n: "1" for n in ("six", "regex", "pyyaml", "pydantic", "nltk", "psutil", "einops")}
+        )
         == []
     )
 

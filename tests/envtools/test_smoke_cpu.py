@@ -60,11 +60,18 @@ def test_softmax_fault_makes_the_check_fail(tmp_path: Path, monkeypatch) -> None
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> None:
     out = tmp_path / "r.json"
-    assert smoke(str(fake_tree), str(out), None, only=["training", "collectives"]) == 0
+    only = ["training", "collectives", "parallel"]
+    assert smoke(str(fake_tree), str(out), None, only=only) == 0
     checks = load(out)
-    assert {c["status"] for c in checks.values()} == {"skip"}
-    assert "needs a GPU" in checks["training.gpt"]["detail"]
+    assert len(checks) == 4 + 4 + 2 + 14  # training x spec, resume, collectives, parallel
+    assert {c["status"] for c in checks.values()} == {"skip"}  # never "pass" without a GPU
+    assert "needs a GPU" in checks["training.gpt.te"]["detail"]
+    assert "needs 1 GPU; no GPU visible" in checks["training.resume.1gpu.local"]["detail"]
+    assert "needs 2 GPUs; no GPU visible" in checks["training.resume.dp2_distopt.te"]["detail"]
     assert "needs 2 GPUs; no GPU visible" in checks["collectives.nccl"]["detail"]
+    assert (
+        checks["parallel.cp2.local"]["detail"] == "the parallel tier needs 2 GPUs; no GPU visible"
+    )
 
 
 def test_cli_refuses_a_non_tree_for_imports(tmp_path: Path, monkeypatch, capsys) -> None:

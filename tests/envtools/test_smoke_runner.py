@@ -88,14 +88,18 @@ def test_select_unknown_is_usage_error() -> None:
 def test_registry_has_the_whole_suite() -> None:
     pytest.importorskip("torch")  # the check modules import torch
     names = list(runner.load_checks())
-    assert names[0].startswith("imports.") and names[-1].startswith("collectives.")
+    assert names[0].startswith("imports.") and names[-1].startswith("parallel.")
     assert {
         "kernels.softmax.causal",
         "kernels.softmax.masked",
         "kernels.softmax.scaled",
         "kernels.attention",
-        "training.llama",
+        "training.llama.local",
+        "training.llama.te",
+        "training.resume.dp2_distopt.local",
         "collectives.tensor_parallel",
+        "parallel.ep2_moe.te",
+        "parallel.megatron_fsdp.local",
     } <= set(names)
 
 

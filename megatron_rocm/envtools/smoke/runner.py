@@ -8,7 +8,9 @@ carries its reason, so a missing GPU is never reported as a pass.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,7 +21,7 @@ from typing import Any
 from megatron_rocm.errors import UsageError
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # test-only: softmax | allreduce (see docs/smoke.md)
+FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # test-only: softmax | allreduce | resume (docs/smoke.md)
 
 
 class Skip(Exception):
@@ -40,6 +42,18 @@ class Context:
     steps: int = 30
     fault: str | None = None
     log: Callable[[str], None] = lambda line: print(line, flush=True)
+    # Shared by checks that run together: the names selected for this run (a multi-GPU world
+    # starts once for all of them), results already computed (a 1-GPU run is the reference of
+    # the parallel ones), and a scratch folder removed when the run ends.
+    selected: list[str] = field(default_factory=list)
+    cache: dict[Any, Any] = field(default_factory=dict)
+    _workdir: str | None = None
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="megatron-rocm-smoke-")
+        return Path(self._workdir)
 
     @property
     def on_gpu(self) -> bool:
@@ -106,11 +120,17 @@ def load_checks() -> dict[str, Check]:
         checks_collectives,
         checks_imports,
         checks_kernels,
+        checks_parallel,
+        checks_resume,
         checks_training,
     )
 
-    order = ("imports", "kernels", "training", "collectives")
-    return dict(sorted(REGISTRY.items(), key=lambda kv: order.index(kv[1].group)))
+    order = ("imports", "kernels", "training", "training.resume", "collectives", "parallel")
+
+    def rank(name: str) -> int:  # the longest prefix decides: resume after the other trainings
+        return max(i for i, p in enumerate(order) if name == p or name.startswith(p + "."))
+
+    return dict(sorted(REGISTRY.items(), key=lambda kv: rank(kv[0])))
 
 
 def select(checks: dict[str, Check], only: Sequence[str] | None) -> list[Check]:
@@ -140,6 +160,16 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_checks(ctx: Context, checks: Sequence[Check]) -> list[CheckResult]:
+    ctx.selected = [c.name for c in checks]
+    try:
+        return _run(ctx, checks)
+    finally:
+        if ctx._workdir is not None:
+            shutil.rmtree(ctx._workdir, ignore_errors=True)
+            ctx._workdir = None
+
+
+def _run(ctx: Context, checks: Sequence[Check]) -> list[CheckResult]:
     results = []
     width = max((len(c.name) for c in checks), default=10)
     count = len(str(len(checks)))

@@ -110,7 +110,7 @@ class FusedAdam(torch.optim.AdamW):
                 if state and "step" not in state:
                     fused = group.get("fused") or group.get("capturable")
                     device = param.device if fused else "cpu"
-                    step = float(group.get("step", 0))
+                    step = float(group.get("step") or 0)  # a checkpoint may hold None
                     state["step"] = torch.tensor(step, dtype=torch.float32, device=device)
 
     @torch.no_grad()

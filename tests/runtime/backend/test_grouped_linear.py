@@ -43,7 +43,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def mc():  # noqa: ANN201 - the megatron.core package
-    return pytest.importorskip("megatron.core", reason="runs in the per-release child pytest")
+    core = pytest.importorskip("megatron.core", reason="runs in the per-release child pytest")
+    if getattr(core, "__file__", None) is None:  # a namespace package: some folder, not a tree
+        pytest.skip("runs in the per-release child pytest (no real megatron.core here)")
+    return core
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,139 @@
+"""Resume checks: a run that stops, saves and restarts in a fresh process must go on exactly
+as if it had never stopped.
+
+For each spec, one world trains RESUME_STEPS steps straight and, from the same seed, a second
+run trains half of them and saves a ``torch_dist`` checkpoint (model + optimizer, with the
+sharding type ``megatron.training`` uses at this tag). A fresh world loads it and trains the
+other half. Both worlds run with upstream's ``--deterministic-mode`` settings
+(``NCCL_ALGO=Ring``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, deterministic algorithms,
+``config.deterministic_mode``), so the losses after the restart are compared bit for bit
+(``verdicts.resumes`` states the fallback tolerance). On one GPU the optimizer is Megatron's
+mixed-precision one; on two it is the distributed optimizer over DP2, the case issue 12 found
+broken without TE/Apex (patch ``dist-optimizer-resume``).
+
+``MEGATRON_ROCM_SMOKE_FAULT=resume`` resets the loaded Adam step counts (as a resume that lost
+them would), to prove these checks fail when the resumed state is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from megatron_rocm.envtools.smoke import models, verdicts
+from megatron_rocm.envtools.smoke.engine import Job
+from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
+from megatron_rocm.envtools.smoke.world import DETERMINISM_ENV, JobResult, run_jobs
+
+RESUME_STEPS = 8
+SCENARIOS: dict[str, tuple[int, dict[str, Any], str]] = {
+    # name: (GPUs, job options, what it checks)
+    "1gpu": (1, {}, "1 GPU, mixed-precision optimizer"),
+    "dp2_distopt": (2, {"dist_opt": True}, "DP2 with the distributed optimizer"),
+}
+
+
+def _selected_specs(ctx: Context, scenario: str) -> list[str]:
+    prefix = f"training.resume.{scenario}."
+    chosen = [n[len(prefix) :] for n in ctx.selected if n.startswith(prefix)]
+    return [s for s in models.SPECS if s in chosen] or list(models.SPECS)
+
+
+def resume_results(
+    ctx: Context,
+    scenario: str,
+    specs: list[str],
+    *,
+    backend: str = "nccl",
+    env: dict[str, str | None] | None = None,
+    overrides: dict | None = None,
+) -> dict[str, dict[str, JobResult]]:
+    """spec -> {"straight", "half", "resumed"} results of ``scenario`` (two worlds in all).
+    ``backend``, ``env`` and config ``overrides`` exist for our CPU tests (gloo)."""
+    world, options, _ = SCENARIOS[scenario]
+    half = RESUME_STEPS // 2
+    env = {**DETERMINISM_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
+    first, second = [], []
+    for spec in specs:
+        folder = ctx.workdir / f"resume-{scenario}-{spec}"
+        folder.mkdir(parents=True, exist_ok=True)
+        base = Job(
+            f"{scenario}.{spec}",
+            spec=spec,
+            deterministic=True,
+            overrides=dict(overrides or {}),
+            **options,
+        )
+        first += [
+            replace(base, name=f"{base.name}.straight", steps=RESUME_STEPS),
+            replace(base, name=f"{base.name}.half", steps=half, save=str(folder), save_after=half),
+        ]
+        fault = "resume" if ctx.fault == "resume" else None
+        second.append(
+            replace(
+                base,
+                name=f"{base.name}.resumed",
+                steps=RESUME_STEPS - half,
+                start_step=half,
+                load=str(folder),
+                fault=fault,
+            )
+        )
+    done = run_jobs(world, first, ctx.tree, backend=backend, env=env)
+    runnable = [j for j in second if done[j.name.replace(".resumed", ".half")].ok]
+    done.update(run_jobs(world, runnable, ctx.tree, backend=backend, env=env) if runnable else {})
+    out: dict[str, dict[str, JobResult]] = {}
+    for spec in specs:
+        name = f"{scenario}.{spec}"
+        out[spec] = {
+            phase: done.get(f"{name}.{phase}", JobResult(f"{name}.{phase}", False, error="not run"))
+            for phase in ("straight", "half", "resumed")
+        }
+    return out
+
+
+def judge(results: dict[str, JobResult]) -> str:
+    for phase, what in (
+        ("straight", "the uninterrupted run"),
+        ("half", "the run that saves"),
+        ("resumed", "the resumed run (fresh process)"),
+    ):
+        r = results[phase]
+        if not r.ok or not r.losses:
+            raise CheckFailed(f"{what} failed: {r.error or 'no losses reported'}")
+    try:
+        verdict = verdicts.resumes(
+            results["straight"].losses, results["half"].losses, results["resumed"].losses
+        )
+    except verdicts.Verdict as e:
+        raise CheckFailed(str(e)) from None
+    info = results["resumed"].detail
+    opt = f"{info.get('optimizer', '?')}({info.get('inner', '?')})"
+    fault = f"; FAULT {info['fault']}" if info.get("fault") else ""
+    return f"saved after {RESUME_STEPS // 2} of {RESUME_STEPS} steps, {verdict}; {opt}{fault}"
+
+
+def check_resume(ctx: Context, scenario: str, spec: str) -> str:
+    world, _, _ = SCENARIOS[scenario]
+    ctx.needs_tree()
+    ctx.needs_gpu(world, f"the {scenario} resume check")
+    key = ("resume", scenario)
+    if key not in ctx.cache:
+        ctx.cache[key] = resume_results(ctx, scenario, _selected_specs(ctx, scenario))
+    if spec not in ctx.cache[key]:  # selected later than the first check of its scenario
+        ctx.cache[key].update(resume_results(ctx, scenario, [spec]))
+    return judge(ctx.cache[key][spec])
+
+
+def _register(scenario: str, spec: str) -> None:
+    def check(ctx: Context) -> str:
+        return check_resume(ctx, scenario, spec)
+
+    _, _, what = SCENARIOS[scenario]
+    check.__doc__ = f"Save after N/2 steps, resume in a fresh process: {what}, {spec} spec."
+    register(f"training.resume.{scenario}.{spec}")(check)
+
+
+for _scenario in SCENARIOS:
+    for _spec in models.SPECS:
+        _register(_scenario, _spec)

@@ -1,0 +1,167 @@
+"""Start a world of training ranks (``_train_worker``) for a list of jobs and collect verdicts.
+
+One process per GPU with a torchrun-like environment (``MASTER_ADDR=127.0.0.1``, a free port,
+``NCCL_NVLS_ENABLE=0``: NVLink multicast is off on the lent machines and absent on AMD). All
+jobs of a call share one world, so Python, torch and Megatron start once. A job that fails
+stops its world; the jobs after it run in a fresh one, so one broken mode cannot take the
+others down with it. A rank that dies or hangs fails the job it was running, with its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rocm.envtools.smoke.engine import Job
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the folder holding megatron_rocm/
+GRACE_S = 20.0  # once one rank has exited, how long the others may take to follow
+# upstream's --deterministic-mode environment (megatron/training/determinism.py)
+DETERMINISM_ENV = {
+    "NCCL_ALGO": "Ring",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+}
+
+
+@dataclass
+class JobResult:
+    name: str
+    ok: bool
+    losses: list[float] | None = None
+    error: str = ""
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, extra: dict[str, str | None]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NCCL_NVLS_ENABLE="0",
+    )
+    for key, value in extra.items():  # None removes the variable
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _tail(log: Path, lines: int = 4) -> str:
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no output"
+    useful = [t for t in text if t.strip() and not t.startswith(("  warnings.warn", "W1", "I1"))]
+    return " | ".join(useful[-lines:]) or "no output"
+
+
+def _one_world(
+    world: int, jobs: list[Job], tree: Path | None, backend: str, env: dict, timeout: float
+) -> list[JobResult]:
+    """Run ``jobs`` in one world until they are done or one fails; results in job order."""
+    with tempfile.TemporaryDirectory(prefix="megatron-rocm-smoke-") as tmp:
+        jobs_file = Path(tmp, "jobs.json")
+        jobs_file.write_text(json.dumps([j.to_dict() for j in jobs]))
+        cmd = [sys.executable, "-m", "megatron_rocm.envtools.smoke._train_worker"]
+        cmd += ["--jobs", str(jobs_file), "--out", tmp, "--backend", backend]
+        cmd += ["--tree", str(tree)] if tree else []
+        port, procs, logs = _free_port(), [], []
+        for r in range(world):
+            logs.append(Path(tmp, f"rank{r}.log"))
+            with logs[-1].open("w") as log:
+                procs.append(
+                    subprocess.Popen(cmd, env=rank_env(r, world, port, env), stdout=log, stderr=log)
+                )
+        deadline, first_exit, timed_out = time.monotonic() + timeout, None, False
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if first_exit is None and any(p.poll() is not None for p in procs):
+                first_exit = now
+            if now > deadline or (first_exit is not None and now - first_exit > GRACE_S):
+                timed_out = now > deadline
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                break
+            time.sleep(0.2)
+        for p in procs:
+            p.wait()
+        per_rank = []
+        for r in range(world):
+            f = Path(tmp, f"rank{r}.json")
+            per_rank.append(json.loads(f.read_text()) if f.is_file() else [])
+        return _merge(jobs, per_rank, [_tail(log) for log in logs], timed_out, timeout)
+
+
+def _merge(
+    jobs: list[Job], per_rank: list[list[dict]], tails: list[str], timed_out: bool, timeout: float
+) -> list[JobResult]:
+    """Combine the ranks' verdicts job by job; stop at the first job not every rank finished."""
+    results = []
+    for i, job in enumerate(jobs):
+        entries = [rank[i] if i < len(rank) else None for rank in per_rank]
+        if all(e is not None for e in entries):
+            bad = [(r, e) for r, e in enumerate(entries) if not e["ok"]]
+            losses = next((e["losses"] for e in entries if e.get("losses")), None)
+            detail = next((e.get("detail", {}) for e in entries if e.get("losses")), {})
+            seconds = max(e.get("seconds", 0.0) for e in entries)
+            if bad:
+                r, e = bad[0]
+                results.append(
+                    JobResult(job.name, False, losses, f"rank {r}: {e['error']}", seconds)
+                )
+                return results
+            results.append(JobResult(job.name, True, losses, "", seconds, detail))
+            continue
+        errors = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if e and not e["ok"]]
+        if not errors:
+            missing = [r for r, e in enumerate(entries) if e is None]
+            why = f"timed out after {timeout:.0f}s" if timed_out else "died"
+            errors = [f"rank {r} {why} during this job: {tails[r]}" for r in missing[:1]]
+        results.append(JobResult(job.name, False, None, "; ".join(errors)))
+        return results
+    return results
+
+
+def run_jobs(
+    world: int,
+    jobs: list[Job],
+    tree: Path | None,
+    *,
+    backend: str = "nccl",
+    env: dict[str, str | None] | None = None,
+    timeout: float = 120.0,
+) -> dict[str, JobResult]:
+    """Every job's result; after a failure the remaining jobs get a fresh world. A world may
+    take ``timeout`` seconds plus 30 s per job before its ranks are killed."""
+    results: dict[str, JobResult] = {}
+    todo = list(jobs)
+    while todo:  # _one_world always reports at least the job it stopped at
+        done = _one_world(world, todo, tree, backend, env or {}, timeout + 30.0 * len(todo))
+        for r in done:
+            results[r.name] = r
+        todo = todo[len(done) :]
+    return results

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Issue 12 as a user meets it: ``pretrain_gpt.py`` with the distributed optimizer saves, and a
+fresh ``pretrain_gpt.py`` resumes, in every checkpoint format the tree offers (2 GPUs).
+
+    python scripts/validate_distopt_resume.py TREE [--out DIR] [--nproc 2]
+        [--formats torch_dist,torch_dist_fully_reshardable,torch,fsdp_dtensor]
+
+Per format: run A trains 8 iterations of a small Llama (mock data, bf16, DP over --nproc GPUs,
+``--use-distributed-optimizer``, upstream's ``--deterministic-mode`` with ``NCCL_ALGO=Ring``
+and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) and saves every 4; its iteration-4 checkpoint is
+staged alone in a second folder; run B, a fresh torchrun, loads it and trains iterations 5-8.
+The verdict compares B's losses with A's as Megatron prints them (7 significant digits):
+``bit-exact`` when equal, else the largest relative difference. ``fsdp_dtensor`` runs
+Megatron-FSDP (``--use-megatron-fsdp``, optim_grads_params) with CUDA_DEVICE_MAX_CONNECTIONS
+unset; formats a tree does not have are reported as skipped.
+
+Prints one JSON line per format and exits 1 when any format failed. Needs a patched tree with
+``pretrain_gpt.py``, the tree's dependencies and psutil (Megatron's torch_dist writer); no
+network. Takes ~30 s per run on an H100 pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from train_small import last_exception, parse_log  # noqa: E402
+
+ITERS, SAVE_AT = 8, 4
+MODEL = [
+    "--num-layers=2",
+    "--hidden-size=256",
+    "--ffn-hidden-size=688",
+    "--num-attention-heads=8",
+    "--group-query-attention",
+    "--num-query-groups=2",
+    "--seq-length=256",
+    "--max-position-embeddings=256",
+    "--micro-batch-size=2",
+    "--normalization=RMSNorm",
+    "--swiglu",
+    "--position-embedding-type=rope",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--attention-dropout=0.0",
+    "--hidden-dropout=0.0",
+    "--bf16",
+    "--lr=1e-3",
+    "--min-lr=1e-4",
+    "--lr-decay-style=cosine",
+    "--lr-warmup-iters=2",
+    "--weight-decay=0.1",
+    "--clip-grad=1.0",
+    "--mock-data",
+    "--tokenizer-type=NullTokenizer",
+    "--vocab-size=1023",
+    "--split=949,50,1",
+    "--eval-iters=1",
+    "--eval-interval=1000000",
+    "--log-interval=1",
+    f"--train-iters={ITERS}",
+    "--use-distributed-optimizer",
+    "--deterministic-mode",
+    "--seed=1234",
+]
+FORMATS = {
+    # name: (extra pretrain_gpt flags, arguments.py text the tree must have, environment)
+    "torch_dist": (["--ckpt-format=torch_dist"], "torch_dist", {}),
+    "torch_dist_fully_reshardable": (
+        ["--ckpt-format=torch_dist", "--dist-ckpt-optim-fully-reshardable"],
+        "dist_ckpt_optim_fully_reshardable",
+        {},
+    ),
+    "torch": (["--ckpt-format=torch"], "'torch'", {}),
+    "fsdp_dtensor": (
+        ["--ckpt-format=fsdp_dtensor", "--use-megatron-fsdp"],
+        "fsdp_dtensor",
+        {"CUDA_DEVICE_MAX_CONNECTIONS": None},
+    ),
+}
+
+
+def has_text(tree: Path, text: str) -> bool:
+    """Does the tree's argument parser (or its generated config, on main) know ``text``?"""
+    places = [tree / "megatron/training/arguments.py", *tree.glob("megatron/training/config/*.py")]
+    return any(text in p.read_text(errors="replace") for p in places if p.is_file())
+
+
+def run(tree: Path, nproc: int, args: list[str], env_extra: dict, log: Path) -> tuple[int, list]:
+    env = dict(os.environ, NCCL_ALGO="Ring", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env.update(NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
+    for key, value in env_extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tree), str(HERE.parent)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", "pretrain_gpt.py", *MODEL, *args]
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    return rc, log.read_text(errors="replace").splitlines()
+
+
+def losses(lines: list[str]) -> dict[int, float]:
+    records, _ = parse_log(lines)
+    return {r.iteration: r.loss for r in records if r.loss is not None}
+
+
+def check_format(tree: Path, name: str, nproc: int, out: Path) -> dict:
+    flags, needs, env = FORMATS[name]
+    result: dict = {"format": name, "tree": str(tree), "nproc": nproc}
+    if not has_text(tree, needs):
+        return {**result, "status": "skip", "detail": f"this tree has no {needs}"}
+    first, staged = out / f"{name}-A", out / f"{name}-B"
+    for d in (first, staged):
+        shutil.rmtree(d, ignore_errors=True)
+    rc, lines_a = run(
+        tree,
+        nproc,
+        [*flags, f"--save={first}", f"--save-interval={SAVE_AT}"],
+        env,
+        out / f"{name}-A.log",
+    )
+    a = losses(lines_a)
+    if rc or len(a) < ITERS:
+        why = last_exception(lines_a) or f"exit {rc}, {len(a)} iterations logged"
+        return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
+    saved = first / f"iter_{SAVE_AT:07d}"
+    staged.mkdir(parents=True)
+    shutil.copytree(saved, staged / saved.name)
+    (staged / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    rc, lines_b = run(tree, nproc, [*flags, f"--load={staged}"], env, out / f"{name}-B.log")
+    b = losses(lines_b)
+    result["straight"] = [a[i] for i in range(SAVE_AT + 1, ITERS + 1)]
+    result["resumed"] = [b.get(i) for i in range(SAVE_AT + 1, ITERS + 1)]
+    if rc or None in result["resumed"] or min(b, default=0) != SAVE_AT + 1:
+        why = last_exception(lines_b) or f"exit {rc}, iterations {sorted(b)}"
+        return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
+    if result["resumed"] == result["straight"]:
+        return {**result, "status": "pass", "detail": "iterations 5-8 bit-exact (as printed)"}
+    worst = max(abs(x - y) / abs(y) for x, y in zip(result["resumed"], result["straight"]))
+    return {**result, "status": "fail", "detail": f"resumed losses differ (max rel {worst:.1e})"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("tree", type=Path)
+    p.add_argument("--out", type=Path, default=Path("distopt-resume"))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--formats", default=",".join(FORMATS))
+    opts = p.parse_args(argv)
+    tree = opts.tree.resolve()
+    if not (tree / "pretrain_gpt.py").is_file():
+        print(f"error: {tree} has no pretrain_gpt.py", file=sys.stderr)
+        return 2
+    unknown = sorted(set(opts.formats.split(",")) - set(FORMATS))
+    if unknown:
+        print(f"error: unknown formats {unknown}; choose from {sorted(FORMATS)}", file=sys.stderr)
+        return 2
+    opts.out.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for name in opts.formats.split(","):
+        verdict = check_format(tree, name, opts.nproc, opts.out.resolve())
+        failed |= verdict["status"] == "fail"
+        print(json.dumps(verdict), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

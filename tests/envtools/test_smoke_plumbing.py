@@ -1,0 +1,280 @@
+"""How the training, resume and parallel checks are selected, skipped, launched and judged,
+without a GPU and without starting a world (``run_jobs`` is replaced where a test says so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rocm.envtools.smoke import runner, world
+from megatron_rocm.envtools.smoke.world import JobResult
+
+pytestmark = pytest.mark.torch
+pytest.importorskip("torch")
+
+from megatron_rocm.envtools.smoke import checks_parallel, checks_resume  # noqa: E402
+from megatron_rocm.envtools.smoke.engine import Job  # noqa: E402
+from megatron_rocm.envtools.smoke.models import Layout  # noqa: E402
+
+CURVE = [6.97, 6.98, 6.31, 6.35, 5.77, 5.71, 5.19, 5.13]
+
+
+def ctx(tmp_path: Path, gpus: int = 2, fault: str | None = None, tree: Path | None = None):
+    tree = tree or tmp_path / "tree"
+    (tree / "megatron/core").mkdir(parents=True, exist_ok=True)
+    return runner.Context(
+        tree=tree, device="cuda" if gpus else "cpu", gpu_count=gpus, fault=fault, log=lambda _: None
+    )
+
+
+# ----------------------------------------------------------------------------- selection
+def test_registry_names_every_mode_and_spec() -> None:
+    names = list(runner.load_checks())
+    training = [n for n in names if n.startswith("training.")]
+    assert training == [
+        "training.gpt.local",
+        "training.gpt.te",
+        "training.llama.local",
+        "training.llama.te",
+        "training.resume.1gpu.local",
+        "training.resume.1gpu.te",
+        "training.resume.dp2_distopt.local",
+        "training.resume.dp2_distopt.te",
+    ]
+    modes = ["tp2_sp", "pp2", "dp2_distopt_overlap", "ep2_moe", "cp2", "fsdp2", "megatron_fsdp"]
+    assert [n for n in names if n.startswith("parallel.")] == [
+        f"parallel.{m}.{s}" for m in modes for s in ("local", "te")
+    ]
+    assert names.index("collectives.nccl") < names.index("parallel.tp2_sp.local")
+
+
+@pytest.mark.parametrize(
+    ("only", "count"),
+    [(["parallel"], 14), (["parallel.ep2_moe"], 2), (["training.resume"], 4), (["training"], 8)],
+)
+def test_select_by_prefix(only, count) -> None:
+    assert len(runner.select(runner.load_checks(), only)) == count
+
+
+def test_parallel_batch_follows_the_selection(tmp_path: Path) -> None:
+    c = ctx(tmp_path)
+    c.selected = ["training.gpt.te", "parallel.pp2.te", "parallel.fsdp2.local"]
+    assert [(m.name, s) for m, s in checks_parallel._wanted(c)] == [
+        ("pp2", "te"),
+        ("fsdp2", "local"),
+    ]
+    c.selected = ["training.resume.dp2_distopt.te"]
+    assert checks_resume._selected_specs(c, "dp2_distopt") == ["te"]
+    assert checks_resume._selected_specs(c, "1gpu") == ["local", "te"]  # called directly
+
+
+# ----------------------------------------------------------------------------- skips
+def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
+    checks = runner.select(runner.load_checks(), ["parallel.tp2_sp.te", "training.resume"])
+    results = {r.name: r for r in runner.run_checks(ctx(tmp_path, gpus=1), checks)}
+    assert results["parallel.tp2_sp.te"].status == "skip"
+    assert (
+        results["parallel.tp2_sp.te"].detail == "the parallel tier needs 2 GPUs; only 1 GPU visible"
+    )
+    assert results["training.resume.dp2_distopt.local"].status == "skip"
+
+
+def test_static_skip_reasons(tmp_path: Path, monkeypatch) -> None:
+    tree = tmp_path / "tree"
+    modes = checks_parallel.BY_NAME
+    assert "only through TEDotProductAttention" in checks_parallel.skip_reason(
+        modes["cp2"], "local", tree
+    )
+    real = checks_parallel.importlib.util.find_spec
+    monkeypatch.setattr(
+        checks_parallel.importlib.util,
+        "find_spec",
+        lambda name: None if name.endswith("context_parallel") else real(name),
+    )
+    assert "no context parallelism yet" in checks_parallel.skip_reason(modes["cp2"], "te", tree)
+    assert "from 0.14" in checks_parallel.skip_reason(modes["megatron_fsdp"], "te", tree)
+    adapter = tree / "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py"
+    adapter.parent.mkdir(parents=True)
+    adapter.write_text("")
+    assert checks_parallel.skip_reason(modes["megatron_fsdp"], "te", tree) is None
+    assert checks_parallel.skip_reason(modes["fsdp2"], "local", tree) is None
+
+
+# ----------------------------------------------------------------------------- launching
+@pytest.fixture
+def launches(monkeypatch) -> list[tuple[int, list[Job], dict]]:
+    """Replace the worlds: every job 'trains' CURVE (or its first/second half)."""
+    calls: list[tuple[int, list[Job], dict]] = []
+
+    def fake_run_jobs(n, jobs, tree, *, backend="nccl", env=None, timeout=120.0):
+        calls.append((n, list(jobs), dict(env or {})))
+        out = {}
+        for j in jobs:
+            losses = CURVE[j.start_step : j.start_step + j.steps]
+            out[j.name] = JobResult(j.name, True, losses, detail={"optimizer": "X"})
+        return out
+
+    monkeypatch.setattr(checks_parallel, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(checks_resume, "run_jobs", fake_run_jobs)
+    return calls
+
+
+def test_parallel_worlds_and_environments(tmp_path: Path, launches, monkeypatch) -> None:
+    monkeypatch.setattr(checks_parallel.models, "grouped_gemm_available", lambda: True)
+    c = ctx(tmp_path)
+    pairs = [
+        (checks_parallel.BY_NAME[m], s)
+        for m in ("tp2_sp", "ep2_moe", "fsdp2")
+        for s in ("local", "te")
+    ]
+    pairs.append((checks_parallel.BY_NAME["cp2"], "local"))
+    results = checks_parallel.parallel_results(c, pairs)
+    refs, mp, fsdp = launches
+    assert refs[0] == 1 and {j.name for j in refs[1]} == {
+        "reference.llama.local",
+        "reference.llama.te",
+        "reference.moe.local",
+        "reference.moe.te",
+    }
+    assert all(j.dump_weights and j.layout == Layout() for j in refs[1])
+    assert mp[0] == 2 and mp[2]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert fsdp[2]["CUDA_DEVICE_MAX_CONNECTIONS"] is None  # removed: FSDP requires it unset/>1
+    by_name = {j.name: j for j in mp[1] + fsdp[1]}
+    assert by_name["parallel.tp2_sp.te"].layout == Layout(tp=2, sp=True)
+    assert (
+        by_name["parallel.ep2_moe.te"].grouped_gemm
+        and not by_name["parallel.ep2_moe.local"].grouped_gemm
+    )
+    assert by_name["parallel.ep2_moe.te"].weights.endswith("parallel-initial-moe-te.pt")
+    assert isinstance(results["parallel.cp2.local"], str)  # a skip reason, not run
+    detail = checks_parallel.judge(c, "parallel.tp2_sp.te", results["parallel.tp2_sp.te"])
+    assert "first step 6.97000 = 1-GPU 6.97000 (bit-exact)" in detail
+
+
+def test_parallel_judge(tmp_path: Path) -> None:
+    c = ctx(tmp_path)
+    c.cache[("parallel-reference", "llama", "local")] = JobResult("ref", True, CURVE)
+    with pytest.raises(runner.Skip, match="not yet"):
+        checks_parallel.judge(c, "parallel.cp2.local", "not yet")
+    with pytest.raises(runner.CheckFailed, match="rank 1: boom"):
+        checks_parallel.judge(c, "parallel.pp2.local", JobResult("x", False, error="rank 1: boom"))
+    off = [CURVE[0] * 1.01, *CURVE[1:]]  # e.g. a wrong shard: the first step moves
+    with pytest.raises(runner.CheckFailed, match="differs from the 1-GPU run"):
+        checks_parallel.judge(c, "parallel.pp2.local", JobResult("x", True, off))
+    flat = [7.0] * 8
+    with pytest.raises(runner.CheckFailed, match="did not decrease"):
+        checks_parallel.judge(c, "parallel.pp2.local", JobResult("x", True, flat))
+
+
+def test_parallel_needs_its_reference(tmp_path: Path, monkeypatch) -> None:
+    def failing_refs(n, jobs, tree, *, backend="nccl", env=None, timeout=120.0):
+        assert n == 1, "no 2-GPU world may start without its reference"
+        return {j.name: JobResult(j.name, False, error="rank 0: TypeError: TE") for j in jobs}
+
+    monkeypatch.setattr(checks_parallel, "run_jobs", failing_refs)
+    c = ctx(tmp_path)
+    out = checks_parallel.parallel_results(c, [(checks_parallel.BY_NAME["pp2"], "te")])
+    with pytest.raises(runner.CheckFailed, match=r"the 1-GPU llama run \(te spec\) failed: rank 0"):
+        checks_parallel.judge(c, "parallel.pp2.te", out["parallel.pp2.te"])
+
+
+@pytest.mark.parametrize("fault", [None, "resume"])
+def test_resume_jobs(tmp_path: Path, launches, fault) -> None:
+    c = ctx(tmp_path, fault=fault)
+    out = checks_resume.resume_results(c, "dp2_distopt", ["te"])
+    (n1, first, env1), (n2, second, env2) = launches
+    assert n1 == n2 == 2 and env1 == env2
+    assert env1["NCCL_ALGO"] == "Ring" and env1["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    straight, half = first
+    (resumed,) = second
+    assert straight.steps == 8 and half.steps == half.save_after == 4 and half.save
+    assert (resumed.load, resumed.start_step, resumed.steps) == (half.save, 4, 4)
+    assert all(j.dist_opt and j.deterministic and j.spec == "te" for j in first + second)
+    assert resumed.fault == fault and straight.fault is None
+    assert "steps 5-8 after the restart are bit-exact" in checks_resume.judge(out["te"])
+
+
+def test_resume_judge_names_the_failing_phase() -> None:
+    ok = JobResult("s", True, CURVE)
+    results = {"straight": ok, "half": JobResult("h", True, CURVE[:4]), "resumed": None}
+    results["resumed"] = JobResult("r", False, error="rank 0: AssertionError:  (at x.py:1)")
+    with pytest.raises(runner.CheckFailed, match=r"the resumed run \(fresh process\) failed"):
+        checks_resume.judge(results)
+    results["resumed"] = JobResult("r", True, [CURVE[4], CURVE[5] * 1.01, *CURVE[6:]])
+    with pytest.raises(runner.CheckFailed, match="diverges at step 6"):
+        checks_resume.judge(results)
+
+
+# ----------------------------------------------------------------------------- the world
+def _entry(name: str, ok: bool = True, losses=None, error: str = "") -> dict:
+    return {"name": name, "ok": ok, "losses": losses, "error": error, "seconds": 1.0}
+
+
+def test_merge_rank_verdicts() -> None:
+    jobs = [Job("a"), Job("b"), Job("c")]
+    per_rank = [
+        [_entry("a", losses=[1.0]), _entry("b")],
+        [_entry("a"), _entry("b", False, error="boom")],
+    ]
+    got = world._merge(jobs, per_rank, ["", ""], False, 60)
+    assert [(r.name, r.ok) for r in got] == [("a", True), ("b", False)]  # c: next world
+    assert got[0].losses == [1.0] and got[1].error == "rank 1: boom"
+    died = world._merge(jobs, [[_entry("a")], []], ["", "Segmentation fault"], False, 60)
+    assert died[0].error == "rank 1 died during this job: Segmentation fault"
+    hung = world._merge(jobs, [[_entry("a")], []], ["", "..."], True, 60)
+    assert hung[0].error.startswith("rank 1 timed out after 60s during this job")
+
+
+def test_rank_env_sets_and_removes(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env = world.rank_env(1, 2, 1234, {"CUDA_DEVICE_MAX_CONNECTIONS": None, "X": "y"})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env and env["X"] == "y"
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "2", "1234")
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_job_round_trips_through_json() -> None:
+    job = Job("j", model="moe", layout=Layout(tp=2, sp=True), overrides={"hidden_size": 64})
+    assert Job.from_dict(job.to_dict()) == job
+
+
+def test_scratch_folder_is_removed(tmp_path: Path) -> None:
+    c = ctx(tmp_path)
+    seen = []
+
+    def uses_workdir(context: runner.Context) -> str:
+        seen.append(context.workdir)
+        (context.workdir / "weights.pt").write_text("x")
+        return "ok"
+
+    runner.run_checks(c, [runner.Check("training.x", uses_workdir)])
+    assert seen and not seen[0].exists()
+
+
+def test_te_spec_failure_names_upstreams_error(monkeypatch) -> None:
+    """An unpatched tree without TE: the TE-spec checks fail with upstream's TypeError spelled
+    out (issue 10), not with a bare traceback."""
+    import sys
+    import types
+
+    from megatron_rocm.envtools.smoke import models
+
+    def te_spec(num_experts=None, moe_grouped_gemm=False):
+        raise TypeError("'NoneType' object is not callable")
+
+    fake = types.ModuleType("megatron.core.models.gpt.gpt_layer_specs")
+    fake.get_gpt_layer_with_transformer_engine_spec = te_spec
+    names = ["megatron", "megatron.core", "megatron.core.models", "megatron.core.models.gpt"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(
+        sys.modules["megatron.core.models.gpt"], "gpt_layer_specs", fake, raising=False
+    )
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    config = types.SimpleNamespace(num_moe_experts=None, normalization="RMSNorm")
+    with pytest.raises(models.TESpecUnavailable) as e:
+        models.layer_spec("te", config)
+    assert "upstream's TE spec does not build without TransformerEngine" in str(e.value)
+    assert "TypeError: 'NoneType' object is not callable" in str(e.value)
+    assert "te-spec-backend" in str(e.value)  # this megatron_rocm has the native backend

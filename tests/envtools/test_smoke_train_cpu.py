@@ -1,0 +1,177 @@
+"""The resume and parallel checks' real machinery on CPU: patched megatron-core sdists, worlds
+of gloo processes, Megatron's own DDP, distributed optimizer, pipeline schedules, MoE
+dispatcher and dist_checkpointing. Only the device differs from a GPU run: ``cpu_site`` puts
+``cpu_shim`` into every rank (CUDA allocations on the CPU), the model is shrunk, and MoE uses
+the allgather dispatcher (the alltoall one needs device-to-host copies). What the GPU run adds
+(NCCL, streams, fused kernels, FSDP2's device mesh, Megatron-FSDP) is in docs/smoke.md.
+
+These drive the functions the checks call (``parallel_results``, ``resume_results`` and
+their judges); the checks themselves skip without a GPU (test_smoke_cpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cache_paths import DOWNLOAD_CACHE
+
+from megatron_rocm.envtools.smoke import runner
+from megatron_rocm.main import main
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytest.importorskip("torch")
+pytest.importorskip("psutil", reason="megatron's torch_dist checkpoint writer needs psutil")
+
+from megatron_rocm.envtools.smoke import checks_parallel, checks_resume  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CPU_ENV = {
+    "MEGATRON_ROCM_TEST_CPU_SHIM": "1",
+    "PYTHONPATH": str(HERE / "cpu_site"),
+    "OMP_NUM_THREADS": "1",
+}
+SMALL = {
+    "hidden_size": 64,
+    "ffn_hidden_size": 96,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "moe_ffn_hidden_size": 48,
+    "moe_token_dispatcher_type": "allgather",
+}
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("smoke-trees")
+    made: dict[str, Path] = {}
+
+    def get(release: str) -> Path:
+        if release not in made:
+            dest = root / release
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
+                assert (
+                    main(["apply", "--source", "pypi", "--ref", release, "--dest", str(dest)]) == 0
+                )
+            made[release] = dest
+        return made[release]
+
+    return get
+
+
+def context(tree: Path, fault: str | None = None) -> runner.Context:
+    return runner.Context(tree=tree, device="cpu", gpu_count=0, fault=fault, log=lambda _: None)
+
+
+def test_parallel_modes_match_the_one_rank_run(trees) -> None:
+    ctx = context(trees("0.16.0"))
+    modes = checks_parallel.BY_NAME
+    pairs = [
+        (modes["tp2_sp"], "local"),
+        (modes["pp2"], "te"),
+        (modes["dp2_distopt_overlap"], "local"),
+        (modes["ep2_moe"], "local"),
+        (modes["cp2"], "local"),
+    ]
+    results = checks_parallel.parallel_results(
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    with pytest.raises(runner.Skip, match="TEDotProductAttention"):
+        checks_parallel.judge(ctx, "parallel.cp2.local", results["parallel.cp2.local"])
+    for name in ("tp2_sp.local", "pp2.te", "dp2_distopt_overlap.local", "ep2_moe.local"):
+        detail = checks_parallel.judge(ctx, f"parallel.{name}", results[f"parallel.{name}"])
+        assert "= 1-GPU" in detail and "loss 6." in detail, (name, detail)
+    optimizer = results["parallel.dp2_distopt_overlap.local"].detail["optimizer"]
+    assert optimizer == "DistributedOptimizer"
+
+
+def test_resume_dp2_distributed_optimizer(trees) -> None:
+    ctx = context(trees("0.16.0"))
+    out = checks_resume.resume_results(
+        ctx, "dp2_distopt", ["local", "te"], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    for spec in ("local", "te"):
+        assert "bit-exact" in checks_resume.judge(out[spec])
+        assert "not bit-exact" not in checks_resume.judge(out[spec])
+    assert out["te"]["resumed"].detail["optimizer"] == "DistributedOptimizer"
+
+
+def test_resume_fault_is_caught(trees) -> None:
+    ctx = context(trees("0.16.0"), fault="resume")
+    out = checks_resume.resume_results(
+        ctx, "1gpu", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    assert "step counts" in out["local"]["resumed"].detail["fault"]
+    with pytest.raises(runner.CheckFailed, match="the resumed run diverges at step"):
+        checks_resume.judge(out["local"])
+
+
+def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> None:
+    tree = tmp_path / "unfixed"
+    subprocess.run(["cp", "-r", str(trees("0.16.0")), str(tree)], check=True)
+    diff = Path(__file__).parents[2] / "patches/dist-optimizer-resume/v0.16.diff"
+    subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
+    out = checks_resume.resume_results(
+        context(tree), "dp2_distopt", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    with pytest.raises(
+        runner.CheckFailed, match=r"resumed run .* AssertionError.*distrib_optimizer"
+    ):
+        checks_resume.judge(out["local"])
+
+
+def test_oldest_release_resumes_and_trains_tp2(trees) -> None:
+    """0.12: the sharding_type keyword and fully_sharded_model_space, the 0.12 TE spec."""
+    ctx = context(trees("0.12.0"))
+    out = checks_resume.resume_results(
+        ctx, "dp2_distopt", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    assert "bit-exact" in checks_resume.judge(out["local"])
+    pair = [(checks_parallel.BY_NAME["tp2_sp"], "te")]
+    results = checks_parallel.parallel_results(
+        ctx, pair, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    assert "= 1-GPU" in checks_parallel.judge(
+        ctx, "parallel.tp2_sp.te", results["parallel.tp2_sp.te"]
+    )
+
+
+SINGLE = """
+import json, sys, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from megatron_rocm.envtools.smoke import runner, checks_training as ct, verdicts
+ctx = runner.Context(tree=Path(sys.argv[1]), device="cpu", gpu_count=0, log=print)
+small = json.loads(sys.argv[2])
+out = {}
+for model, spec in (("gpt", "te"), ("llama", "local")):
+    ref = ct.run_single(ctx, model, spec, 10, backend="gloo", device=torch.device("cpu"),
+                        overrides=small)
+    out[f"{model}.{spec}"] = [verdicts.learns(ref.losses), ref.optimizer, ref.params]
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_one_gpu_training_runs_in_process(trees) -> None:
+    """``training.<model>.<spec>``'s in-process run (the GPU check's body) on a gloo rank."""
+    env = {**os.environ, **CPU_ENV, "OMP_NUM_THREADS": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([CPU_ENV["PYTHONPATH"], str(Path(__file__).parents[2])])
+    proc = subprocess.run(
+        [sys.executable, "-c", SINGLE, str(trees("0.16.0")), json.dumps(SMALL)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, proc.stderr[-2000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    for name, (learned, optimizer, params) in out.items():
+        assert learned.startswith("loss 6.9") and "in 10 steps" in learned, name
+        assert optimizer == "Float16OptimizerWithFloat16Params(FusedAdam)"
+        assert params > 100_000
