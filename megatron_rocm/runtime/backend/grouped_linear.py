@@ -220,8 +220,11 @@ class TEGroupedLinear(torch.nn.Module):
         )
 
 
-class TEColumnParallelGroupedLinear(TEGroupedLinear):
-    """Grouped linear whose experts' outputs are split over expert-TP (weights on axis 0)."""
+class _TensorParallelGroupedLinear(TEGroupedLinear):
+    """TE's column/row grouped linears take TEGroupedLinear's arguments less ``parallel_mode``,
+    which the subclass fixes."""
+
+    _parallel_mode: str
 
     def __init__(
         self,
@@ -241,7 +244,7 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
             num_gemms,
             input_size,
             output_size,
-            parallel_mode="column",
+            parallel_mode=self._parallel_mode,
             config=config,
             init_method=init_method,
             bias=bias,
@@ -250,6 +253,12 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
             tp_comm_buffer_name=tp_comm_buffer_name,
             **kwargs,
         )
+
+
+class TEColumnParallelGroupedLinear(_TensorParallelGroupedLinear):
+    """Grouped linear whose experts' outputs are split over expert-TP (weights on axis 0)."""
+
+    _parallel_mode = "column"
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None
@@ -261,36 +270,10 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
         return self._sharded_state_dict_grouped(axes, prefix, sharded_offsets, metadata)
 
 
-class TERowParallelGroupedLinear(TEGroupedLinear):
+class TERowParallelGroupedLinear(_TensorParallelGroupedLinear):
     """Grouped linear whose experts' inputs are split over expert-TP (weights on axis 1)."""
 
-    def __init__(
-        self,
-        num_gemms: int,
-        input_size: int,
-        output_size: int,
-        *,
-        config: Any,
-        init_method: Callable,
-        bias: bool,
-        skip_bias_add: bool,
-        is_expert: bool,
-        tp_comm_buffer_name: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            num_gemms,
-            input_size,
-            output_size,
-            parallel_mode="row",
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **kwargs,
-        )
+    _parallel_mode = "row"
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None
