@@ -12,11 +12,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from triton_interpreter import run_triton_tests_under_interpreter
 
 torch = pytest.importorskip("torch")
 
@@ -393,15 +392,4 @@ def test_gpu_automatic_choice_is_grouped() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="Triton runs in-process")
 def test_triton_cases_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton"]
-    proc = subprocess.run(
-        [*cmd, "-k", "triton", str(Path(__file__))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    tail = "\n".join(proc.stdout.splitlines()[-15:])
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and " failed" not in tail, tail
+    run_triton_tests_under_interpreter(Path(__file__), "-k", "triton")

@@ -8,13 +8,11 @@ or if none ran.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_triton_tests_under_interpreter
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -22,26 +20,4 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the Triton tests natively")
 def test_triton_rope_parity_under_interpreter():
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGATRON_ROCM_KERNELS", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "triton",
-            str(here / "test_rope.py"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    tail = "\n".join(proc.stdout.splitlines()[-15:])
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and " failed" not in tail and " skipped" not in tail, tail
+    run_triton_tests_under_interpreter(Path(__file__).with_name("test_rope.py"), allow_skips=False)
