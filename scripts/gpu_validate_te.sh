@@ -15,6 +15,7 @@
 #            UNPATCHED=1), through scripts/upstream_unit_tests.py when present
 #   profile  scripts/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS)
+#   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/trace_summary.py)
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, grouped GEMM, packed attention)
@@ -99,22 +100,51 @@ stage_units() {
 stage_profile() {
   (cd "$HERE" && $PY scripts/profile_step.py "$W/p-$NEWEST" --layers "${PROFILE_LAYERS:-4}" \
      --mbs "${PROFILE_MBS:-8}" --configs "${PROFILE_CONFIGS:-default,te,te-cudnn,te-flash}" \
+     ${PROFILE_ARGS:-} \
      > "$OUT/profile.txt" 2>&1)
   log "profile: $(grep '^| ' "$OUT/profile.txt" | tr '\n' ' ')"
 }
 
 stage_bench() {
-  local mbs=${BENCH_MBS:-8} it=${BENCH_ITERS:-12}
-  for impl in transformer_engine local; do
-    train "bench-$impl-$NEWEST" "$W/p-$NEWEST" --preset llama --preset-size 0.85b --iters "$it" \
+  # One after the other, each with the GPU to itself. "recipe" adds the flags upstream's own
+  # Llama recipe turns on (examples/llama/train_llama3_8b_h100_fp8.sh) that need no TE;
+  # "unfused" is the *unpatched* tree with every fusion off (micro-batch 8: at 16 its
+  # materialised fp32 attention scores do not fit in 80 GB).
+  local mbs=${BENCH_MBS:-16} it=${BENCH_ITERS:-12} size="--preset llama --preset-size 0.85b"
+  local recipe="--cross-entropy-loss-fusion --manual-gc"
+  for impl in ${BENCH_IMPLS:-transformer_engine local}; do
+    train "bench-$impl-$NEWEST" "$W/p-$NEWEST" $size --iters "$it" \
       --micro-batch-size "$mbs" --transformer-impl "$impl"
     log "bench $impl mbs $mbs: $(cat "$OUT/bench-$impl-$NEWEST.json")"
+    if [ "${BENCH_RECIPE:-1}" = 1 ]; then
+      train "bench-$impl-recipe-$NEWEST" "$W/p-$NEWEST" $size --iters "$it" \
+        --micro-batch-size "$mbs" --transformer-impl "$impl" -- $recipe
+      log "bench $impl+recipe mbs $mbs: $(cat "$OUT/bench-$impl-recipe-$NEWEST.json")"
+    fi
   done
   if [ "${BENCH_UNFUSED:-1}" = 1 ]; then
-    train "bench-unfused-$NEWEST" "$W/p-$NEWEST" --preset llama --preset-size 0.85b --iters "$it" \
+    [ -d "$W/u-$NEWEST" ] || git clone -q -b "$NEWEST" "$W/src" "$W/u-$NEWEST" 2>/dev/null
+    train "bench-unfused-$NEWEST" "$W/u-$NEWEST" $size --iters "$it" \
       --micro-batch-size "${UNFUSED_MBS:-8}" --unfused
-    log "bench unfused mbs ${UNFUSED_MBS:-8}: $(cat "$OUT/bench-unfused-$NEWEST.json")"
+    log "bench unfused (unpatched tree) mbs ${UNFUSED_MBS:-8}: $(cat "$OUT/bench-unfused-$NEWEST.json")"
   fi
+}
+
+stage_trace() {
+  # One profiled iteration of the 0.85B benchmark per spec (upstream's own --profile
+  # --use-pytorch-profiler), summarised by scripts/trace_summary.py: GPU busy vs idle, kernel
+  # families, and the Python frames behind the longest idle gaps.
+  local size="--preset llama --preset-size 0.85b --micro-batch-size ${BENCH_MBS:-16}"
+  for impl in ${TRACE_IMPLS:-transformer_engine local}; do
+    rm -rf "$W/trace-$impl" && mkdir -p "$W/trace-$impl/tb"
+    train "trace-$impl-$NEWEST" "$W/p-$NEWEST" $size --iters 9 --transformer-impl "$impl" -- \
+      ${TRACE_FLAGS:---cross-entropy-loss-fusion --manual-gc} --profile --use-pytorch-profiler \
+      --profile-step-start 6 --profile-step-end 7 --pytorch-profiler-collect-callstack \
+      --tensorboard-dir "$W/trace-$impl/tb"
+    (cd "$HERE" && $PY scripts/trace_summary.py "$W/trace-$impl/torch_profile/rank-0.json.gz" \
+       --top 40 --gaps 20 > "$OUT/trace-$impl.md" 2>&1)
+    log "trace $impl: $(head -1 "$OUT/trace-$impl.md")"
+  done
 }
 
 stage_smoke() {

@@ -21,7 +21,6 @@ unfused softmax, and SDPA accumulates in fp32.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import Any
 
@@ -57,12 +56,6 @@ def _cp_group(config: Any, groups: Any) -> Any:
         return parallel_state.get_context_parallel_group(check_initialized=False)
     except TypeError:  # tags whose getter has no check_initialized
         return parallel_state.get_context_parallel_group()
-
-
-@functools.lru_cache(maxsize=8)
-def _causal_mask(s: int, device: torch.device) -> torch.Tensor:
-    """Megatron's causal mask (True = masked) for ``s`` tokens, [1, 1, s, s]."""
-    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
 
 
 class TEDotProductAttention(torch.nn.Module):
@@ -226,12 +219,9 @@ class TEDotProductAttention(torch.nn.Module):
             or attention_mask.dtype != torch.bool
         ):
             return None
-        if torch.equal(
-            attention_mask, _causal_mask(s, attention_mask.device).expand_as(attention_mask)
-        ):
-            return None  # the default loader's mask: plain causal, nothing to honour
         from megatron_rocm.runtime.backend.document_mask import documents_from_causal_mask
 
+        # Reading the mask syncs with the GPU: done once per mask tensor (cached), not per layer.
         documents = documents_from_causal_mask(attention_mask, query.shape[1])
         return None if documents is None or documents.plain_causal else documents
 

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -262,7 +263,44 @@ def modules_case() -> dict:
         out["sinks_refused"] = _raises(
             lambda: TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self"), "softmax_type"
         )
+    out.update(cross_entropy_wiring())
+    out["checkpoint_without_output_fp8"] = _checkpoint_without_output_fp8()
     return out
+
+
+def _checkpoint_without_output_fp8() -> bool | None:
+    """The recompute-without-te patch: no FP8 branch without TE (None where there is no flag)."""
+    from megatron.core.tensor_parallel import random
+
+    ckpt = getattr(random, "CheckpointWithoutOutput", None)
+    fp8 = getattr(ckpt(), "fp8", None) if ckpt is not None else None
+    return None if fp8 is None else bool(fp8)
+
+
+def cross_entropy_wiring() -> dict:
+    """Both of upstream's loss entry points are the cross-entropy patch's wrappers around
+    upstream's own functions, and (on the CPU, where they defer to upstream) agree with them."""
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_cross_entropy
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+
+    plain = tensor_parallel.vocab_parallel_cross_entropy
+    fused = fused_cross_entropy.fused_vocab_parallel_cross_entropy
+    logits = torch.randn(4, 2, VOCAB, generator=torch.Generator().manual_seed(3))
+    target = torch.randint(0, VOCAB, (4, 2), generator=torch.Generator().manual_seed(4))
+    # clones: upstream's fp32 path exponentiates its input in place
+    ours = plain(logits.clone(), target)
+    theirs = plain.__wrapped__(logits.clone(), target)
+    group = get_tensor_model_parallel_group()
+    return {
+        "ce_files": sorted({Path(f.__code__.co_filename).name for f in (plain, fused)}),
+        "ce_wrapper_is_ours": all(
+            "megatron_rocm" in Path(f.__code__.co_filename).parts for f in (plain, fused)
+        ),
+        "ce_wraps": [plain.__wrapped__.__module__, fused.__wrapped__.__module__],
+        "ce_diff": (ours - theirs).abs().max().item(),
+        "ce_fused_diff": (fused(logits.clone(), target, group) - theirs).abs().max().item(),
+    }
 
 
 def main() -> None:

@@ -614,3 +614,25 @@ def test_mask_is_read_once_per_tensor() -> None:
     mask[0, 0, 3, 0] = False  # in place: document boundary moves
     mask[0, 0, 3, 1] = False
     assert document_mask.documents_from_causal_mask(mask, 1) is None
+
+
+def test_the_default_causal_mask_is_read_once_for_all_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each read of the mask syncs with the GPU: one per batch, not one per layer."""
+    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+
+    reads = []
+    real = document_mask._documents
+    monkeypatch.setattr(document_mask, "_documents", lambda *a: reads.append(1) or real(*a))
+    s, b = 6, 2
+    mask = _reset_mask([[]], s)  # the default loader's plain causal mask
+    q = torch.zeros(s, b, 4, 8)
+    for _layer in range(24):
+        assert TEDotProductAttention._documents(q, q, mask, "causal", None) is None
+    assert len(reads) == 1
+    reset = _reset_mask([[2]], s)
+    for _layer in range(24):
+        docs = TEDotProductAttention._documents(q, q, reset, "causal", None)
+        assert docs.cu_seqlens.tolist() == [0, 3, 6, 9, 12]
+    assert len(reads) == 2

@@ -107,6 +107,16 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     assert result["attention_block_causal_diff"] < 1e-5
     assert result["attention_block_causal_differs"] > 1e-2  # the mask really changed things
     assert result.get("sinks_refused", True)
+    # the cross-entropy patch: upstream's two loss functions, wrapped, same numbers
+    assert result["ce_files"] == ["cross_entropy.py"]  # the wrapper's code, not upstream's
+    assert result["ce_wrapper_is_ours"]
+    assert result["ce_wraps"] == [
+        "megatron.core.tensor_parallel.cross_entropy",
+        "megatron.core.fusions.fused_cross_entropy",
+    ]
+    assert result["ce_diff"] == 0.0 and result["ce_fused_diff"] < 1e-5
+    # recompute-without-te: upstream sets fp8=True even for fp8=False and then calls TE
+    assert result["checkpoint_without_output_fp8"] is (None if release < "0.13" else False)
 
 
 @pytest.mark.parametrize("release", RELEASES)
