@@ -1,0 +1,52 @@
+"""scripts/trace_summary.py on a small hand-made Chrome trace: busy/idle and the idle gap's cause."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import trace_summary  # noqa: E402
+
+
+def _trace(path: Path) -> Path:
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0, "dur": 100,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 50, "dur": 100,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "cudnn_sdpa_fprop", "ts": 400, "dur": 100,
+         "args": {"correlation": 3}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 390, "dur": 5,
+         "tid": 7, "args": {"correlation": 3}},
+        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 300, "dur": 200,
+         "name": "megatron/core/transformer/attention.py(100): forward"},
+        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 0, "dur": 600,
+         "name": "threading.py(1000): run"},
+        {"ph": "X", "cat": "cpu_op", "tid": 7, "ts": 380, "dur": 30,
+         "name": "aten::_cudnn_attention_forward"},
+    ]  # fmt: skip
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    return path
+
+
+def test_busy_idle_families_and_the_gap_behind_the_attention(tmp_path: Path, capsys) -> None:
+    assert trace_summary.main([str(_trace(tmp_path / "t.json.gz"))]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "GPU span 0.5 ms, busy 0.2 ms, idle 0.2 ms (3 kernels)"
+    assert "| gemm | 0.1 | 33.3% |" in out and "| attention | 0.1 | 33.3% |" in out
+    gap = next(line for line in out.splitlines() if line.startswith("| 0.25 |"))
+    # the op and our/Megatron's frame that launched the kernel after the gap; not threading.py
+    assert "aten::_cudnn_attention_forward < attention.py(100): forward" in gap
+    assert "threading" not in gap
+
+
+def test_unreadable_trace_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert trace_summary.main([str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trace_summary: cannot read")
