@@ -20,7 +20,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
-from megatron_rocm.runtime.kernels.norm import apply_norm
+from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
 
 class TELayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -79,15 +79,11 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
 
     def reset_layer_norm_parameters(self) -> None:
         """gamma = 1 (0 when zero-centred: the kernel uses 1 + gamma), beta = 0."""
-        if self.layer_norm_weight.device.type == "meta":
-            return
-        with torch.no_grad():
-            if self.zero_centered_gamma:
-                self.layer_norm_weight.zero_()
-            else:
-                self.layer_norm_weight.fill_(1.0)
-            if self.normalization == "LayerNorm":
-                self.layer_norm_bias.zero_()
+        reset_norm_parameters(
+            self.layer_norm_weight,
+            getattr(self, "layer_norm_bias", None),
+            self.zero_centered_gamma,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # An fp32 residual stream meets low-precision params here: TE narrows the input too.

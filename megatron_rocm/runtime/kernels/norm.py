@@ -71,15 +71,7 @@ class FusedNorm(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight.device.type == "meta":
-            return
-        with torch.no_grad():
-            if self.zero_centered_gamma:
-                self.weight.zero_()
-            else:
-                self.weight.fill_(1.0)
-            if self.bias is not None:
-                self.bias.zero_()
+        reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return apply_norm(
@@ -92,6 +84,23 @@ class FusedNorm(torch.nn.Module):
             f"zero_centered_gamma={self.zero_centered_gamma}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+def reset_norm_parameters(
+    weight: torch.Tensor, bias: torch.Tensor | None, zero_centered_gamma: bool
+) -> None:
+    """gamma = 1 (0 when zero-centred: the math uses 1 + gamma), beta = 0; meta params stay.
+
+    ``FusedNorm`` and the native backend's norm-in-front-of-a-linear share it."""
+    if weight.device.type == "meta":
+        return
+    with torch.no_grad():
+        if zero_centered_gamma:
+            weight.zero_()
+        else:
+            weight.fill_(1.0)
+        if bias is not None:
+            bias.zero_()
 
 
 def apply_norm(

@@ -1,7 +1,7 @@
 """The Triton vocab-parallel cross entropy against upstream's formula, and its routing.
 
 The routing tests always run. ``triton`` tests run the kernels through the public wrapper on a
-GPU, or on the CPU under the Triton interpreter (``test_cross_entropy_interpreter.py`` runs
+GPU, or on the CPU under the Triton interpreter (``test_triton_interpreter_runs.py`` runs
 them in a child pytest); the tensor-parallel case runs two gloo ranks, each holding half the
 vocabulary. ``gpu`` tests run at the benchmark model's size.
 """
