@@ -14,7 +14,8 @@
 #   units    upstream's own unit tests on the newest ref, patched (and unpatched with
 #            UNPATCHED=1), through scripts/upstream_unit_tests.py when present
 #   profile  scripts/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
-#   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS)
+#   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
+#            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/trace_summary.py)
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
@@ -78,23 +79,19 @@ stage_tp2() {
 }
 
 stage_units() {
-  local tree="$W/p-$NEWEST"
-  if [ -f "$HERE/scripts/upstream_unit_tests.py" ]; then
-    $PY "$HERE/scripts/upstream_unit_tests.py" run "$tree" --out "$OUT/units-patched-$NEWEST.json" \
-      ${UNIT_ARGS:-} > "$OUT/units-patched.log" 2>&1
-    log "units patched: $(tail -3 "$OUT/units-patched.log" | tr '\n' ' ')"
-    if [ "${UNPATCHED:-0}" = 1 ]; then
-      rm -rf "$W/u-$NEWEST" && git clone -q "$W/src" "$W/u-$NEWEST" && git -C "$W/u-$NEWEST" checkout -q "$NEWEST"
-      $PY "$HERE/scripts/upstream_unit_tests.py" run "$W/u-$NEWEST" --out "$OUT/units-unpatched-$NEWEST.json" \
-        ${UNIT_ARGS:-} > "$OUT/units-unpatched.log" 2>&1
-      log "units unpatched: $(tail -3 "$OUT/units-unpatched.log" | tr '\n' ' ')"
-    fi
-  else
-    (cd "$tree" && timeout "${UNIT_TIMEOUT:-300}" $PY -m torch.distributed.run --standalone \
-       --nproc-per-node 1 -m pytest -q -p no:cacheprovider --junitxml "$OUT/units.xml" \
-       ${UNIT_FILES:-tests/unit_tests/transformer/test_attention.py} > "$OUT/units-patched.log" 2>&1)
-    log "units patched: $(grep -E '[0-9]+ (passed|failed)' "$OUT/units-patched.log" | tail -1)"
+  # Upstream's own unit tests on one GPU, the patched newest ref (and the unpatched one with
+  # UNPATCHED=1), UNIT_PATHS (default: the issue's selection), one rank, one process at a time
+  # (tests of one file share upstream's tmp dirs).
+  local paths=${UNIT_PATHS:-tests/unit_tests/transformer tests/unit_tests/tensor_parallel tests/unit_tests/fusions}
+  local trees=(--tree "p-$NEWEST=$W/p-$NEWEST")
+  if [ "${UNPATCHED:-0}" = 1 ]; then
+    rm -rf "$W/u-$NEWEST" && git clone -q -b "$NEWEST" "$W/src" "$W/u-$NEWEST" 2>/dev/null
+    trees=(--tree "u-$NEWEST=$W/u-$NEWEST" "${trees[@]}")
   fi
+  (cd "$HERE" && $PY scripts/upstream_unit_tests.py run "${trees[@]}" --out "$OUT/ut1" \
+     --nproc 1 --jobs 1 --timeout 120 --budget "${UNIT_BUDGET:-300}" --paths $paths \
+     > "$OUT/units1.log" 2>&1)
+  log "units (1 GPU): $(tail -2 "$OUT/units1.log" | tr '\n' ' ')"
 }
 
 stage_profile() {
@@ -121,6 +118,13 @@ stage_bench() {
         --micro-batch-size "$mbs" --transformer-impl "$impl" -- $recipe
       log "bench $impl+recipe mbs $mbs: $(cat "$OUT/bench-$impl-recipe-$NEWEST.json")"
     fi
+  done
+  # A/B of single kernels: the TE spec again with each kernel in BENCH_REFERENCE (e.g. "norm")
+  # on its torch path (MEGATRON_ROCM_KERNELS=reference:<kernel>), the rest unchanged.
+  for k in ${BENCH_REFERENCE:-}; do
+    MEGATRON_ROCM_KERNELS="reference:$k" train "bench-te-reference-$k-$NEWEST" "$W/p-$NEWEST" \
+      $size --iters "$it" --micro-batch-size "$mbs" --transformer-impl transformer_engine
+    log "bench transformer_engine, $k on torch's path: $(cat "$OUT/bench-te-reference-$k-$NEWEST.json")"
   done
   if [ "${BENCH_UNFUSED:-1}" = 1 ]; then
     [ -d "$W/u-$NEWEST" ] || git clone -q -b "$NEWEST" "$W/src" "$W/u-$NEWEST" 2>/dev/null

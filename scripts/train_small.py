@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -273,6 +274,13 @@ def summarize(
         summary["tokens_per_s"] = round(tokens_per_iter / seconds, 1)
         summary["tflops_per_gpu"] = round(tflops, 2)
         summary["mfu"] = round(tflops / peak_tflops, 4)
+        # Reported next to the mean, never instead of it: one slow iteration (a Python GC
+        # pass, which upstream's --manual-gc exists to avoid) moves a 10-iteration mean by
+        # several ms; the median says what a steady iteration costs.
+        median_ms = statistics.median(r.elapsed_ms for r in timed if r.elapsed_ms is not None)
+        summary["median_iter_ms"] = round(median_ms, 2)
+        median_tflops = flops_per_iter / (median_ms / 1000.0) / ngpus / 1e12
+        summary["mfu_at_median"] = round(median_tflops / peak_tflops, 4)
     reported = [r.megatron_tflops for r in timed if r.megatron_tflops is not None]
     summary["megatron_tflops_per_gpu"] = round(_mean(reported), 2) if reported else None
     return summary, problems

@@ -44,6 +44,16 @@ def test_a_good_run_is_ok_and_times_skip_warmup(ts) -> None:
     assert summary["tflops_per_gpu"] == 10.0 and summary["megatron_tflops_per_gpu"] == 182.5
 
 
+def test_median_beside_the_mean_one_slow_iteration(ts) -> None:
+    """A single GC-length stall moves the mean, not the median; both are reported."""
+    times = [5000.0, 5000.0, 5000.0, 100.0, 100.0, 100.0, 100.0, 140.0]
+    lines = [iteration(i, f"{10 - i}.0E+00", ms) for i, ms in enumerate(times, start=1)]
+    summary, _ = summarize(ts, lines)
+    assert summary["mean_iter_ms"] == 108.0 and summary["median_iter_ms"] == 100.0
+    assert summary["mfu_at_median"] == round(10.0 / 989.0, 4)
+    assert summary["mfu"] == round(1e12 / 0.108 / 1e12 / 989.0, 4)
+
+
 def test_flat_or_nan_loss_is_a_failure(ts) -> None:
     _, flat = summarize(ts, [iteration(i, "5.0E+00", 100.0) for i in range(1, 9)])
     assert any("did not decrease" in p for p in flat)

@@ -201,7 +201,7 @@ def _norm_check(ctx: Context, normalization: str) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    return tally.summary(ctx, torch.empty(0, device=ctx.device))
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
 
 
 @register("kernels.norm.layernorm")
@@ -246,7 +246,7 @@ def rope(ctx: Context) -> str:
             lambda t, cu=cu, f=freqs: refmath.rope_thd(t, cu, f),
             [x],
         )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device))
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
 
 
 @register("kernels.grad_accum")

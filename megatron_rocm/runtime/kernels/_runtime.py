@@ -1,4 +1,10 @@
-"""Launch policy shared by every kernel: when to use Triton, and logging a fallback once."""
+"""Launch policy shared by every kernel: when to use Triton, and logging a fallback once.
+
+``MEGATRON_ROCM_KERNELS`` selects, for debugging and A/B benchmarks: ``auto`` (default: Triton
+on a GPU), ``reference`` (every kernel on its torch path) or ``reference:norm,rope`` (only the
+named kernels; the names are ``KERNELS``). Any other value raises on first use: a typo must not
+silently benchmark the wrong thing.
+"""
 
 from __future__ import annotations
 
@@ -27,9 +33,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton for GPU tensors (or CPU tensors under the interpreter), reference otherwise."""
-    if os.environ.get("MEGATRON_ROCM_KERNELS", "auto") == "reference":
+KERNELS = ("softmax", "rope", "cross_entropy", "norm", "grouped_gemm")
+
+
+def reference_forced(kernel: str | None = None) -> bool:
+    """Whether ``MEGATRON_ROCM_KERNELS`` puts ``kernel`` (None: every kernel) on torch's path."""
+    value = os.environ.get("MEGATRON_ROCM_KERNELS", "auto").strip()
+    if value in ("", "auto"):
+        return False
+    if value == "reference":
+        return True
+    mode, _, names = value.partition(":")
+    chosen = {n.strip() for n in names.split(",") if n.strip()}
+    if mode != "reference" or not chosen or not chosen <= set(KERNELS):
+        raise ValueError(
+            f"MEGATRON_ROCM_KERNELS={value!r}: expected 'auto', 'reference' or "
+            f"'reference:<kernel>[,<kernel>...]' with kernels from {', '.join(KERNELS)}"
+        )
+    return kernel in chosen
+
+
+def use_triton(*tensors: torch.Tensor, kernel: str | None = None) -> bool:
+    """Triton for GPU tensors (or CPU tensors under the interpreter), reference otherwise.
+
+    ``kernel`` names the caller (one of ``KERNELS``) for ``MEGATRON_ROCM_KERNELS``."""
+    if reference_forced(kernel):
         return False
     if not triton_available():
         log_fallback_once("triton", "Triton is not importable; using torch reference kernels")

@@ -129,7 +129,7 @@ def native_cross_entropy(
         label_smoothing = float(bound.get("label_smoothing", 0.0) or 0.0)
         tp_group = bound.get("tp_group")
         problem = _triton_problem(vocab_parallel_logits, target, label_smoothing)
-        if problem or not use_triton(vocab_parallel_logits):
+        if problem or not use_triton(vocab_parallel_logits, kernel="cross_entropy"):
             if problem:
                 log_fallback_once(f"ce:{problem}", f"cross entropy with {problem}: upstream's")
             return upstream(vocab_parallel_logits, target, *args, **kwargs)

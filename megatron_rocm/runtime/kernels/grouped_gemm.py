@@ -35,6 +35,7 @@ from megatron_rocm.runtime.kernels._runtime import (
     interpreting,
     is_hip,
     log_fallback_once,
+    reference_forced,
     triton_available,
 )
 
@@ -92,7 +93,7 @@ def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = N
     ``requested`` (or ``$MEGATRON_ROCM_GROUPED_GEMM``) names one: it runs or this raises.
     """
     wanted = (requested or os.environ.get(ENV, "auto")).strip().lower()
-    if wanted == "auto" and os.environ.get("MEGATRON_ROCM_KERNELS", "auto") == "reference":
+    if wanted == "auto" and reference_forced("grouped_gemm"):
         return "loop"
     checks = {
         "torch": lambda auto: _torch_problem(x, features, auto),

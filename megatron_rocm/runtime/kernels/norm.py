@@ -5,8 +5,12 @@ zero-centred gamma, ``persist_layer_norm`` and ``memory_efficient_layer_norm`` a
 (``persist_layer_norm`` defaults to True in the training arguments), so a stock ROCm install
 cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 
-* the math is torch's fused ``layer_norm`` / ``rms_norm`` kernels (CUDA and HIP builds ship
-  them; a Triton kernel would only pay if it beat these, see docs/kernels.md);
+* on a GPU (CUDA or ROCm) RMSNorm runs a Triton kernel
+  (:mod:`~megatron_rocm.runtime.kernels._norm_triton`): one read of ``x`` forward, one read of
+  ``x`` and ``dy`` backward with ``dw`` summed in the same pass, where torch's backward runs
+  two kernels reading both twice (docs/kernels.md); LayerNorm, other dtype mixes and rows
+  wider than one block use torch's fused ``layer_norm`` / ``rms_norm`` (a fallback's reason is
+  logged once); ``MEGATRON_ROCM_KERNELS=reference[:norm]`` forces torch's;
 * zero-centred gamma stores ``weight - 1`` (initialised to zero) and normalises with
   ``1 + weight``, as Apex and TE do;
 * sequence parallelism needs no change in the math: Megatron all-reduces the grads of params
@@ -22,7 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+
 _NORMS = ("LayerNorm", "RMSNorm")
+# The norms the Triton kernel serves on a GPU. Its LayerNorm is correct (tested) but slower
+# than torch's at the hidden sizes that matter (scripts/bench_norm.py, H100: forward 0.30 vs
+# 0.10 ms at 32768 x 1536), so LayerNorm stays on torch's kernel until it is tuned.
+TRITON_NORMS = ("RMSNorm",)
 
 
 class FusedNorm(torch.nn.Module):
@@ -118,6 +128,11 @@ def apply_norm(
     # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
     if gamma.dtype != x.dtype and x.dtype == torch.float32:
         gamma = gamma.to(x.dtype)
+    if normalization in TRITON_NORMS and use_triton(x, kernel="norm"):
+        reason = _triton_unsupported(x, gamma, bias)
+        if reason is None:
+            return _TritonNorm.apply(x, gamma, bias, eps, normalization == "RMSNorm")
+        log_fallback_once(f"norm:{reason}", f"{normalization} on torch's kernels: {reason}")
     shape = (x.shape[-1],)
     if normalization == "LayerNorm":
         if bias is not None and bias.dtype != gamma.dtype and x.dtype == torch.float32:
@@ -126,6 +141,50 @@ def apply_norm(
     if normalization == "RMSNorm":
         return F.rms_norm(x, shape, gamma, eps)
     raise ValueError(f"normalization must be one of {_NORMS}, got {normalization!r}")
+
+
+def _triton_unsupported(
+    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None
+) -> str | None:
+    """Why the Triton kernel cannot take these tensors (None: it can)."""
+    from megatron_rocm.runtime.kernels import _norm_triton as kernel
+
+    if x.shape[-1] == 0:
+        return "empty rows"
+    if x.dtype not in kernel.SUPPORTED_DTYPES:
+        return f"input dtype {x.dtype}"
+    if gamma.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"params in {gamma.dtype} with input in {x.dtype}"
+    if x.shape[-1] > kernel.MAX_COLUMNS:
+        return f"rows of {x.shape[-1]} > {kernel.MAX_COLUMNS} columns"
+    return None
+
+
+class _TritonNorm(torch.autograd.Function):
+    """LayerNorm / RMSNorm on the Triton kernels: one pass forward, one pass backward."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, bias, eps, is_rms):  # noqa: ANN001, ANN205 - autograd signature
+        from megatron_rocm.runtime.kernels import _norm_triton as kernel
+
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        y, mean, rstd = kernel.norm_forward(x2d, gamma, bias, eps, is_rms)
+        ctx.save_for_backward(x2d, gamma, mean, rstd)
+        ctx.has_bias, ctx.is_rms = bias is not None, is_rms
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
+        from megatron_rocm.runtime.kernels import _norm_triton as kernel
+
+        x2d, gamma, mean, rstd = ctx.saved_tensors
+        dy2d = grad.reshape(-1, grad.shape[-1])
+        if dy2d.stride(-1) != 1:
+            dy2d = dy2d.contiguous()
+        dx, dw, db = kernel.norm_backward(dy2d, x2d, gamma, mean, rstd, ctx.has_bias, ctx.is_rms)
+        return dx.view(grad.shape), dw, db, None, None
 
 
 def param_device(config: Any) -> torch.device | str | int | None:

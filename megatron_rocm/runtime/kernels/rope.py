@@ -118,7 +118,7 @@ def _triton_problem(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
 
 def _triton(t: torch.Tensor, freqs: torch.Tensor, layout_problem: str | None) -> bool:
     """Whether this call goes through Triton; an automatic fallback is logged once."""
-    if freqs.requires_grad or not use_triton(t, freqs):
+    if freqs.requires_grad or not use_triton(t, freqs, kernel="rope"):
         return False
     problem = layout_problem or _triton_problem(t, freqs)
     if problem:

@@ -41,7 +41,7 @@ def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
 
 def _triton(x: torch.Tensor) -> Any | None:
     """The Triton module when ``x`` should go through it, else None (reference path)."""
-    if not use_triton(x):
+    if not use_triton(x, kernel="softmax"):
         return None
     if x.dtype not in SUPPORTED_DTYPES:
         log_fallback_once(f"softmax-{x.dtype}", f"softmax: no Triton kernel for {x.dtype}")

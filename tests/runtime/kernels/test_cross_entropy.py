@@ -83,7 +83,7 @@ def test_cpu_without_interpreter_keeps_upstream(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("how", ["positional", "keyword"])
 def test_label_smoothing_goes_to_upstream(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(ce, "use_triton", lambda *t: True)  # would take Triton otherwise
+    monkeypatch.setattr(ce, "use_triton", lambda *t, kernel=None: True)  # would take Triton otherwise
     rec = _Recorder("smoothing")
     wrapped = ce.native_cross_entropy(rec.fn)
     logits, target = _batch(3, 2, 11, torch.float32, "cpu")
@@ -96,7 +96,7 @@ def test_label_smoothing_goes_to_upstream(monkeypatch: pytest.MonkeyPatch, how: 
 
 def test_group_comes_from_the_call_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
-    monkeypatch.setattr(ce, "use_triton", lambda *t: True)
+    monkeypatch.setattr(ce, "use_triton", lambda *t, kernel=None: True)
     monkeypatch.setattr(ce, "triton_cross_entropy", lambda x, t, g: seen.append(g) or x.sum(-1))
     logits, target = _batch(2, 1, 5, torch.float32, "cpu")
     ce.native_cross_entropy(_Recorder("smoothing").fn, lambda: "default")(logits, target)
@@ -108,7 +108,7 @@ def test_group_comes_from_the_call_or_the_default(monkeypatch: pytest.MonkeyPatc
 
 
 def test_unsupported_calls_go_to_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ce, "use_triton", lambda *t: True)
+    monkeypatch.setattr(ce, "use_triton", lambda *t, kernel=None: True)
     rec = _Recorder("fused")
     wrapped = ce.native_cross_entropy(rec.fn)
     logits, target = _batch(3, 2, 11, torch.float64, "cpu")

@@ -1,17 +1,38 @@
-"""FusedNorm / build_norm: parity with unfused fp32 math and Megatron's parameter conventions."""
+"""FusedNorm / build_norm: parity with unfused fp32 math and Megatron's parameter conventions.
+
+``triton`` tests run the Triton kernels through ``FusedNorm`` on a GPU, or on the CPU under the
+Triton interpreter (``test_triton_interpreter_runs.py`` runs them in a child pytest), and check
+that the kernels really ran; the others run torch's kernels on the CPU.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm, build_norm, norm_reference  # noqa: E402
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 NORMS = ("LayerNorm", "RMSNorm")
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETER),
+    reason="needs triton and a GPU, or TRITON_INTERPRET=1 on CPU",
+)
+
+
+def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
+    fn = pytest.mark.filterwarnings("ignore::DeprecationWarning")(fn)
+    return pytest.mark.triton(needs_triton(fn))
 
 
 def _config(**overrides: object) -> SimpleNamespace:
@@ -160,3 +181,192 @@ def test_gpu_parity(cuda_device: torch.device, normalization: str) -> None:
     x = torch.randn(512, 4096, device=cuda_device, dtype=torch.bfloat16)
     ref = norm_reference(x, norm.weight, norm.bias, norm.eps, normalization)
     torch.testing.assert_close(norm(x), ref, atol=5e-2, rtol=2e-2)
+
+
+def _compare_with_reference(norm: FusedNorm, x: torch.Tensor, zero_centered: bool = False) -> None:
+    """Forward, dx, dw (and db) of ``norm`` against fp32 autograd of the unfused math."""
+    out = norm(x)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    xr = x.detach().float().requires_grad_()
+    wr = norm.weight.detach().float().requires_grad_()
+    br = None if norm.bias is None else norm.bias.detach().float().requires_grad_()
+    ref = norm_reference(xr, wr + 1 if zero_centered else wr, br, norm.eps, norm.normalization)
+    tol = TOLERANCES[x.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol * 4, rtol=tol)
+    grad = torch.randn(x.shape, device=x.device)
+    out.backward(grad.to(x.dtype))
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad.float(), xr.grad, atol=tol * 8, rtol=tol * 4)
+    scale = wr.grad.abs().max().item() + 1
+    torch.testing.assert_close(norm.weight.grad.float(), wr.grad, atol=tol * 4 * scale, rtol=tol)
+    if br is not None:
+        torch.testing.assert_close(norm.bias.grad.float(), br.grad, atol=tol * 4 * scale, rtol=tol)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the Triton launches, so a test cannot pass on torch's kernels by accident; the
+    kernel serves both norms here (in production only ``norm.TRITON_NORMS``)."""
+    from megatron_rocm.runtime.kernels import _norm_triton
+
+    monkeypatch.setattr(norm_module, "TRITON_NORMS", NORMS)
+
+    calls = {"forward": 0, "backward": 0}
+    for name, key in (("norm_forward", "forward"), ("norm_backward", "backward")):
+        original = getattr(_norm_triton, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(_norm_triton, name, counted)
+    return calls
+
+
+@triton_test
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("shape", [(3, 7), (37, 2, 64), (1, 33), (6, 1000)])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_triton_parity(
+    kernel_calls: dict[str, int],
+    normalization: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    zero_centered: bool,
+) -> None:
+    torch.manual_seed(0)
+    norm = FusedNorm(
+        shape[-1],
+        normalization=normalization,
+        zero_centered_gamma=zero_centered,
+        params_dtype=dtype,
+        device=DEVICE,
+    )
+    _randomise(norm)
+    x = (torch.randn(shape, device=DEVICE) * 3 + 1).to(dtype).requires_grad_()
+    _compare_with_reference(norm, x, zero_centered)
+    assert kernel_calls == {"forward": 1, "backward": 1}
+
+
+@triton_test
+@pytest.mark.parametrize(("normalization", "launches"), [("RMSNorm", 1), ("LayerNorm", 0)])
+def test_triton_serves_rmsnorm_and_torch_layernorm(
+    monkeypatch: pytest.MonkeyPatch, normalization: str, launches: int
+) -> None:
+    """Production routing: RMSNorm on the Triton kernel, LayerNorm on torch's (faster there)."""
+    from megatron_rocm.runtime.kernels import _norm_triton
+
+    calls = []
+    original = _norm_triton.norm_forward
+    monkeypatch.setattr(_norm_triton, "norm_forward", lambda *a: calls.append(1) or original(*a))
+    norm = FusedNorm(64, normalization=normalization, device=DEVICE)
+    norm(torch.randn(4, 64, device=DEVICE))
+    assert len(calls) == launches
+
+
+@pytest.mark.parametrize(
+    ("setting", "forced"),
+    [
+        ("auto", {None: False, "norm": False, "rope": False}),
+        ("reference", {None: True, "norm": True, "rope": True}),
+        ("reference:norm", {None: False, "norm": True, "rope": False}),
+        ("reference: norm , rope", {None: False, "norm": True, "rope": True}),
+    ],
+)
+def test_kernels_setting_selects_the_reference_per_kernel(
+    monkeypatch: pytest.MonkeyPatch, setting: str, forced: dict[str | None, bool]
+) -> None:
+    from megatron_rocm.runtime.kernels import _runtime
+
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", setting)
+    assert {k: _runtime.reference_forced(k) for k in forced} == forced
+    monkeypatch.setattr(_runtime, "triton_available", lambda: True)
+    monkeypatch.setattr(_runtime, "interpreting", lambda: True)
+    x = torch.empty(1)
+    assert _runtime.use_triton(x, kernel="norm") is not forced["norm"]
+
+
+@pytest.mark.parametrize("setting", ["refrence", "reference:", "reference:nrom", "torch:norm"])
+def test_kernels_setting_typo_raises(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    from megatron_rocm.runtime.kernels import _runtime
+
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", setting)
+    with pytest.raises(ValueError, match="MEGATRON_ROCM_KERNELS=.*expected 'auto'"):
+        _runtime.reference_forced("norm")
+
+
+@triton_test
+def test_triton_non_contiguous_input(kernel_calls: dict[str, int]) -> None:
+    """A transposed view (rows not contiguous) is normalised like its contiguous copy."""
+    torch.manual_seed(1)
+    norm = FusedNorm(48, normalization="RMSNorm", device=DEVICE)
+    _randomise(norm)
+    x = torch.randn(48, 10, device=DEVICE).t().requires_grad_()
+    _compare_with_reference(norm, x)
+    assert kernel_calls == {"forward": 1, "backward": 1}
+
+
+@triton_test
+@pytest.mark.parametrize("programs", [1, 3, 7, 64])
+@pytest.mark.parametrize("normalization", NORMS)
+def test_triton_backward_splits_rows_over_programs(programs: int, normalization: str) -> None:
+    """The row ranges of the backward's programs tile the rows exactly once, whatever the
+    split (rows not divisible by programs; more programs than rows)."""
+    from megatron_rocm.runtime.kernels import _norm_triton
+
+    torch.manual_seed(2)
+    rows, columns = 29, 40
+    x = torch.randn(rows, columns, device=DEVICE)
+    dy = torch.randn(rows, columns, device=DEVICE)
+    w = torch.randn(columns, device=DEVICE)
+    b = torch.randn(columns, device=DEVICE)
+    is_rms = normalization == "RMSNorm"
+    _, mean, rstd = _norm_triton.norm_forward(x, w, None if is_rms else b, 1e-5, is_rms)
+    dx, dw, db = _norm_triton.norm_backward(dy, x, w, mean, rstd, not is_rms, is_rms, programs)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    ref = norm_reference(xr, wr, None if is_rms else br, 1e-5, normalization)
+    ref.backward(dy)
+    torch.testing.assert_close(dx, xr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, wr.grad, atol=1e-4, rtol=1e-5)
+    if not is_rms:
+        torch.testing.assert_close(db, br.grad, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype", "columns", "reason"),
+    [
+        (torch.bfloat16, torch.bfloat16, 64, None),
+        (torch.bfloat16, torch.float32, 64, "params in torch.float32 with input in torch.bfloat16"),
+        (torch.float64, torch.float64, 64, "input dtype torch.float64"),
+        (torch.float32, torch.float32, 65536, "rows of 65536 > 32768 columns"),
+    ],
+)
+def test_triton_refuses_what_it_cannot_compute(
+    x_dtype: torch.dtype, w_dtype: torch.dtype, columns: int, reason: str | None
+) -> None:
+    pytest.importorskip("triton")
+    x = torch.empty(2, columns, dtype=x_dtype)
+    assert norm_module._triton_unsupported(x, torch.empty(columns, dtype=w_dtype), None) == reason
+
+
+def test_unsupported_mix_falls_back_to_torch_with_the_reason_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where Triton would run but cannot take the tensors, torch's kernel computes the same
+    result and the reason is logged (once)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(norm_module, "use_triton", lambda *tensors, kernel=None: True)
+    monkeypatch.setattr("megatron_rocm.runtime.kernels._runtime._logged", set())
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    gamma = torch.randn(16, dtype=torch.float32)
+    with caplog.at_level("WARNING", logger="megatron_rocm.runtime.kernels"):
+        out = norm_module.apply_norm(x, gamma, None, 1e-5, "RMSNorm")
+        norm_module.apply_norm(x, gamma, None, 1e-5, "RMSNorm")
+    expected = torch.nn.functional.rms_norm(x, (16,), gamma, 1e-5)
+    torch.testing.assert_close(out, expected)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "megatron-rocm: RMSNorm on torch's kernels: params in torch.float32 with input in "
+        "torch.bfloat16"
+    ]

@@ -1,0 +1,149 @@
+"""Benchmark the norms (kernels.norm, Triton) against torch's fused kernels, one GPU.
+
+    python scripts/bench_norm.py [--shapes 32768x1536,16384x4096] [--programs 1,2,4,8] [--json F]
+    TRITON_INTERPRET=1 python scripts/bench_norm.py --smoke   # tiny CPU run, checks it works
+
+Inputs: the 0.85B Llama's residual stream (s 2048 x micro-batch 16 = 32768 rows of 1536, bf16)
+and two wider hidden sizes, for RMSNorm and LayerNorm, through ``FusedNorm`` (what the patched
+tree's norms and the native backend's ``TELayerNormColumnParallelLinear`` run).
+
+Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs on a GPU; the
+bench routes LayerNorm there too, to measure it: ``norm.TRITON_NORMS``); ``torch`` is the same
+module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_norm``).
+``backward`` is ``torch.autograd.grad`` of the output w.r.t. the input and the params.
+``--programs`` times the Triton backward alone at other programs-per-SM counts (the shipped one
+is ``_norm_triton.PROGRAMS_PER_SM``), to re-tune it on new hardware.
+
+Each time is the median of ``triton.testing.do_bench``; ``%`` is the bandwidth reached against
+the ideal byte count (forward: read x, write y; backward: read x and dy, write dx) as a share of
+the copy bandwidth measured in the same run (read + write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rocm.runtime.kernels import _norm_triton as tri  # noqa: E402
+from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
+from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
+
+DEVICE = "cuda"
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median ms (the CPU smoke run: one wall-clock sample after a warm-up call)."""
+    if DEVICE == "cpu":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``norm`` under ``MEGATRON_ROCM_KERNELS=mode``."""
+    os.environ["MEGATRON_ROCM_KERNELS"] = mode
+    served = norm_module.TRITON_NORMS
+    norm_module.TRITON_NORMS = ("LayerNorm", "RMSNorm")  # time the kernel on both norms
+    try:
+        dy = torch.randn_like(x)
+        fwd = bench(lambda: norm(x))
+        y = norm(x)
+        params = list(norm.parameters())
+        bwd = bench(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True))
+        return fwd, bwd
+    finally:
+        os.environ.pop("MEGATRON_ROCM_KERNELS", None)
+        norm_module.TRITON_NORMS = served
+
+
+def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: list[int]) -> dict:
+    rows, columns = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(shape, generator=gen, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    norm = FusedNorm(
+        columns, normalization=normalization, params_dtype=torch.bfloat16, device=DEVICE
+    )
+    nbytes = x.numel() * x.element_size()
+    out: dict = {"shape": f"{rows}x{columns}", "norm": normalization}
+    for mode, name in (("auto", "triton"), ("reference", "torch")):
+        fwd, bwd = measure(norm, x, mode)
+        out[f"{name}_fwd_ms"], out[f"{name}_bwd_ms"] = round(fwd, 4), round(bwd, 4)
+        out[f"{name}_fwd_pct"] = round(100 * 2 * nbytes / fwd / 1e6 / copy_gbs, 1)
+        out[f"{name}_bwd_pct"] = round(100 * 3 * nbytes / bwd / 1e6 / copy_gbs, 1)
+    is_rms = normalization == "RMSNorm"
+    x2d = x.detach()
+    _, mean, rstd = tri.norm_forward(x2d, norm.weight, norm.bias, norm.eps, is_rms)
+    dy = torch.randn_like(x2d)
+    sms = tri.backward_programs(x2d) // tri.PROGRAMS_PER_SM
+    for per_sm in programs:
+        ms = bench(
+            lambda per_sm=per_sm: tri.norm_backward(
+                dy, x2d, norm.weight, mean, rstd, not is_rms, is_rms, per_sm * sms
+            )
+        )
+        out[f"bwd_kernel_ms_{per_sm}_per_sm"] = round(ms, 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="32768x1536,16384x4096,8192x8192")
+    parser.add_argument("--programs", default="1,2,4,8", help="backward programs per SM to time")
+    parser.add_argument("--json", type=Path, help="write the rows here (JSON lines)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    a = parser.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    programs = [int(p) for p in a.programs.split(",")]
+    if a.smoke:
+        DEVICE, shapes, programs = "cpu", [(64, 96)], [1]
+    elif not torch.cuda.is_available():
+        print("bench_norm: needs a CUDA or ROCm GPU (or --smoke under TRITON_INTERPRET=1)")
+        return 3
+    label = "cpu (interpreter)" if DEVICE == "cpu" else torch.cuda.get_device_name(0)
+    copy_gbs = copy_bandwidth(max(r * c for r, c in shapes) * 2)
+    print(f"# {label}, copy bandwidth {copy_gbs:.0f} GB/s")
+    print(
+        "| norm | rows x cols | torch fwd ms (%) | triton fwd ms (%) | torch bwd ms (%) "
+        "| triton bwd ms (%) |"
+    )
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for normalization in ("RMSNorm", "LayerNorm"):
+        for shape in shapes:
+            r = row(shape, normalization, copy_gbs, programs)
+            r["device"] = label
+            rows.append(r)
+            print(
+                f"| {normalization} | {r['shape']} | {r['torch_fwd_ms']} ({r['torch_fwd_pct']}) "
+                f"| {r['triton_fwd_ms']} ({r['triton_fwd_pct']}) | {r['torch_bwd_ms']} "
+                f"({r['torch_bwd_pct']}) | {r['triton_bwd_ms']} ({r['triton_bwd_pct']}) |"
+            )
+            sweep = {k: v for k, v in r.items() if k.startswith("bwd_kernel_ms_")}
+            print(f"  backward kernel alone by programs per SM: {sweep}")
+    if a.json:
+        a.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
