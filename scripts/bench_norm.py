@@ -25,13 +25,14 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_timing  # noqa: E402
 
 from megatron_rocm.runtime.kernels import _norm_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
@@ -41,21 +42,11 @@ DEVICE = "cuda"
 
 
 def bench(fn: Callable[[], object]) -> float:
-    """Median ms (the CPU smoke run: one wall-clock sample after a warm-up call)."""
-    if DEVICE == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    return bench_timing.median_ms(fn, DEVICE)
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e6
+    return bench_timing.copy_bandwidth(nbytes, DEVICE)
 
 
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:

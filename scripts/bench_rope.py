@@ -39,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_timing  # noqa: E402
+
 from megatron_rocm.runtime.kernels import _rope_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import rope  # noqa: E402
 
@@ -56,28 +58,14 @@ SEQ, D, Q_HEADS, KV_HEADS = 2048, 128, 12, 4
 
 
 def bench(fn: Callable[[], object]) -> float:
-    """Median ms; the CPU smoke run takes one wall-clock sample after a warm-up call.
-
-    ``--cudagraph`` replays the call from a CUDA graph: GPU time alone, without the host's
-    launch overhead (which the default timing includes where the GPU outruns the host).
-    """
-    if DEVICE == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-
-    if CUDA_GRAPH:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    """Median ms; ``--cudagraph`` replays the call from a CUDA graph: GPU time alone, without
+    the host's launch overhead (which the default timing includes where the GPU outruns the
+    host)."""
+    return bench_timing.median_ms(fn, DEVICE, cuda_graph=CUDA_GRAPH, rep=40)
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    """GB/s of a device-to-device copy, counting read + write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e6
+    return bench_timing.copy_bandwidth(nbytes, DEVICE, rep=40)
 
 
 @contextlib.contextmanager

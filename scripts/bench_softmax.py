@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_timing  # noqa: E402
+
 from megatron_rocm.runtime.kernels import _softmax_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
 
@@ -77,23 +79,11 @@ def apex(mode: str, scale: float, mask: torch.Tensor | None) -> Callable | None:
 
 
 def bench(fn: Callable[[], object]) -> float:
-    """Median ms; ``--smoke`` runs on the CPU (Triton interpreter) with a wall clock."""
-    if DEVICE == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    return bench_timing.median_ms(fn, DEVICE)
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    """GB/s of a device-to-device copy, counting read + write."""
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
+    return bench_timing.copy_bandwidth(nbytes, DEVICE)
 
 
 def shapes(mode: str, seq: int, elems: int) -> tuple[int, int]:

@@ -107,7 +107,7 @@ stage_bench() {
   # Llama recipe turns on (examples/llama/train_llama3_8b_h100_fp8.sh) that need no TE;
   # "unfused" is the *unpatched* tree with every fusion off (micro-batch 8: at 16 its
   # materialised fp32 attention scores do not fit in 80 GB).
-  local mbs=${BENCH_MBS:-16} it=${BENCH_ITERS:-12} size="--preset llama --preset-size 0.85b"
+  local mbs=${BENCH_MBS:-16} it=${BENCH_ITERS:-30} size="--preset llama --preset-size 0.85b"
   local recipe="--cross-entropy-loss-fusion --manual-gc"
   for impl in ${BENCH_IMPLS:-transformer_engine local}; do
     train "bench-$impl-$NEWEST" "$W/p-$NEWEST" $size --iters "$it" \

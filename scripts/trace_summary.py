@@ -26,9 +26,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+# First match wins. Attention comes before GEMM: cuDNN's attention kernels are named
+# "cudnn_generated_..._sdpa_sm90_flash_..._wgmma_...", which the GEMM pattern also matches.
 FAMILIES = (
-    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|Cijk|sm90_|sm80_", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|Cijk|sm90_|sm80_", re.I)),
     ("nccl", re.compile(r"nccl|rccl", re.I)),
     ("norm", re.compile(r"norm|GammaBeta", re.I)),
     ("triton", re.compile(r"^triton_|_kernel$")),

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import trace_summary  # noqa: E402
 
@@ -50,3 +52,21 @@ def test_unreadable_trace_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None
     assert trace_summary.main([str(bad)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trace_summary: cannot read")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "expected"),
+    [
+        (
+            "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128",
+            "attention",
+        ),
+        ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", "attention"),
+        ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64>", "gemm"),
+        ("triton_poi_fused_mul_silu_split_0", "triton"),
+    ],
+)
+def test_family_of_real_kernel_names(kernel: str, expected: str) -> None:
+    """cuDNN's attention kernels carry "sm90" and "wgmma" too: they are attention, not GEMM."""
+    assert trace_summary.family(kernel) == expected

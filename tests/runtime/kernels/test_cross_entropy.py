@@ -8,29 +8,17 @@ vocabulary. ``gpu`` tests run at the benchmark model's size.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import socket
-from collections.abc import Callable
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import TRITON_DEVICE, triton_test  # noqa: E402
+
 from megatron_rocm.runtime.kernels import cross_entropy as ce  # noqa: E402
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETER),
-    reason="needs triton and a GPU, or TRITON_INTERPRET=1 on CPU",
-)
-
-
-def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
-    fn = pytest.mark.filterwarnings("ignore::DeprecationWarning")(fn)
-    return pytest.mark.triton(needs_triton(fn))
+DEVICE = TRITON_DEVICE or "cpu"
 
 
 def upstream_formula(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -83,7 +71,9 @@ def test_cpu_without_interpreter_keeps_upstream(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("how", ["positional", "keyword"])
 def test_label_smoothing_goes_to_upstream(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(ce, "use_triton", lambda *t, kernel=None: True)  # would take Triton otherwise
+    monkeypatch.setattr(
+        ce, "use_triton", lambda *t, kernel=None: True
+    )  # would take Triton otherwise
     rec = _Recorder("smoothing")
     wrapped = ce.native_cross_entropy(rec.fn)
     logits, target = _batch(3, 2, 11, torch.float32, "cpu")

@@ -7,32 +7,20 @@ that the kernels really ran; the others run torch's kernels on the CPU.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import TRITON_DEVICE, triton_test  # noqa: E402
+
 from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm, build_norm, norm_reference  # noqa: E402
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 NORMS = ("LayerNorm", "RMSNorm")
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETER),
-    reason="needs triton and a GPU, or TRITON_INTERPRET=1 on CPU",
-)
-
-
-def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
-    fn = pytest.mark.filterwarnings("ignore::DeprecationWarning")(fn)
-    return pytest.mark.triton(needs_triton(fn))
+DEVICE = TRITON_DEVICE or "cpu"
 
 
 def _config(**overrides: object) -> SimpleNamespace:
@@ -75,27 +63,7 @@ def test_forward_backward_parity(
     )
     _randomise(norm)
     x = (torch.randn(shape) * 3 + 1).to(dtype).requires_grad_()
-    out = norm(x)
-    assert out.dtype == dtype and out.shape == x.shape
-
-    # Oracle: fp32 math on fp32 copies, gamma = 1 + weight when zero-centred.
-    xr = x.detach().float().requires_grad_()
-    wr = norm.weight.detach().float().requires_grad_()
-    br = None if norm.bias is None else norm.bias.detach().float().requires_grad_()
-    gamma = wr + 1 if zero_centered else wr
-    ref = norm_reference(xr, gamma, br, 1e-5, normalization)
-    tol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.float(), ref, atol=tol * 4, rtol=tol)
-
-    grad = torch.randn(shape)
-    out.backward(grad.to(dtype))
-    ref.backward(grad)
-    torch.testing.assert_close(x.grad.float(), xr.grad, atol=tol * 8, rtol=tol * 4)
-    # Param grads sum over all rows: compare relative to their scale.
-    scale = wr.grad.abs().max().item() + 1
-    torch.testing.assert_close(norm.weight.grad.float(), wr.grad, atol=tol * 4 * scale, rtol=tol)
-    if br is not None:
-        torch.testing.assert_close(norm.bias.grad.float(), br.grad, atol=tol * 4 * scale, rtol=tol)
+    _compare_with_reference(norm, x, zero_centered)
 
 
 def test_fp32_input_with_bf16_params_upcasts() -> None:

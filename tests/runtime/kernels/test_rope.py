@@ -19,12 +19,13 @@ import dataclasses
 import importlib.util
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from triton_interpreter import INTERPRETER, TRITON_DEVICE, triton_test  # noqa: E402
 
 from megatron_rocm.runtime.kernels import _runtime  # noqa: E402
 from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
@@ -35,27 +36,6 @@ from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _triton_device() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return None
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if INTERPRETER else None
-
-
-TRITON_DEVICE = _triton_device()
-needs_triton = pytest.mark.skipif(
-    TRITON_DEVICE is None, reason="needs triton and a GPU, or TRITON_INTERPRET=1 on CPU"
-)
-
-
-def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
-    """Marks, skips without Triton, silences the interpreter's numpy deprecation noise."""
-    fn = pytest.mark.filterwarnings("ignore::DeprecationWarning")(fn)
-    return pytest.mark.triton(needs_triton(fn))
 
 
 # -- inputs and closeness ----------------------------------------------------------------------

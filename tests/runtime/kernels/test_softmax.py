@@ -11,12 +11,14 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from triton_interpreter import TRITON_DEVICE  # noqa: E402
+from triton_interpreter import triton_test as shared_triton_test  # noqa: E402
 
 from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
 
@@ -31,26 +33,10 @@ DTYPES = list(TOL)
 SCALE = 1 / math.sqrt(96)  # not representable in fp16/bf16: exercises the forward rounding
 
 
-def _triton_device() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return None
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
-
-
-TRITON_DEVICE = _triton_device()
-needs_triton = pytest.mark.skipif(
-    TRITON_DEVICE is None, reason="needs triton and a GPU, or TRITON_INTERPRET=1 on CPU"
-)
-
-
 def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
-    """Marks, skips without Triton, and silences the interpreter's numpy noise (deprecations;
-    NaN in padding rows that are never stored)."""
-    fn = pytest.mark.filterwarnings("ignore::DeprecationWarning")(fn)
-    fn = pytest.mark.filterwarnings("ignore::RuntimeWarning")(fn)
-    return pytest.mark.triton(needs_triton(fn))
+    """The shared marker, and silence for the interpreter's NaN warnings in padding rows that
+    are never stored."""
+    return shared_triton_test(pytest.mark.filterwarnings("ignore::RuntimeWarning")(fn))
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")

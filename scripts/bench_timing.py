@@ -1,0 +1,37 @@
+"""Timing shared by the kernel benchmarks (``bench_norm``, ``bench_rope``, ``bench_softmax``).
+
+On a GPU a time is the median of ``triton.testing.do_bench`` (or of CUDA-graph replays, which
+leave out the host's launch overhead); the ``--smoke`` runs on the CPU under the Triton
+interpreter take one wall-clock sample after a warm-up call, to check the script works.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(
+    fn: Callable[[], object], device: str, *, cuda_graph: bool = False, rep: int = 50
+) -> float:
+    """Milliseconds one call of ``fn`` takes on ``device`` ("cuda" or "cpu")."""
+    if device == "cpu":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    if cuda_graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth(nbytes: int, device: str, **timing: object) -> float:
+    """GB/s of a device-to-device copy of ``nbytes``, counting read + write: the yardstick the
+    benchmarks report their bandwidth against."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src), device, **timing) / 1e6

@@ -1,0 +1,36 @@
+"""scripts/bench_timing.py, the kernel benchmarks' shared timer, on the CPU path."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_timing  # noqa: E402
+
+
+def test_cpu_timing_times_the_second_call_only() -> None:
+    calls = []
+
+    def slow_second_call() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(0.02)
+
+    ms = bench_timing.median_ms(slow_second_call, "cpu")
+    assert len(calls) == 2 and 15 < ms < 2000
+
+
+def test_copy_bandwidth_counts_read_and_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    def two_ms(fn, device, **timing):  # noqa: ANN001, ANN003, ANN202
+        fn()
+        return 2.0
+
+    monkeypatch.setattr(bench_timing, "median_ms", two_ms)
+    # 1e6 bytes read + 1e6 written in 2 ms: 1 GB/s
+    assert bench_timing.copy_bandwidth(1_000_000, "cpu") == pytest.approx(1.0)
