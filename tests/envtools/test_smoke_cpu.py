@@ -57,6 +57,24 @@ def test_softmax_fault_makes_the_check_fail(tmp_path: Path, monkeypatch) -> None
     assert checks["kernels.rope"]["status"] == "pass"  # the fault is targeted
 
 
+def test_detail_names_the_path_each_kernel_takes(tmp_path: Path, monkeypatch) -> None:
+    """Where Triton would run, a check says so for the kernels that take it, not for LayerNorm
+    (on torch's kernel by design) nor for a kernel forced onto its reference path."""
+    from megatron_rocm.envtools.smoke.checks_kernels import _path
+    from megatron_rocm.runtime.kernels import _runtime
+
+    monkeypatch.setattr(_runtime, "triton_available", lambda: True)
+    monkeypatch.setattr(_runtime, "interpreting", lambda: True)
+    t = torch.empty(1)
+    assert (_path(None, t, "norm"), _path(None, t, None)) == ("triton", "torch native, cpu")
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:norm")
+    assert (_path(None, t, "norm"), _path(None, t, "rope")) == ("torch reference", "triton")
+    monkeypatch.delenv("MEGATRON_ROCM_KERNELS")
+    out = tmp_path / "r.json"
+    assert smoke(".", str(out), None, only=["kernels.norm.layernorm"]) == 0
+    assert load(out)["kernels.norm.layernorm"]["detail"].endswith("(torch native, cpu)")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> None:
     out = tmp_path / "r.json"

@@ -32,14 +32,16 @@ def _dtypes(ctx: Context) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16] if ctx.on_gpu else [torch.float32]
 
 
-def _path(ctx: Context, t: Tensor, triton_op: bool) -> str:
-    """What ran: our Triton kernel, or torch's native ops (fused ones on the GPU)."""
-    if not triton_op:
+def _path(ctx: Context, t: Tensor, triton_kernel: str | None) -> str:
+    """What ran: our Triton kernel ``triton_kernel`` (a name of ``_runtime.KERNELS``, asked
+    the same way the kernel asks, so ``MEGATRON_ROCM_KERNELS=reference:<name>`` shows), or
+    torch's native ops (fused ones on the GPU)."""
+    if triton_kernel is None:
         return f"torch native, {t.device.type}"
     try:
         from megatron_rocm.runtime.kernels._runtime import use_triton
 
-        return "triton" if use_triton(t) else "torch reference"
+        return "triton" if use_triton(t, kernel=triton_kernel) else "torch reference"
     except ImportError:
         return "unknown"
 
@@ -69,8 +71,8 @@ class _Tally:
         self.cases += 1
         self.worst = max(self.worst, err / (scale or 1.0))
 
-    def summary(self, ctx: Context, sample: Tensor, triton_op: bool = False) -> str:
-        path = _path(ctx, sample, triton_op)
+    def summary(self, ctx: Context, sample: Tensor, triton_kernel: str | None = None) -> str:
+        path = _path(ctx, sample, triton_kernel)
         return f"{self.cases} comparisons, worst rel err {self.worst:.2e} ({path})"
 
 
@@ -122,7 +124,7 @@ def softmax_causal(ctx: Context) -> str:
                 [x],
                 fault,
             )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="softmax")
 
 
 @register("kernels.softmax.masked")
@@ -144,7 +146,7 @@ def softmax_masked(ctx: Context) -> str:
                 [x],
                 fault,
             )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="softmax")
 
 
 @register("kernels.softmax.scaled")
@@ -166,7 +168,7 @@ def softmax_scaled(ctx: Context) -> str:
     avail = k.is_kernel_available(torch.bfloat16, 4096, 16384)
     if ctx.on_gpu and not avail:
         raise CheckFailed("is_kernel_available(bf16, 4096, 16384) is False on a GPU")
-    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="softmax")
 
 
 def _norm_check(ctx: Context, normalization: str) -> str:
@@ -201,7 +203,8 @@ def _norm_check(ctx: Context, normalization: str) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
+    served = "norm" if normalization in k.TRITON_NORMS else None  # LayerNorm: torch's kernel
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 
 
 @register("kernels.norm.layernorm")
@@ -246,7 +249,7 @@ def rope(ctx: Context) -> str:
             lambda t, cu=cu, f=freqs: refmath.rope_thd(t, cu, f),
             [x],
         )
-    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_op=True)
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="rope")
 
 
 @register("kernels.grad_accum")
