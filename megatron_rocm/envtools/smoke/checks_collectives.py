@@ -8,33 +8,16 @@ or hangs is reported with its own output instead of a bare timeout.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from megatron_rocm.envtools.smoke.checks_training import free_port
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
+from megatron_rocm.envtools.smoke.world import free_port, rank_env
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding megatron_rocm/
 MAX_WORLD = 8
-
-
-def _worker_env(rank: int, world: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NCCL_NVLS_ENABLE="0",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def run_world(
@@ -57,7 +40,7 @@ def run_world(
         procs = [
             subprocess.Popen(
                 cmd,
-                env=_worker_env(r, world, port),
+                env=rank_env(r, world, port, {}),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

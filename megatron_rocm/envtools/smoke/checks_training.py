@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,12 +20,7 @@ import torch
 
 from megatron_rocm.envtools.smoke import models, verdicts
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rocm.envtools.smoke.world import free_port
 
 
 @contextlib.contextmanager

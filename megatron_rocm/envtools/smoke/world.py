@@ -41,7 +41,8 @@ class JobResult:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback, for a world's rendezvous."""
     import socket
 
     with socket.socket() as s:
@@ -88,7 +89,7 @@ def _one_world(
         cmd = [sys.executable, "-m", "megatron_rocm.envtools.smoke._train_worker"]
         cmd += ["--jobs", str(jobs_file), "--out", tmp, "--backend", backend]
         cmd += ["--tree", str(tree)] if tree else []
-        port, procs, logs = _free_port(), [], []
+        port, procs, logs = free_port(), [], []
         for r in range(world):
             logs.append(Path(tmp, f"rank{r}.log"))
             with logs[-1].open("w") as log:
