@@ -36,6 +36,7 @@ import bench_timing  # noqa: E402
 
 from megatron_rocm.runtime.kernels import _norm_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
+from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
@@ -84,7 +85,7 @@ def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: l
     x2d = x.detach()
     _, mean, rstd = tri.norm_forward(x2d, norm.weight, norm.bias, norm.eps, is_rms)
     dy = torch.randn_like(x2d)
-    sms = tri.backward_programs(x2d) // tri.PROGRAMS_PER_SM
+    sms = sm_count(x2d.device)
     for per_sm in programs:
         ms = bench(
             lambda per_sm=per_sm: tri.norm_backward(

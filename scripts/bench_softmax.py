@@ -33,6 +33,7 @@ import bench_timing  # noqa: E402
 
 from megatron_rocm.runtime.kernels import _softmax_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
+from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth re-measuring on new hardware
     "default": tri.Tuning(),
@@ -123,7 +124,7 @@ def run_case(
     providers: dict[str, Callable | None] = {}
     n_rows = x.numel() // seq
     code = {"causal": tri.CAUSAL, "masked": tri.MASKED}.get(mode, tri.PLAIN)
-    sms = tri._sm_count(x.device)
+    sms = sm_count(x.device)
 
     def plans(t: tri.Tuning) -> tuple[tri.Plan, tri.Plan]:
         bwd_code = tri.CAUSAL if code == tri.CAUSAL else tri.PLAIN

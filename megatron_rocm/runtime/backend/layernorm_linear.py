@@ -5,10 +5,10 @@ and ``linear_fc1`` own ``layer_norm_weight``/``layer_norm_bias``; the layer's ow
 ``IdentityOp``). Checkpoints therefore name the norm ``...linear_qkv.layer_norm_weight``; the
 local spec maps its ``input_layernorm.weight`` onto that name. This module keeps TE's names,
 parameter order and checkpoint layout, so a checkpoint moves between TE and this backend, and
-computes norm then GEMM: the norm is ``kernels.norm.apply_norm`` (Triton on a GPU, torch's
-fused LayerNorm / RMSNorm elsewhere), the linear is the running tree's
-``ColumnParallelLinear`` (sequence-parallel all-gather of the normalised activations, gradient
-accumulation into ``main_grad``).
+computes norm then GEMM: the norm is ``kernels.norm.apply_norm`` (RMSNorm on a Triton kernel
+on a GPU; LayerNorm, and RMSNorm elsewhere, on torch's fused kernels), the linear is the
+running tree's ``ColumnParallelLinear`` (sequence-parallel all-gather of the normalised
+activations, gradient accumulation into ``main_grad``).
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ Math (``xhat = (x - mean) * rstd``, ``g = w * dy``; RMSNorm has ``mean = 0``)::
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from megatron_rocm.runtime.kernels._runtime import sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One row per block: a wider row would spill registers (hidden sizes of real models are far
@@ -41,11 +41,6 @@ def _block(columns: int) -> int:
 
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -163,10 +158,8 @@ def norm_forward(
 
 
 def backward_programs(x2d: torch.Tensor) -> int:
-    """How many programs the backward runs: a few per SM on a GPU, a handful elsewhere."""
-    if x2d.is_cuda:
-        return PROGRAMS_PER_SM * _sm_count(x2d.device.index or 0)
-    return 4
+    """How many programs the backward runs: a few per SM (per "SM" of the CPU interpreter)."""
+    return PROGRAMS_PER_SM * sm_count(x2d.device)
 
 
 def norm_backward(

@@ -25,14 +25,13 @@ contraction is off, so fp32 inputs match torch's separate multiply and add as we
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice  # dispatches to CUDA's libdevice or ROCm's ocml
 
-from megatron_rocm.runtime.kernels._runtime import interpreting, is_hip
+from megatron_rocm.runtime.kernels._runtime import interpreting, is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -61,14 +60,6 @@ def get_tuning() -> Tuning:
 def set_tuning(tuning: Tuning) -> None:
     global _tuning
     _tuning = tuning
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on ROCm); a few for the CPU interpreter."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -234,7 +225,7 @@ def rotate(
         return y
     sf1 = angles.stride(1) if angles.shape[1] > 1 else 0
     shared = sf1 == 0 and pos is None
-    p = plan(r1, r2, heads, head_dim, rot, shared, _sm_count(x.device))
+    p = plan(r1, r2, heads, head_dim, rot, shared, sm_count(x.device))
     half, n_pass = rot // 2, head_dim - rot
     grid = (r1, triton.cdiv(r2, p.rows_per_program))
     _rope_kernel[grid](

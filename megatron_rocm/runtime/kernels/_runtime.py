@@ -67,6 +67,15 @@ def use_triton(*tensors: torch.Tensor, kernel: str | None = None) -> bool:
     return interpreting()
 
 
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (CUs on ROCm) of ``device``; a few for the CPU interpreter.
+    The Triton kernels size persistent grids by it."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def is_hip() -> bool:
     return bool(getattr(torch.version, "hip", None))
 

@@ -22,13 +22,12 @@ stored as zeros without being read, in both directions.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels._runtime import is_hip
+from megatron_rocm.runtime.kernels._runtime import is_hip, sm_count
 
 PLAIN, CAUSAL, MASKED = 0, 1, 2
 
@@ -73,14 +72,6 @@ class Plan:
     num_warps: int
     grid: int
     head_fastest: bool
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on ROCm); a few for the CPU interpreter."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan(
@@ -328,7 +319,7 @@ def forward(
     else:
         smb = smq = smk = 0
         m_arg = x
-    p = plan(n_rows, sk, mode, _sm_count(x.device))
+    p = plan(n_rows, sk, mode, sm_count(x.device))
     args = (x, y, m_arg, n_rows, sk, sq, heads * sq, smb, smq, smk, scale, heads)
     meta = dict(MODE=mode, BLOCK=p.block, HEAD_FASTEST=p.head_fastest, num_warps=p.num_warps)
     if p.looped:
@@ -348,7 +339,7 @@ def backward(
     if n_rows == 0:
         return dx
     mode = CAUSAL if causal else PLAIN
-    p = plan(n_rows, sk, mode, _sm_count(dy.device), backward=True)
+    p = plan(n_rows, sk, mode, sm_count(dy.device), backward=True)
     args = (dy, y, dx, n_rows, sk, sq, scale)
     if p.looped:
         _bwd_loop[(p.grid,)](*args, MODE=mode, BLOCK=p.block, num_warps=p.num_warps)

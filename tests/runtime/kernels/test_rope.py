@@ -257,7 +257,9 @@ def _tuning(name: str, shape: tuple[int, ...], rot_dim: int) -> Iterator[None]:
     changes = {"whole": {"programs_per_sm": 1}, "split": {"tile": 64, "programs_per_sm": 2}}
     tri.set_tuning(dataclasses.replace(old, **changes.get(name, {})))
     s, b, h, d = shape
-    p = tri.plan(s, b, h, d, rot_dim, shared_angles=True, sms=tri._sm_count(torch.device("cpu")))
+    p = tri.plan(
+        s, b, h, d, rot_dim, shared_angles=True, sms=_runtime.sm_count(torch.device("cpu"))
+    )
     if TRITON_DEVICE == "cpu" and name == "whole":
         assert p.rows_per_program == b
     if TRITON_DEVICE == "cpu" and name == "split":
