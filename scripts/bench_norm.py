@@ -11,8 +11,9 @@ Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs o
 bench routes LayerNorm there too, to measure it: ``norm.TRITON_NORMS``); ``torch`` is the same
 module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_norm``).
 ``backward`` is ``torch.autograd.grad`` of the output w.r.t. the input and the params.
-``--programs`` times the Triton backward alone at other programs-per-SM counts (the shipped one
-is ``_norm_triton.PROGRAMS_PER_SM``), to re-tune it on new hardware.
+``--programs`` times the Triton backward alone at other programs-per-SM counts and pipelining
+depths (the shipped ones are ``_norm_triton.PROGRAMS_PER_SM`` and ``BACKWARD_STAGES``), to
+re-tune them on new hardware.
 
 Each time is the median of ``triton.testing.do_bench``; ``%`` is the bandwidth reached against
 the ideal byte count (forward: read x, write y; backward: read x and dy, write dx) as a share of
@@ -40,6 +41,7 @@ from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
+STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -87,12 +89,13 @@ def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: l
     dy = torch.randn_like(x2d)
     sms = sm_count(x2d.device)
     for per_sm in programs:
-        ms = bench(
-            lambda per_sm=per_sm: tri.norm_backward(
-                dy, x2d, norm.weight, mean, rstd, not is_rms, is_rms, per_sm * sms
+        for stages in STAGES:
+            ms = bench(
+                lambda per_sm=per_sm, stages=stages: tri.norm_backward(
+                    dy, x2d, norm.weight, mean, rstd, not is_rms, is_rms, per_sm * sms, stages
+                )
             )
-        )
-        out[f"bwd_kernel_ms_{per_sm}_per_sm"] = round(ms, 4)
+            out[f"bwd_kernel_ms_{per_sm}_per_sm_{stages}_stages"] = round(ms, 4)
     return out
 
 

@@ -19,7 +19,7 @@
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/trace_summary.py)
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
-#            benchmarks (RoPE, grouped GEMM, packed attention)
+#            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention)
 #   cp2      context parallelism on 2 GPUs: CP=2 Llama at seq 8k and 16k (TE spec), CP=1 at 8k
 #            for the loss comparison, the GPU cases of test_context_parallel, bench_cp_attention
 #   moe2     EP=2 MoE, alltoall dispatcher, with and without --moe-grouped-gemm (2 GPUs)
@@ -162,6 +162,8 @@ stage_kernels() {
      > "$OUT/gpu-tests.txt" 2>&1)
   log "gpu tests: $(tail -1 "$OUT/gpu-tests.txt")"
   (cd "$HERE" && timeout 120 $PY scripts/bench_rope.py --json "$OUT/bench-rope.json" > "$OUT/bench-rope.txt" 2>&1)
+  (cd "$HERE" && timeout 120 $PY scripts/bench_swiglu.py --tree "$W/p-$NEWEST" \
+     --json "$OUT/bench-swiglu.json" > "$OUT/bench-swiglu.txt" 2>&1)
   (cd "$HERE" && timeout 180 $PY scripts/bench_grouped_gemm.py > "$OUT/bench-grouped.txt" 2>&1)
   (cd "$HERE" && timeout 120 $PY scripts/bench_grouped_gemm.py --profile > "$OUT/bench-grouped-profile.txt" 2>&1)
   (cd "$HERE" && timeout 150 $PY scripts/bench_packed_attention.py > "$OUT/bench-packed.txt" 2>&1)

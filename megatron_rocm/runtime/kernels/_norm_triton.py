@@ -33,6 +33,8 @@ MAX_COLUMNS = 32768
 # Backward programs per SM: enough rows in flight to hide memory latency, few enough that the
 # fp32 partial sums stay small (programs x columns x 4 bytes).
 PROGRAMS_PER_SM = 4
+# Software-pipelining depth of the backward's row loop (``tl.range(num_stages=...)``).
+BACKWARD_STAGES = 3
 
 
 def _block(columns: int) -> int:
@@ -96,6 +98,7 @@ def _backward(
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -105,7 +108,8 @@ def _backward(
     db_sum = tl.zeros([BLOCK], tl.float32)
     first = program.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, rows)
-    for row in range(first, last):
+    # Pipelined: the next rows' loads are issued while this row is reduced and stored.
+    for row in tl.range(first, last, num_stages=STAGES):
         xv = tl.load(x + row * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
         dyv = tl.load(dy + row * dy_stride + cols, mask=inside, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_in + row)
@@ -171,6 +175,7 @@ def norm_backward(
     has_bias: bool,
     is_rms: bool,
     programs: int | None = None,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw``/``db`` summed in fp32 and returned in
     the weight's dtype (``db`` is None without a bias)."""
@@ -202,6 +207,7 @@ def norm_backward(
         IS_RMS=is_rms,
         HAS_BIAS=has_bias,
         BLOCK=block,
+        STAGES=stages or BACKWARD_STAGES,
         num_warps=_warps(block),
     )
     dw = dw_part.sum(0).to(weight.dtype)

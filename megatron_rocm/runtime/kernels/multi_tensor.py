@@ -13,7 +13,11 @@ Semantics kept from amp_C:
   a non-finite norm sets ``noop_flag`` to 1;
 * ``multi_tensor_scale`` writes ``dst = src * scale`` (any dtype pair; ``src`` may be ``dst``)
   and sets ``noop_flag`` to 1 when any *input* element is inf/nan — the output is still
-  written, as in amp_C;
+  written, as in amp_C. In place on fp32/fp16 tensors (``clip_grad_by_total_norm_fp32``'s
+  ``[grads, grads]`` on the fp32 main grads) that is one pass, torch's
+  ``_amp_foreach_non_finite_check_and_unscale_`` (the grad scaler's kernel: it checks each
+  input element and writes it times the scale); otherwise a max-abs pass over the inputs and
+  then the scaled copy;
 * ``chunk_size`` is Apex's launch granularity and has no meaning here.
 """
 
@@ -86,18 +90,48 @@ def multi_tensor_l2norm(
     return total, torch.zeros(0, dtype=torch.float32, device=device)
 
 
+def _scale_in_place_checked(
+    tensors: list[torch.Tensor], noop_flag: torch.Tensor, scale: float | torch.Tensor
+) -> bool:
+    """``t *= scale`` and the non-finite check of the inputs in one pass per (device, dtype)
+    group; False (nothing done) where torch lacks the op or a tensor has a dtype its GPU kernel
+    does not take (bf16: CUDA and ROCm builds dispatch float, double and half only)."""
+    op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if op is None or any(t.dtype not in _CHECKED_SCALE_DTYPES for t in tensors):
+        return False
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), group in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if isinstance(scale, torch.Tensor):
+            factor = scale.reshape(1).to(device=device, dtype=torch.float32)
+        else:
+            factor = torch.full((1,), scale, dtype=torch.float32, device=device)
+        op(group, found, factor)
+        _flag_nonfinite(noop_flag, found > 0)
+    return True
+
+
+_CHECKED_SCALE_DTYPES = (torch.float32, torch.float16)
+
+
 def _scale(noop_flag: torch.Tensor, tensor_lists: TensorLists, scale: float | torch.Tensor) -> None:
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source tensors but {len(dst)} destinations")
     if not src:
         return
+    in_place = all(s is d for s, d in zip(src, dst))
+    if in_place and _scale_in_place_checked(dst, noop_flag, scale):
+        return
     checked = [t for t in src if t.numel()]
     if checked:
         # Max-abs propagates inf and nan, and unlike a sum of squares never overflows.
         peaks = torch.stack(torch._foreach_norm(checked, float("inf")))
         _flag_nonfinite(noop_flag, ~torch.isfinite(peaks))
-    if all(s is d for s, d in zip(src, dst)):
+    if in_place:
         torch._foreach_mul_(dst, scale)
     elif not isinstance(scale, torch.Tensor) and scale == 1.0:
         torch._foreach_copy_(dst, src)

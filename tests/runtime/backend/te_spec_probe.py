@@ -264,6 +264,7 @@ def modules_case() -> dict:
             lambda: TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self"), "softmax_type"
         )
     out.update(cross_entropy_wiring())
+    out.update(swiglu_wiring())
     out["checkpoint_without_output_fp8"] = _checkpoint_without_output_fp8()
     return out
 
@@ -300,6 +301,31 @@ def cross_entropy_wiring() -> dict:
         "ce_wraps": [plain.__wrapped__.__module__, fused.__wrapped__.__module__],
         "ce_diff": (ours - theirs).abs().max().item(),
         "ce_fused_diff": (fused(logits.clone(), target, group) - theirs).abs().max().item(),
+    }
+
+
+def swiglu_wiring() -> dict:
+    """The swiglu patch: upstream's ``bias_swiglu_impl`` is wrapped where it is defined, so the
+    MLP's import sees the wrapper; on the CPU it agrees with upstream's function, forward and
+    backward, and a bias still takes upstream's path."""
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.transformer import mlp
+
+    impl = fused_bias_swiglu.bias_swiglu_impl
+    y = torch.randn(3, 2, 10, generator=torch.Generator().manual_seed(5))
+    g = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for fn in (impl, impl.__wrapped__):
+        x = y.clone().requires_grad_()
+        out = fn(x, None)
+        out.backward(g)
+        grads.append((out.detach(), x.grad))
+    bias = torch.randn(10)
+    return {
+        "swiglu_wrapper_is_ours": "megatron_rocm" in Path(impl.__code__.co_filename).parts,
+        "swiglu_mlp_uses_it": mlp.bias_swiglu_impl is impl,
+        "swiglu_diff": max((a - b).abs().max().item() for a, b in zip(*grads)),
+        "swiglu_bias_diff": (impl(y, bias) - impl.__wrapped__(y, bias)).abs().max().item(),
     }
 
 

@@ -115,6 +115,9 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
         "megatron.core.fusions.fused_cross_entropy",
     ]
     assert result["ce_diff"] == 0.0 and result["ce_fused_diff"] < 1e-5
+    # the swiglu patch: upstream's entry point wrapped where the MLP imports it, same numbers
+    assert result["swiglu_wrapper_is_ours"] and result["swiglu_mlp_uses_it"]
+    assert result["swiglu_diff"] == 0.0 and result["swiglu_bias_diff"] == 0.0
     # recompute-without-te: upstream sets fp8=True even for fp8=False and then calls TE
     assert result["checkpoint_without_output_fp8"] is (None if release < "0.13" else False)
 

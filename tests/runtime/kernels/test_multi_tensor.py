@@ -103,6 +103,60 @@ def test_scale_in_place_like_clip_grads() -> None:
         torch.testing.assert_close(g, e, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_scale_in_place_is_one_pass_with_the_check(
+    bad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In place (clip_grads) the check rides on the scaling pass: no separate max-abs norm,
+    no host sync, the same numbers as a plain multiply, and the flag set by a bad input."""
+    grads = _tensors((torch.float32, torch.float16))
+    if bad is not None:
+        grads[4][3, 1] = bad
+    expected = [g * 0.25 for g in grads]
+    flag = _flag()
+    norms = []
+    original = torch._foreach_norm
+    monkeypatch.setattr(
+        torch, "_foreach_norm", lambda *a, **k: norms.append(1) or original(*a, **k)
+    )
+    with _no_host_sync(monkeypatch):
+        multi_tensor_scale(2048, flag, [grads, grads], 0.25)
+    assert norms == []
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=True)
+    assert flag.item() == (0 if bad is None else 1)
+
+
+def test_scale_in_place_bf16_takes_the_two_pass_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's GPU kernel of the one-pass op has no bf16: bf16 lists are checked, then scaled."""
+    grads = _tensors((torch.float32, torch.bfloat16))
+    grads[1][0, 0] = float("nan")
+    expected = [g * 0.5 for g in grads]
+
+    def unavailable_for_bf16(*_args: object) -> None:
+        raise AssertionError("the one-pass op was called with a bf16 list")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", unavailable_for_bf16)
+    flag = _flag()
+    multi_tensor_scale(2048, flag, [grads, grads], 0.5)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=True)
+    assert flag.item() == 1
+
+
+def test_scale_in_place_without_torchs_checked_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without ``_amp_foreach_non_finite_check_and_unscale_``: the two-pass path."""
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    grads = _tensors((torch.float32,))
+    grads[1][0, 0] = float("inf")
+    expected = [g * 0.5 for g in grads]
+    flag = _flag()
+    multi_tensor_scale(2048, flag, [grads, grads], 0.5)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert flag.item() == 1
+
+
 def test_scale_tensor_coefficient(monkeypatch: pytest.MonkeyPatch) -> None:
     grads = _tensors((torch.float32, torch.bfloat16))
     expected = [(g.float() * 0.3).to(g.dtype) for g in grads]
@@ -151,3 +205,22 @@ def test_gpu_parity(cuda_device: torch.device) -> None:
     dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in tensors]
     multi_tensor_scale(2048, flag, [tensors, dst], 1.0)
     assert flag.item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32,), (torch.float32, torch.float16), (torch.float32, torch.bfloat16)]
+)
+def test_gpu_in_place_scale_matches_a_multiply(
+    cuda_device: torch.device, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    grads = [t.to(cuda_device) for t in _tensors(dtypes)]
+    expected = [g * 0.3 for g in grads]
+    flag = torch.zeros(1, dtype=torch.int, device=cuda_device)
+    multi_tensor_scale(2048, flag, [grads, grads], 0.3)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert flag.item() == 0
+    grads[0][1] = float("nan")
+    multi_tensor_scale(2048, flag, [grads, grads], 1.0)
+    assert flag.item() == 1
