@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend import _grouped_compat as compat
+from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, reject
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
 from megatron_rocm.runtime.kernels.norm import param_device
@@ -199,9 +200,11 @@ class TEGroupedLinear(torch.nn.Module):
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""
 
-    def get_extra_state(self) -> None:
-        """TE keeps FP8 metadata here; the key exists (checkpoints match), the value is None."""
-        return None
+    def get_extra_state(self) -> torch.Tensor:
+        """TE modules carry an ``_extra_state`` entry (FP8 metadata); without FP8 TE stores an
+        empty uint8 tensor there, and so does this (a tensor, so code that ``detach()``es every
+        state-dict value works, as upstream's DSA test does)."""
+        return no_fp8_extra_state()
 
     def set_extra_state(self, state: Any) -> None:
         """Nothing to restore: a TE checkpoint's FP8 scaling metadata does not apply here."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
 from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
 from megatron_rocm.runtime.kernels.norm import param_device
@@ -240,9 +241,11 @@ class TELinear(torch.nn.Module):
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, None, sharded_offsets)
 
-    def get_extra_state(self) -> None:
-        """TE modules carry an ``_extra_state`` entry (FP8 metadata); keep the key."""
-        return None
+    def get_extra_state(self) -> torch.Tensor:
+        """TE modules carry an ``_extra_state`` entry (FP8 metadata); without FP8 TE stores an
+        empty uint8 tensor there, and so does this (a tensor, so code that ``detach()``es every
+        state-dict value works, as upstream's DSA test does)."""
+        return no_fp8_extra_state()
 
     def set_extra_state(self, state: Any) -> None:
         """Nothing to restore: no FP8 metadata without TE."""

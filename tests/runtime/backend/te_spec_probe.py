@@ -230,6 +230,11 @@ def modules_case() -> dict:
     out["telinear_forward_diff"] = (y - want).abs().max().item()
     out["telinear_bias_returned"] = bias is None
     out["telinear_main_grad_diff"] = (lin.weight.main_grad - expected_wgrad).abs().max().item()
+    # TE's no-FP8 extra state: an empty uint8 tensor (upstream's DSA test detaches every value)
+    extra = lin.state_dict()["_extra_state"]
+    out["telinear_extra_state"] = [str(extra.dtype), extra.numel()]
+    lin.load_state_dict({**lin.state_dict(), "_extra_state": None})  # older checkpoints
+    lin.load_state_dict(lin.state_dict())
     out["telinear_flagged"] = bool(lin.weight.grad_added_to_main_grad)
     cfg.gradient_accumulation_fusion = False
     # zero-centred gamma in the LN-linear: gamma is stored as w - 1
@@ -265,6 +270,7 @@ def modules_case() -> dict:
         )
     out.update(cross_entropy_wiring())
     out.update(swiglu_wiring())
+    out["experimental_spec_provider"] = _experimental_attention_spec_provider(cfg)
     out["checkpoint_without_output_fp8"] = _checkpoint_without_output_fp8()
     return out
 
@@ -302,6 +308,18 @@ def cross_entropy_wiring() -> dict:
         "ce_diff": (ours - theirs).abs().max().item(),
         "ce_fused_diff": (fused(logits.clone(), target, group) - theirs).abs().max().item(),
     }
+
+
+def _experimental_attention_spec_provider(cfg) -> str | None:  # noqa: ANN001
+    """The TE spec provider of upstream's experimental attention variants (DSA, gated delta
+    net; 0.16+), where ``TESpecProvider`` was imported only with TE (None before 0.16)."""
+    try:
+        from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    except ImportError:
+        return None
+    cfg.transformer_impl = "transformer_engine"
+    provider = specs._get_backend_spec_provider(cfg)
+    return f"{type(provider).__module__}.{type(provider).__name__}"
 
 
 def swiglu_wiring() -> dict:

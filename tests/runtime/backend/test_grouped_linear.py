@@ -316,6 +316,7 @@ def test_loads_the_checkpoint_forms_te_accepts(world) -> None:
     stacked = torch.stack([state[f"weight{i}"] for i in range(EXPERTS)]) * 2
     fc1.load_state_dict({"weight": stacked, "_extra_state": None}, strict=True)
     assert torch.equal(fc1.weight3, stacked[3])
+    assert fc1.state_dict()["_extra_state"].numel() == 0  # TE's no-FP8 value, a tensor
     # loading copies into the shared buffer: the zero-copy view survives
     assert fc1.weight1.data_ptr() - fc1.weight0.data_ptr() == fc1.weight0.numel() * 4
 
