@@ -41,9 +41,20 @@ def test_kernel_checks_pass_on_cpu(tmp_path: Path, monkeypatch) -> None:
     out, xml = tmp_path / "r.json", tmp_path / "r.xml"
     assert smoke(".", str(out), str(xml), only=["kernels"]) == 0
     checks = load(out)
-    assert len(checks) == 10 and {c["status"] for c in checks.values()} == {"pass"}
+    assert len(checks) == 11 and {c["status"] for c in checks.values()} == {"pass"}
+    assert checks["kernels.swiglu"]["detail"].startswith("8 comparisons")  # 4 widths, fwd + grad
     assert json.loads(out.read_text())["device"] == "cpu"
     assert ET.parse(xml).getroot().get("failures") == "0"
+
+
+def test_swiglu_check_fails_on_a_wrong_kernel(tmp_path: Path, monkeypatch) -> None:
+    """The check compares with its own reference math, so a broken kernel is caught."""
+    from megatron_rocm.runtime.kernels import swiglu
+
+    monkeypatch.setattr(swiglu, "forward", lambda y, fallback: fallback(y) * 1.01)
+    out = tmp_path / "r.json"
+    assert smoke(".", str(out), None, only=["kernels.swiglu"]) == 1
+    assert "forward: max abs error" in load(out)["kernels.swiglu"]["detail"]
 
 
 def test_softmax_fault_makes_the_check_fail(tmp_path: Path, monkeypatch) -> None:

@@ -252,6 +252,34 @@ def rope(ctx: Context) -> str:
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="rope")
 
 
+@register("kernels.swiglu")
+def swiglu(ctx: Context) -> str:
+    """The swiglu patch's bias-free SwiGLU (``NativeSwiGLU``), fwd + bwd, odd widths."""
+    k, tally = _kernel("swiglu"), _Tally()
+
+    def fallback_back(g: Tensor, y: Tensor) -> Tensor:  # off the GPU: autograd of the math
+        with torch.enable_grad():
+            y32 = y.detach().float().requires_grad_()
+            (dy,) = torch.autograd.grad(refmath.swiglu(y32), y32, g.float())
+        return dy.to(y.dtype)
+
+    def fallback(y: Tensor) -> Tensor:
+        return refmath.swiglu(y).to(y.dtype)
+
+    for dtype in _dtypes(ctx):
+        for ffn in (1, 37, 1376, 5504):
+            y = _leaf((3, 5, 2 * ffn), dtype, ctx, scale=3.0)
+            _fwd_bwd(
+                tally,
+                f"{dtype} F={ffn}",
+                dtype,
+                lambda t: k.NativeSwiGLU.apply(t, fallback, fallback_back),
+                refmath.swiglu,
+                [y],
+            )
+    return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="swiglu")
+
+
 @register("kernels.grad_accum")
 def grad_accum(ctx: Context) -> str:
     """wgrad_gemm_accum_fp32/fp16: main_grad += grad_output^T @ total_input, in place."""
@@ -291,7 +319,8 @@ def optimizer(ctx: Context) -> str:
 
 @register("kernels.multi_tensor")
 def multi_tensor(ctx: Context) -> str:
-    """multi_tensor_applier with multi_tensor_l2norm (total and per tensor) and _scale."""
+    """multi_tensor_applier with multi_tensor_l2norm (total and per tensor) and _scale (into
+    other tensors and in place, as the gradient clip calls it)."""
     k, tally = _kernel("multi_tensor"), _Tally()
     noop = torch.zeros(1, dtype=torch.int, device=ctx.device)
     ts = [torch.randn(n, device=ctx.device) for n in (1, 100, 4097, 65536)]
@@ -304,6 +333,9 @@ def multi_tensor(ctx: Context) -> str:
     k.multi_tensor_applier(k.multi_tensor_scale, noop, [ts, out], 0.25)
     for i, (t, o) in enumerate(zip(ts, out)):
         tally.compare(f"scale[{i}]", o, t * 0.25, torch.float32)
+    k.multi_tensor_applier(k.multi_tensor_scale, noop, [out, out], 2.0)  # in place: the clip
+    for i, (t, o) in enumerate(zip(ts, out)):
+        tally.compare(f"scale in place[{i}]", o, t * 0.5, torch.float32)
     if noop.item() != 0:
         raise CheckFailed("noop/overflow flag set on finite inputs")
     return tally.summary(ctx, ts[0])

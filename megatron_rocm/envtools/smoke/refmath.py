@@ -40,6 +40,11 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centered: bool) -> Tensor:
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * gamma
 
 
+def swiglu(y: Tensor) -> Tensor:
+    y1, y2 = torch.chunk(y.float(), 2, dim=-1)
+    return torch.nn.functional.silu(y1) * y2
+
+
 def _rotate_half(x: Tensor, interleaved: bool) -> Tensor:
     if not interleaved:
         x1, x2 = torch.chunk(x, 2, dim=-1)
