@@ -30,13 +30,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _forward(y, out, n, columns, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _offsets(n, columns, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """This program's output elements ``i`` (of ``n``), their mask, and where ``y1[row, col]``
+    of each sits in the ``[rows, 2F]`` input (``y2`` is ``columns`` further)."""
+    program = tl.program_id(0)
     if WIDE:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    row = i // columns
-    at = i + row * columns  # y1[row, col] of the [rows, 2F] input
+        program = program.to(tl.int64)
+    i = program * BLOCK + tl.arange(0, BLOCK)
+    return i, i < n, i + (i // columns) * columns
+
+
+@triton.jit
+def _forward(y, out, n, columns, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    i, mask, at = _offsets(n, columns, BLOCK, WIDE)
     a = tl.load(y + at, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(y + at + columns, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + i, (a * tl.sigmoid(a) * b).to(out.dtype.element_ty), mask=mask)
@@ -44,12 +50,7 @@ def _forward(y, out, n, columns, BLOCK: tl.constexpr, WIDE: tl.constexpr):
 
 @triton.jit
 def _backward(g, y, dy, n, columns, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if WIDE:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    row = i // columns
-    at = i + row * columns
+    i, mask, at = _offsets(n, columns, BLOCK, WIDE)
     grad = tl.load(g + i, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(y + at, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(y + at + columns, mask=mask, other=0.0).to(tl.float32)

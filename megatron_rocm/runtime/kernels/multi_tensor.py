@@ -90,6 +90,10 @@ def multi_tensor_l2norm(
     return total, torch.zeros(0, dtype=torch.float32, device=device)
 
 
+# The dtypes torch's one-pass check-and-scale takes on a GPU (its CUDA/HIP kernel has no bf16).
+_CHECKED_SCALE_DTYPES = (torch.float32, torch.float16)
+
+
 def _scale_in_place_checked(
     tensors: list[torch.Tensor], noop_flag: torch.Tensor, scale: float | torch.Tensor
 ) -> bool:
@@ -112,9 +116,6 @@ def _scale_in_place_checked(
         op(group, found, factor)
         _flag_nonfinite(noop_flag, found > 0)
     return True
-
-
-_CHECKED_SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 def _scale(noop_flag: torch.Tensor, tensor_lists: TensorLists, scale: float | torch.Tensor) -> None:
