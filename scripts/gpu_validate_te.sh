@@ -80,8 +80,8 @@ stage_tp2() {
 
 stage_units() {
   # Upstream's own unit tests on one GPU, the patched newest ref (and the unpatched one with
-  # UNPATCHED=1), UNIT_PATHS (default: the issue's selection), one rank, one process at a time
-  # (tests of one file share upstream's tmp dirs).
+  # UNPATCHED=1, the two trees taking turns), UNIT_PATHS (default: the issue's selection), one
+  # rank, UNIT_JOBS test processes sharing the GPU (each with a temp dir of its own).
   local paths=${UNIT_PATHS:-tests/unit_tests/transformer tests/unit_tests/tensor_parallel tests/unit_tests/fusions}
   local trees=(--tree "p-$NEWEST=$W/p-$NEWEST")
   if [ "${UNPATCHED:-0}" = 1 ]; then
@@ -89,8 +89,12 @@ stage_units() {
     trees=(--tree "u-$NEWEST=$W/u-$NEWEST" "${trees[@]}")
   fi
   (cd "$HERE" && $PY scripts/upstream_unit_tests.py run "${trees[@]}" --out "$OUT/ut1" \
-     --nproc 1 --jobs 1 --timeout 120 --budget "${UNIT_BUDGET:-300}" --paths $paths \
+     --nproc 1 --jobs "${UNIT_JOBS:-4}" --timeout 120 --budget "${UNIT_BUDGET:-300}" --paths $paths \
      > "$OUT/units1.log" 2>&1)
+  if [ "${UNPATCHED:-0}" = 1 ]; then
+    (cd "$HERE" && $PY scripts/upstream_unit_tests.py compare "$OUT/ut1/u-$NEWEST/results.json" \
+       "$OUT/ut1/p-$NEWEST/results.json" --md "$OUT/units1-compare.md" > /dev/null 2>&1)
+  fi
   log "units (1 GPU): $(tail -2 "$OUT/units1.log" | tr '\n' ' ')"
 }
 

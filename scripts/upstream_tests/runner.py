@@ -6,8 +6,10 @@ whenever it dies), results merged and written after every chunk so nothing is lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -104,6 +106,14 @@ def chunks(tree: Tree, max_tests: int) -> list[Chunk]:
     ]
 
 
+def schedule(trees: list[Tree], chunk_tests: int) -> list[Chunk]:
+    """Every tree's chunks, biggest first, the trees taking turns: when the budget runs out,
+    the unpatched and the patched tree have reached the same files, so the before/after
+    comparison still has both sides."""
+    per_tree = [sorted(chunks(t, chunk_tests), key=lambda c: -len(c.ids)) for t in trees]
+    return [c for turn in itertools.zip_longest(*per_tree) for c in turn if c is not None]
+
+
 def run_chunk(chunk: Chunk, s: Settings) -> tuple[dict[str, Result], int]:
     """Run a chunk to the end, restarting after each death; (results, attempts)."""
     tree, found = chunk.tree, {}
@@ -116,12 +126,24 @@ def run_chunk(chunk: Chunk, s: Settings) -> tuple[dict[str, Result], int]:
         base = tree.out / "progress" / tag
         deselect = tree.out / "progress" / f"{tag}.deselect"
         deselect.write_text("".join(f"{n}\n" for n in sorted((expected - todo) | chunk.skip)))
-        env = child_env(tree.path, s, MROCM_UT_PROGRESS=str(base), MROCM_UT_DESELECT=str(deselect))
         junit = tree.out / "junit" / f"{tag}.xml"
         log = tree.out / "logs" / f"{tag}.log"
-        ended = run_watched(
-            torchrun(s) + pytest_args(s, junit) + chunk.files, tree.path, env, log, s, base
-        )
+        # A temp dir of its own per process group: upstream's tmp_path_dist_ckpt lives beside
+        # pytest's basetemp ($TMPDIR/pytest-of-<user>/tmp_dist_ckpt), so chunks running at
+        # once would otherwise write their checkpoints into one folder (seen with --jobs 4).
+        with tempfile.TemporaryDirectory(
+            prefix=f"mrocm-ut-{tree.name}-{tag}-", ignore_cleanup_errors=True
+        ) as tmp:
+            env = child_env(
+                tree.path,
+                s,
+                MROCM_UT_PROGRESS=str(base),
+                MROCM_UT_DESELECT=str(deselect),
+                TMPDIR=tmp,
+            )
+            ended = run_watched(
+                torchrun(s) + pytest_args(s, junit) + chunk.files, tree.path, env, log, s, base
+            )
         logs = [read_rank_log(Path(f"{base}.rank{r}.jsonl")) for r in range(s.nproc)]
         new = {k: v for k, v in merge_ranks(logs).items() if k not in found}
         found.update(new)
@@ -255,7 +277,7 @@ def run_all(
             say(
                 f"{t.name}: {len(t.collected)} tests selected, {len(t.collect_errors)} modules do not import, {len(t.deselected)} deselected"
             )
-        work = [c for t in trees for c in sorted(chunks(t, chunk_tests), key=lambda c: -len(c.ids))]
+        work = schedule(trees, chunk_tests)
         futures = {pool.submit(run_chunk, c, s): c for c in work}
         for done, fut in enumerate(as_completed(futures), start=1):
             c = futures[fut]

@@ -349,6 +349,12 @@ TOY = {
 
         def test_rank1_only():
             assert os.environ.get("RANK") != "1", "only rank 1 sees this"
+
+        def test_own_tmpdir(tmp_path_factory):
+            # where upstream's tmp_path_dist_ckpt goes: two parents up from a mktemp
+            shared = tmp_path_factory.mktemp("ignored", numbered=False).parent.parent
+            assert os.path.basename(os.environ["TMPDIR"]).startswith("mrocm-ut-toy-chunk")
+            assert str(shared).startswith(os.environ["TMPDIR"])
     """,
     "tests/unit_tests/test_b.py": """
         import os
@@ -418,6 +424,7 @@ def test_a_real_run_keeps_every_result_across_a_crash(toy_run) -> None:
     assert t["test_skip"]["outcome"] == "skipped" and t["test_skip"]["message"] == "no TE here"
     assert t["test_needs"]["outcome"] == "needs_gpus"
     assert t["test_rank1_only"]["message"] == "[rank 1] AssertionError: only rank 1 sees this"
+    assert t["test_own_tmpdir"]["outcome"] == "passed"  # chunks at once share no temp dir
     assert t["test_fixture_error"]["outcome"] == "error"
     assert t["test_crash"]["outcome"] == "error" and t["test_crash"]["message"].startswith(
         "process died (exit 3)"
@@ -458,6 +465,20 @@ def test_chunks_pack_files_and_leave_out_recorded_tests(ut, tmp_path: Path) -> N
     got = runner.chunks(tree, max_tests=3)
     assert [(c.files, len(c.ids)) for c in got] == [(["a.py"], 4), (["b.py", "c.py"], 3)]
     assert got[0].skip == {"a.py::0"} and got[1].skip == set()
+
+
+def test_trees_take_turns_so_a_budget_cut_leaves_both_sides(ut, tmp_path: Path) -> None:
+    runner = importlib.import_module("upstream_tests.runner")
+    before, after = runner.Tree("u", tmp_path, tmp_path), runner.Tree("p", tmp_path, tmp_path)
+    before.collected = ["a.py::0", "a.py::1", "b.py::0"]
+    after.collected = ["a.py::0", "a.py::1", "b.py::0", "c.py::0"]
+    got = [(c.tree.name, c.files) for c in runner.schedule([before, after], chunk_tests=2)]
+    assert got == [
+        ("u", ["a.py"]),
+        ("p", ["a.py"]),
+        ("u", ["b.py"]),
+        ("p", ["b.py", "c.py"]),
+    ]
 
 
 def test_resume_refuses_results_of_other_files(ut, tmp_path: Path) -> None:
