@@ -74,9 +74,8 @@ def collect(tree: Tree, paths: list[str], s: Settings) -> None:
     tree.deselected = {k: v for k, v in log.deselected.items() if v != "recorded"}
 
 
-def chunks(tree: Tree, max_tests: int) -> list[Chunk]:
-    """Files packed first-fit-decreasing into chunks of at most ``max_tests`` tests (a bigger
-    file is a chunk of its own): few processes (each pays upstream's imports), small losses."""
+def _pending_by_file(tree: Tree) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
+    """(file -> tests still to run, file -> tests already recorded) of a tree."""
     by_file: dict[str, list[str]] = {}
     recorded: dict[str, set[str]] = {}
     for nodeid in tree.collected:
@@ -84,33 +83,52 @@ def chunks(tree: Tree, max_tests: int) -> list[Chunk]:
             recorded.setdefault(file_of(nodeid), set()).add(nodeid)
         else:
             by_file.setdefault(file_of(nodeid), []).append(nodeid)
+    return by_file, recorded
+
+
+def pack(sizes: dict[str, int], max_tests: int) -> list[list[str]]:
+    """Files packed first-fit-decreasing into bins of at most ``max_tests`` tests (a bigger
+    file is a bin of its own): few processes (each pays upstream's imports), small losses."""
     bins: list[list[str]] = []
-    for f in sorted(by_file, key=lambda f: (-len(by_file[f]), f)):
-        home = next(
-            (b for b in bins if sum(len(by_file[x]) for x in b) + len(by_file[f]) <= max_tests),
-            None,
-        )
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        home = next((b for b in bins if sum(sizes[x] for x in b) + sizes[f] <= max_tests), None)
         if home is None:
             bins.append([f])
         else:
             home.append(f)
-    return [
-        Chunk(
-            tree,
-            i,
-            b,
-            [n for f in b for n in by_file[f]],
-            set().union(*(recorded.get(f, set()) for f in b)),
-        )
-        for i, b in enumerate(bins)
-    ]
+    return bins
+
+
+def chunks(tree: Tree, max_tests: int, bins: list[list[str]] | None = None) -> list[Chunk]:
+    """The tree's pending tests as chunks: ``bins`` (files per chunk, shared by every tree of
+    a run) or the tree's own packing."""
+    by_file, recorded = _pending_by_file(tree)
+    if bins is None:
+        bins = pack({f: len(ids) for f, ids in by_file.items()}, max_tests)
+    out = []
+    for i, b in enumerate(bins):
+        files = [f for f in b if f in by_file]
+        if files:
+            ids = [n for f in files for n in by_file[f]]
+            out.append(
+                Chunk(tree, i, files, ids, set().union(*(recorded.get(f, set()) for f in files)))
+            )
+    return out
 
 
 def schedule(trees: list[Tree], chunk_tests: int) -> list[Chunk]:
     """Every tree's chunks, biggest first, the trees taking turns: when the budget runs out,
     the unpatched and the patched tree have reached the same files, so the before/after
-    comparison still has both sides."""
-    per_tree = [sorted(chunks(t, chunk_tests), key=lambda c: -len(c.ids)) for t in trees]
+    comparison still has both sides. One packing serves every tree (each file counted at its
+    largest): the same files share a process, in the same order, before and after, because
+    some of upstream's tests depend on what an earlier test in the process left behind (an
+    initialised torch.distributed, for one)."""
+    sizes: dict[str, int] = {}
+    for t in trees:
+        for f, ids in _pending_by_file(t)[0].items():
+            sizes[f] = max(sizes.get(f, 0), len(ids))
+    bins = pack(sizes, chunk_tests)
+    per_tree = [sorted(chunks(t, chunk_tests, bins), key=lambda c: -len(c.ids)) for t in trees]
     return [c for turn in itertools.zip_longest(*per_tree) for c in turn if c is not None]
 
 

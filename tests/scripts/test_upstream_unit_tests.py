@@ -481,6 +481,21 @@ def test_trees_take_turns_so_a_budget_cut_leaves_both_sides(ut, tmp_path: Path) 
     ]
 
 
+def test_every_tree_gets_the_same_files_in_each_process(ut, tmp_path: Path) -> None:
+    """A file that lost tests on one side (a module that did not import) must not reshuffle
+    which files share a process: upstream's tests can depend on what ran before them."""
+    runner = importlib.import_module("upstream_tests.runner")
+    before, after = runner.Tree("u", tmp_path, tmp_path), runner.Tree("p", tmp_path, tmp_path)
+    before.collected = ["a.py::0", "b.py::0", "c.py::0", "c.py::1"]
+    after.collected = ["a.py::0", "a.py::1", "a.py::2", "b.py::0", "c.py::0", "c.py::1"]
+    alone = [c.files for c in runner.chunks(before, 3)]
+    assert alone == [["c.py", "a.py"], ["b.py"]]  # what packing the unpatched side alone gives
+    got = {}
+    for c in runner.schedule([before, after], chunk_tests=3):
+        got.setdefault(c.tree.name, []).append(c.files)
+    assert sorted(got["u"]) == sorted(got["p"]) == [["a.py"], ["c.py", "b.py"]]
+
+
 def test_resume_refuses_results_of_other_files(ut, tmp_path: Path) -> None:
     runner = importlib.import_module("upstream_tests.runner")
     tree = runner.Tree("t", tmp_path, tmp_path, meta={"tree": "abc"})

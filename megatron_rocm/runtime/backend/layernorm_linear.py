@@ -102,3 +102,43 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
 
     def extra_repr(self) -> str:
         return f"{self.normalization} -> " + super().extra_repr()
+
+
+def split_te_layernorm_column_parallel_linear(
+    fused_layer: TELayerNormColumnParallelLinear,
+    config: Any,
+    init_method: Callable | None = None,
+    tp_group: Any = None,
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """TE's helper of the same name: the fused norm-linear as a ``TENorm`` and a
+    ``TEColumnParallelLinear`` holding copies of its weights. MLA calls it once when it caches
+    latents for inference (``cache_mla_latents``), to run the norm and the up-projection apart.
+    """
+    from megatron_rocm.runtime.backend.linear import TEColumnParallelLinear
+    from megatron_rocm.runtime.backend.norm import TENorm
+
+    norm = TENorm(config=config, hidden_size=fused_layer.input_size, eps=fused_layer.eps)
+    bias = fused_layer.bias is not None
+    extra = (
+        {"tp_group": tp_group or fused_layer.tp_group} if hasattr(fused_layer, "tp_group") else {}
+    )
+    linear = TEColumnParallelLinear(
+        fused_layer.input_size,
+        fused_layer.output_size,
+        config=config,
+        init_method=init_method or (lambda weight: None),  # the weights are copied below
+        gather_output=False,
+        bias=bias,
+        skip_bias_add=fused_layer.skip_bias_add,
+        is_expert=False,
+        **extra,
+    )
+    with torch.no_grad():
+        norm.weight.copy_(fused_layer.layer_norm_weight)
+        if getattr(fused_layer, "layer_norm_bias", None) is not None:
+            norm.bias.copy_(fused_layer.layer_norm_bias)
+        linear.weight.copy_(fused_layer.weight)
+        if bias:
+            linear.bias.copy_(fused_layer.bias)
+    device = fused_layer.weight.device  # TE builds on the GPU; follow the fused layer
+    return norm.to(device), linear.to(device)

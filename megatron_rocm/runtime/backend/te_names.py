@@ -16,7 +16,10 @@ from megatron_rocm.runtime.backend.grouped_linear import (
     TEGroupedLinear,
     TERowParallelGroupedLinear,
 )
-from megatron_rocm.runtime.backend.layernorm_linear import TELayerNormColumnParallelLinear
+from megatron_rocm.runtime.backend.layernorm_linear import (
+    TELayerNormColumnParallelLinear,
+    split_te_layernorm_column_parallel_linear,
+)
 from megatron_rocm.runtime.backend.linear import (
     TEColumnParallelLinear,
     TELinear,
@@ -34,4 +37,5 @@ __all__ = [
     "TENorm",
     "TERowParallelGroupedLinear",
     "TERowParallelLinear",
+    "split_te_layernorm_column_parallel_linear",
 ]

@@ -36,11 +36,17 @@ SEQ, BATCH, VOCAB = 16, 2, 96
 LOCAL_TO_TE = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    # MLA: the q/kv norms fold into the up-projections
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
 }
 
 
 def config(kind: str, dtype: torch.dtype):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     kw = dict(
         num_layers=2,
@@ -58,7 +64,7 @@ def config(kind: str, dtype: torch.dtype):
         bias_activation_fusion=False,
         apply_rope_fusion=False,
     )
-    if kind in ("llama", "moe", "moeg"):
+    if kind in ("llama", "moe", "moeg", "mla"):
         kw.update(
             normalization="RMSNorm",
             gated_linear_unit=True,
@@ -70,6 +76,10 @@ def config(kind: str, dtype: torch.dtype):
     if kind in ("moe", "moeg"):
         kw.update(moe_grouped_gemm=kind == "moeg")
         kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    if kind == "mla":  # DeepSeek-style latent attention: low-rank q and kv, decoupled RoPE
+        kw.update(num_query_groups=None, qk_layernorm=True, rope_type="rope")
+        kw.update(q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8)
+        return MLATransformerConfig(**kw, v_head_dim=12)
     return TransformerConfig(**kw)
 
 
@@ -80,10 +90,19 @@ def build(kind: str, dtype: torch.dtype, spec_name: str):
     moe = {"num_experts": 4} if kind in ("moe", "moeg") else {}
     if kind == "moeg":
         moe["moe_grouped_gemm"] = True
+    if kind == "mla":
+        moe.update(multi_latent_attention=True, qk_layernorm=True)
     if spec_name == "te":
         spec = specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
         spec = specs.get_gpt_layer_local_spec(**moe)
+    if kind == "mla" and spec_name == "local":
+        # Upstream's local DotProductAttention takes no k_channels/v_channels: MLA has never run
+        # on the local spec. The twin keeps the local linears and norms around the native core
+        # attention, so the comparison checks the TE linears and LN-linears inside MLA.
+        from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
     torch.manual_seed(1234)
     return GPTModel(
         config=config(kind, dtype),
@@ -137,12 +156,20 @@ def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
     layer = te_model.decoder.layers[0]
     attn = layer.self_attention
     return {
-        "classes": {
-            "linear_qkv": type(attn.linear_qkv).__module__,
-            "core_attention": type(attn.core_attention).__module__,
-            "linear_proj": type(attn.linear_proj).__module__,
-            "mlp": type(layer.mlp).__name__,
-        },
+        "classes": {  # MLA has no linear_qkv: its down- and up-projections instead
+            name: type(getattr(attn, name)).__module__
+            for name in (
+                "linear_qkv",
+                "linear_q_down_proj",
+                "linear_q_up_proj",
+                "linear_kv_down_proj",
+                "linear_kv_up_proj",
+                "core_attention",
+                "linear_proj",
+            )
+            if hasattr(attn, name)
+        }
+        | {"mlp": type(layer.mlp).__name__},
         "te_loss": te_loss,
         "local_loss": local_loss,
         "logits_max_diff": (te_logits - local_logits).abs().max().item(),
@@ -156,6 +183,28 @@ def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
         "local_param_count": sum(p.numel() for p in local_model.parameters()),
         "te_layout": te_layout,
         "local_layout_as_te": {te_name(k, set(te_layout)): v for k, v in local_layout.items()},
+        **(split_case(attn, config(kind, dtype)) if kind == "mla" else {}),
+    }
+
+
+def split_case(attn, cfg) -> dict:  # noqa: ANN001
+    """MLA's latent cache splits its norm-fused up-projection with the extension's
+    ``split_te_layernorm_column_parallel_linear``: norm then linear must equal the fused one."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    fused = attn.linear_kv_up_proj
+    split = getattr(mla, "split_te_layernorm_column_parallel_linear", None)
+    if split is None:  # before 0.17 MLA had no latent cache
+        return {"split_is_ours": None}
+    norm, linear = split(fused, cfg, None, None)
+    with torch.no_grad():
+        x = torch.randn(5, 2, fused.input_size, generator=torch.Generator().manual_seed(8))
+        whole, _ = fused(x.to(fused.weight.dtype))
+        apart, _ = linear(norm(x.to(fused.weight.dtype)))
+    return {
+        "split_is_ours": "megatron_rocm" in Path(split.__code__.co_filename).parts,
+        "split_classes": [type(norm).__module__, type(linear).__module__],
+        "split_max_diff": (whole - apart).abs().max().item(),
     }
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("torch")
 # One release per variant of the te-spec-backend patch (and the newest of each line).
 RELEASES = ["0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
 CASES = ["gpt:float32", "llama:float32", "moe:float32", "llama:bfloat16"]
+MLA = "mla:float32"  # DeepSeek-style latent attention: TE-only upstream (see the probe)
 PROBE = Path(__file__).with_name("te_spec_probe.py")
 REPO = Path(__file__).resolve().parents[3]
 
@@ -45,7 +46,7 @@ def probe_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                 results[release] = {"apply": f"exit {code}"}
                 continue
             proc = subprocess.run(
-                [sys.executable, str(PROBE), *CASES, "modules", "grouped"],
+                [sys.executable, str(PROBE), *CASES, MLA, "modules", "grouped"],
                 cwd=dest,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])},
                 capture_output=True,
@@ -81,6 +82,31 @@ def test_te_spec_matches_local_spec(probe_results: dict, release: str, case: str
     assert result["logits_max_diff"] == 0.0
     assert result["grad_max_diff"] == 0.0
     assert result["te_loss"] == result["local_loss"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_mla_on_the_te_spec_matches_its_local_twin(probe_results: dict, release: str) -> None:
+    """``--multi-latent-attention`` through the TE spec: every projection is a native module
+    (0.17+ refused them, ``Unsupported linear_q_down_proj``, until the patch bound the names),
+    and the model equals its twin of local linears and norms exactly, checkpoint layout too."""
+    result = probe_results[release][MLA]
+    assert "error" not in result, result.get("error")
+    classes = result["classes"]
+    for name in ("linear_q_down_proj", "linear_kv_down_proj", "linear_proj"):
+        assert classes[name] == "megatron_rocm.runtime.backend.linear", name
+    for name in ("linear_q_up_proj", "linear_kv_up_proj"):  # the q/kv norms folded in
+        assert classes[name] == "megatron_rocm.runtime.backend.layernorm_linear", name
+    assert result["grads_finite"] and result["grad_scale"] > 0
+    assert result["unmatched_local_params"] == []
+    assert result["te_param_count"] == result["local_param_count"]
+    assert result["logits_max_diff"] == 0.0 and result["grad_max_diff"] == 0.0
+    assert result["te_loss"] == result["local_loss"]
+    assert result["te_layout"] == result["local_layout_as_te"]
+    # the latent cache's split of the norm-fused up-projection (MLA imports it from 0.16.1):
+    # the native helper, norm then linear equal to the fused module
+    if release >= "0.17" or result["split_is_ours"] is not None:
+        assert result["split_is_ours"], result
+        assert result["split_max_diff"] == 0.0
 
 
 @pytest.mark.parametrize("release", RELEASES)
