@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--new-variant",
         action="store_true",
-        help="start a new variant at this tree's version instead of updating the matching one",
+        help="for each patch that changed, start a new variant at this tree's version instead "
+        "of updating the matching one (unchanged patches keep theirs)",
     )
     _add_series(p)
     _add_json(p)

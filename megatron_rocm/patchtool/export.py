@@ -12,6 +12,7 @@ it was, and the writes themselves (each a rename) are not interrupted by Ctrl-C.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,7 +25,14 @@ from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts
 from megatron_rocm.patchtool.forkscan import ForkCommit, fork_commits, refuse_busy_or_dirty
 from megatron_rocm.patchtool.hunks import apply_file, decode, encode, split_lines
 from megatron_rocm.patchtool.results import accepts
-from megatron_rocm.patchtool.series import Patch, Series, Variant, format_patch_toml, release_of
+from megatron_rocm.patchtool.series import (
+    Patch,
+    Series,
+    Variant,
+    format_patch_toml,
+    release_of,
+    update_patch_toml,
+)
 
 __all__ = ["ExportItem", "ForkCommit", "export_fork", "fork_commits"]
 
@@ -138,7 +146,9 @@ def export_fork(
     scope = engine.present_scope(repo, base)
     items: list[ExportItem] = []
     writes = Writes()
-    original = Series(series.folder, list(series.patches))
+    # the series as it is on disk: new variants below change the Patch objects in memory
+    # before their diffs are written, and the base plan further down must not read those
+    original = Series(series.folder, [copy.deepcopy(p) for p in series.patches])
     with gitcmd.CatFile(repo) as cat:
         version = Version(version_override) if version_override else engine.tree_version(cat, base)
         seen: set[str] = set()
@@ -153,21 +163,23 @@ def export_fork(
             seen.add(c.patch_id)
             patch = series.get(c.patch_id)
             variant = patch.variant_for(version)
-            if variant is not None and not variant.skip and not new_variant:
+            if variant is not None and not variant.skip:
                 if _unchanged(cat, patch, variant, c, _touched(repo, c), scope):
                     items.append(ExportItem(patch.id, "unchanged", variant.diff))
                     continue
-                if scope:
-                    raise UsageError(
-                        f"patch {patch.id} changed, but this fork holds only {', '.join(scope)} "
-                        "(a PyPI sdist); export from a full clone so no file is dropped"
-                    )
+            if scope:
+                raise UsageError(
+                    f"patch {patch.id} changed, but this fork holds only {', '.join(scope)} "
+                    "(a PyPI sdist); export from a full clone so no file is dropped"
+                )
+            if variant is not None and not variant.skip and not new_variant:
                 writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
                 items.append(ExportItem(patch.id, "updated", variant.diff))
                 continue
             variant = _add_variant(patch, version, split=True)
             writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
-            writes.files[patch.folder / "patch.toml"] = format_patch_toml(patch).encode()
+            toml = patch.folder / "patch.toml"  # the developer's comments stay
+            writes.files[toml] = update_patch_toml(toml.read_text("utf-8"), patch).encode()
             items.append(ExportItem(patch.id, "new-variant", variant.diff))
         unseen = [p for p in original.patches if p.id not in seen]
         if unseen:

@@ -7,6 +7,7 @@ offsets across many; a variant covers the half-open range [since, until) of rele
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,3 +182,49 @@ def format_patch_toml(patch: Patch) -> str:
 
 def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_FIELD = re.compile(r'^(?P<key>since|until)\s*=\s*"[^"]*"(?P<rest>.*)$')
+
+
+def update_patch_toml(text: str, patch: Patch) -> str:
+    """``text`` (a patch.toml) rewritten for ``patch``'s variants, keeping what a developer
+    wrote: the header and its comments, and each surviving variant's block with its comments
+    (``since``/``until`` changed in place). New variants get a block of their own, in order;
+    blocks of variants that are gone are dropped."""
+    head, *chunks = re.split(r"(?m)^(?=\[\[variant\]\]\s*$)", text)
+    blocks: dict[str, list[str]] = {}
+    for chunk in chunks:
+        lines = chunk.rstrip("\n").split("\n")
+        diff = next(
+            (m.group(1) for ln in lines if (m := re.match(r'^diff\s*=\s*"([^"]*)"', ln))), None
+        )
+        since = next(
+            (m.group(1) for ln in lines if (m := re.match(r'^since\s*=\s*"([^"]*)"', ln))), ""
+        )
+        blocks[diff or f"skip@{since}"] = lines
+    out = [head.rstrip("\n")]
+    for v in patch.variants:
+        lines = blocks.get(v.diff or f"skip@{v.since}")
+        if lines is None:
+            out.append(
+                format_patch_toml(Patch(patch.id, "", "", patch.folder, [v]))
+                .split("\n\n", 1)[1]
+                .rstrip("\n")
+            )
+            continue
+        until_rest = next(
+            (m.group("rest") for ln in lines if (m := _FIELD.match(ln)) and m["key"] == "until"), ""
+        )
+        kept: list[str] = []
+        for ln in lines:
+            m = _FIELD.match(ln)
+            if m and m.group("key") == "until":
+                continue  # written after since, from the variant
+            if m:
+                ln = f"since = {_q(str(v.since))}{m.group('rest')}"
+            kept.append(ln)
+            if m and v.until is not None:
+                kept.append(f"until = {_q(str(v.until))}{until_rest}")
+        out.append("\n".join(kept).rstrip("\n"))
+    return "\n\n".join(out) + "\n"

@@ -42,16 +42,8 @@ def test_export_of_unchanged_fork_is_byte_identical(fork, capsys):
 
 def test_export_after_editing_a_patch_rewrites_only_that_diff(fork, capsys):
     dest, series, pristine = fork
-    # amend the p-softmax commit (the first one) and replay the rest on top, as a developer
-    # would with an interactive rebase; the trailer stays in the amended message
-    first = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).splitlines()[0]
-    run("checkout", "-q", first, cwd=dest)
-    path = dest / "megatron/core/fusions/softmax.py"
-    path.write_text(path.read_text().replace("softmax_30 = 30", "softmax_30 = 'also'"))
-    run("commit", "-q", "-a", "--amend", "--no-edit", cwd=dest)
-    amended = run("rev-parse", "HEAD", cwd=dest)
-    run("checkout", "-q", "rocm/core_v0.2.0", cwd=dest)
-    run("rebase", "-q", "--onto", amended, first, cwd=dest)
+    # the trailer stays in the amended message
+    _edit_softmax_patch(dest)
     assert main(["export", "--repo", str(dest), "--series", str(series), "--json"]) == 0
     diff = (series / "p-softmax" / "v0.1.diff").read_text()
     assert "+softmax_30 = 'also'" in diff
@@ -74,11 +66,44 @@ def test_new_commit_on_top_becomes_a_new_patch(fork, capsys):
     assert "Document ROCm usage" in capsys.readouterr().out
 
 
-def test_export_new_variant_splits_the_range(fork, capsys):
-    dest, series, _ = fork
+def _edit_softmax_patch(dest) -> None:
+    """Amend the p-softmax commit (the first) and replay the rest, as with a rebase."""
+    first = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).splitlines()[0]
+    run("checkout", "-q", first, cwd=dest)
+    path = dest / "megatron/core/fusions/softmax.py"
+    path.write_text(path.read_text().replace("softmax_30 = 30", "softmax_30 = 'also'"))
+    run("commit", "-q", "-a", "--amend", "--no-edit", cwd=dest)
+    amended = run("rev-parse", "HEAD", cwd=dest)
+    run("checkout", "-q", "rocm/core_v0.2.0", cwd=dest)
+    run("rebase", "-q", "--onto", amended, first, cwd=dest)
+
+
+def test_export_new_variant_splits_the_range_of_the_changed_patch_only(fork, capsys):
+    dest, series, pristine = fork
+    _edit_softmax_patch(dest)
     assert main(["export", "--repo", str(dest), "--series", str(series), "--new-variant"]) == 0
     toml = (series / "p-softmax" / "patch.toml").read_text()
     assert 'until = "0.2.0"' in toml and 'diff = "v0.2.diff"' in toml
+    assert "+softmax_30 = 'also'" in (series / "p-softmax" / "v0.2.diff").read_text()
+    assert "+softmax_30 = 'also'" not in (series / "p-softmax" / "v0.1.diff").read_text()
+    # an unchanged patch keeps its one variant: no copy of the same diff under a new name
+    assert _tree_equal(series / "p-norm", pristine / "p-norm")
+
+
+def test_new_variant_keeps_the_developers_comments_in_patch_toml(fork, capsys):
+    dest, series, _ = fork
+    toml = series / "p-softmax" / "patch.toml"
+    lines = toml.read_text().split("\n")
+    lines.insert(3, "# why this patch exists, in the developer's words")
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("diff = "))
+    lines[at] += "  # what this variant is for"
+    toml.write_text("\n".join(lines))
+    _edit_softmax_patch(dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--new-variant"]) == 0
+    text = toml.read_text()
+    assert "# why this patch exists, in the developer's words" in text
+    assert "  # what this variant is for" in text
+    assert 'diff = "v0.2.diff"' in text and 'until = "0.2.0"' in text
     # the series still applies to both ranges
     assert (
         main(

@@ -9,6 +9,7 @@ import importlib
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -514,3 +515,40 @@ def test_resume_refuses_results_of_other_files(ut, tmp_path: Path) -> None:
     )
     ut._resume(tree)
     assert set(tree.results) == {"f.py::a"}
+
+
+def test_a_port_lost_to_another_process_is_retried_not_blamed(ut, tmp_path: Path, monkeypatch):
+    """Chunks start at once; torchrun can lose its free port to another process before it
+    binds. Nothing ran, so the chunk starts again on a new port and no test is marked."""
+    runner = importlib.import_module("upstream_tests.runner")
+    results = importlib.import_module("upstream_tests.results")
+    tree = runner.Tree("t", tmp_path, tmp_path)
+    for sub in ("progress", "logs", "junit"):
+        (tmp_path / sub).mkdir()
+    chunk = runner.Chunk(tree, 0, ["a.py"], ["a.py::x"])
+    settings = runner.Settings(
+        python="python", nproc=1, timeout=60, deadline=time.monotonic() + 600, repo=tmp_path,
+        plugin_dir=tmp_path, markexpr=None, exclude=None, has_timeout_plugin=False,
+    )  # fmt: skip
+    calls = []
+
+    def fake_run(cmd, cwd, env, log, s, base):
+        calls.append(cmd)
+        done = len(calls) > 1
+        lines = {"a.py::x": results.Result("passed")} if done else {}
+        monkeypatch.setattr(
+            runner,
+            "read_rank_log",
+            lambda path: results.RankLog(["a.py::x"], lines, None, None, {}, {}, done, 0.0),
+        )
+        if not done:
+            log.write_text(
+                "torch.distributed.DistNetworkError: The server socket has failed to listen on "
+                "any local network address. port: 29511, useIpv6: false, code: -98\n"
+            )
+        return runner.Ended(1 if not done else 0, None, 1.0)
+
+    monkeypatch.setattr(runner, "run_watched", fake_run)
+    found, attempts = runner.run_chunk(chunk, settings)
+    assert attempts == 2 and len(calls) == 2
+    assert found == {"a.py::x": results.Result("passed")}
