@@ -98,6 +98,12 @@ TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
     TeOnlyOption("moe_permute_fusion", "--moe-permute-fusion", "remove it"),
     TeOnlyOption("moe_router_fusion", "--moe-router-fusion", "remove it"),
     TeOnlyOption(
+        "moe_latent_size",
+        "--moe-latent-size",
+        "remove it (upstream builds the MoE latent projections only with TE)",
+        _not_in(None, 0),
+    ),
+    TeOnlyOption(
         "cp_comm_type",
         "--cp-comm-type a2a+p2p",
         "use --cp-comm-type p2p, all_gather or a2a (hierarchical CP needs TE)",

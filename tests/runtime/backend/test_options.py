@@ -32,6 +32,7 @@ DEFAULTS = {
     "cross_entropy_fusion_impl": "native",
     "moe_permute_fusion": False,
     "moe_router_fusion": False,
+    "moe_latent_size": None,
     "transformer_impl": "transformer_engine",
     "cp_comm_type": ["p2p"],
 }
@@ -43,6 +44,7 @@ SET = {
     "cross_entropy_fusion_impl": "te",
     "transformer_impl": "inference_optimized",
     "cp_comm_type": ["p2p", "a2a+p2p"],
+    "moe_latent_size": 256,
 }
 
 
