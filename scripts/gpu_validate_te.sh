@@ -23,12 +23,16 @@
 #   cp2      context parallelism on 2 GPUs: CP=2 Llama at seq 8k and 16k (TE spec), CP=1 at 8k
 #            for the loss comparison, the GPU cases of test_context_parallel, bench_cp_attention
 #   moe2     EP=2 MoE, alltoall dispatcher, with and without --moe-grouped-gemm (2 GPUs)
+#   mla      multi-latent attention through the TE spec on the newest ref: a small GPT with
+#            rope fusion (--position-embedding-type rope, 12 heads: a partial BLOCK_H block,
+#            the mla-rope-mask patch) and without it; upstream's fused MLA RoPE tests, its
+#            experimental ones included
 #   units2   upstream's own unit tests (transformer/, tensor_parallel/, fusions/), unpatched vs
 #            patched newest ref, 2 ranks (scripts/upstream_unit_tests.py), UNIT_BUDGET seconds
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Two calls cover everything the native-backend issues still owe on a GPU (docs/results.md):
-#   1 GPU:  setup train profile bench kernels smoke
+#   1 GPU:  setup train profile bench kernels smoke mla
 #   2 GPUs: setup tp2 cp2 moe2 units2
 set -u
 OUT=$1; shift
@@ -195,6 +199,19 @@ stage_moe2() {
   train "te-moe-ep2-sequential-$NEWEST" "$W/p-$NEWEST" --preset llama --nproc 2 --iters "$ITERS" \
     -- $moe
   for n in grouped sequential; do log "te-moe-ep2-$n: $(cat "$OUT/te-moe-ep2-$n-$NEWEST.json")"; done
+}
+
+stage_mla() {
+  local mla="--multi-latent-attention --q-lora-rank 384 --kv-lora-rank 256 --qk-head-dim 64"
+  mla="$mla --qk-pos-emb-head-dim 32 --v-head-dim 64 --normalization RMSNorm --swiglu --disable-bias-linear"
+  train "te-mla-fused-rope-$NEWEST" "$W/p-$NEWEST" --preset gpt --iters "$ITERS" -- $mla \
+    --position-embedding-type rope
+  train "te-mla-$NEWEST" "$W/p-$NEWEST" --preset gpt --iters "$ITERS" -- $mla
+  for n in te-mla-fused-rope te-mla; do log "$n: $(cat "$OUT/$n-$NEWEST.json")"; done
+  (cd "$W/p-$NEWEST" && PYTHONPATH="$W/p-$NEWEST:$PYTHONPATH" timeout 300 $PY -m torch.distributed.run \
+     --nproc-per-node 1 -m pytest -q -p no:cacheprovider -m "" \
+     tests/unit_tests/fusions/test_mla_yarn_rope_apply.py > "$OUT/mla-rope-tests.txt" 2>&1)
+  log "fused MLA RoPE tests (experimental included): $(tail -1 "$OUT/mla-rope-tests.txt")"
 }
 
 stage_units2() {
