@@ -162,29 +162,34 @@ def load_series(folder: str | Path | None = None) -> Series:
 
 
 def format_patch_toml(patch: Patch) -> str:
-    """Serialize a patch's metadata (used by export when it adds or splits a variant)."""
+    """Serialize a new patch's metadata (export writes it when a commit becomes a patch)."""
     lines = [
         f"id = {_q(patch.id)}",
         f"reason = {_q(patch.reason)}",
         f"upstream = {_q(patch.upstream)}",
     ]
     for v in patch.variants:
-        lines += ["", "[[variant]]"]
-        if v.diff:
-            lines.append(f"diff = {_q(v.diff)}")
-        lines.append(f"since = {_q(str(v.since))}")
-        if v.until is not None:
-            lines.append(f"until = {_q(str(v.until))}")
-        if v.skip:
-            lines.append("skip = true")
+        lines += ["", *_variant_block(v)]
     return "\n".join(lines) + "\n"
+
+
+def _variant_block(v: Variant) -> list[str]:
+    lines = ["[[variant]]"]
+    if v.diff:
+        lines.append(f"diff = {_q(v.diff)}")
+    lines.append(f"since = {_q(str(v.since))}")
+    if v.until is not None:
+        lines.append(f"until = {_q(str(v.until))}")
+    if v.skip:
+        lines.append("skip = true")
+    return lines
 
 
 def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-_FIELD = re.compile(r'^(?P<key>since|until)\s*=\s*"[^"]*"(?P<rest>.*)$')
+_FIELD = re.compile(r'^(?P<key>diff|since|until)\s*=\s*"(?P<value>[^"]*)"(?P<rest>.*)$')
 
 
 def update_patch_toml(text: str, patch: Patch) -> str:
@@ -193,38 +198,34 @@ def update_patch_toml(text: str, patch: Patch) -> str:
     (``since``/``until`` changed in place). New variants get a block of their own, in order;
     blocks of variants that are gone are dropped."""
     head, *chunks = re.split(r"(?m)^(?=\[\[variant\]\]\s*$)", text)
-    blocks: dict[str, list[str]] = {}
+    blocks: dict[str, tuple[list[str], dict[str, re.Match[str]]]] = {}
     for chunk in chunks:
         lines = chunk.rstrip("\n").split("\n")
-        diff = next(
-            (m.group(1) for ln in lines if (m := re.match(r'^diff\s*=\s*"([^"]*)"', ln))), None
-        )
-        since = next(
-            (m.group(1) for ln in lines if (m := re.match(r'^since\s*=\s*"([^"]*)"', ln))), ""
-        )
-        blocks[diff or f"skip@{since}"] = lines
+        fields = {m["key"]: m for ln in lines if (m := _FIELD.match(ln))}
+        key = fields["diff"]["value"] if "diff" in fields else _skip_key(fields.get("since"))
+        blocks[key] = (lines, fields)
     out = [head.rstrip("\n")]
     for v in patch.variants:
-        lines = blocks.get(v.diff or f"skip@{v.since}")
-        if lines is None:
-            out.append(
-                format_patch_toml(Patch(patch.id, "", "", patch.folder, [v]))
-                .split("\n\n", 1)[1]
-                .rstrip("\n")
-            )
+        found = blocks.get(v.diff or f"skip@{v.since}")
+        if found is None:
+            out.append("\n".join(_variant_block(v)))
             continue
-        until_rest = next(
-            (m.group("rest") for ln in lines if (m := _FIELD.match(ln)) and m["key"] == "until"), ""
-        )
+        lines, fields = found
+        until_rest = fields["until"]["rest"] if "until" in fields else ""
         kept: list[str] = []
         for ln in lines:
             m = _FIELD.match(ln)
-            if m and m.group("key") == "until":
+            if m and m["key"] == "until":
                 continue  # written after since, from the variant
-            if m:
-                ln = f"since = {_q(str(v.since))}{m.group('rest')}"
+            if m and m["key"] == "since":
+                ln = f"since = {_q(str(v.since))}{m['rest']}"
             kept.append(ln)
-            if m and v.until is not None:
+            if m and m["key"] == "since" and v.until is not None:
                 kept.append(f"until = {_q(str(v.until))}{until_rest}")
         out.append("\n".join(kept).rstrip("\n"))
     return "\n\n".join(out) + "\n"
+
+
+def _skip_key(since: re.Match[str] | None) -> str:
+    """A block without a diff (a skip range) is known by where it starts."""
+    return f"skip@{since['value'] if since else ''}"

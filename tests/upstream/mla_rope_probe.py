@@ -35,9 +35,8 @@ def run(block_h: int) -> dict:
     numel = S * B * HEADS * (NOPE + EMB)
     buffer = torch.zeros(numel + GUARD)
     buffer[:numel] = torch.randn(numel, generator=gen)
-    leaf = buffer[:numel].view(S, B, HEADS, NOPE + EMB).clone().requires_grad_()
-    q = buffer[:numel].view(S, B, HEADS, NOPE + EMB)
-    q.copy_(leaf.detach())
+    q = buffer[:numel].view(S, B, HEADS, NOPE + EMB)  # rotated in place, guards after it
+    leaf = q.clone().requires_grad_()
     angles = torch.randn(S, 1, 1, EMB, generator=gen)
     cos, sin = angles.cos(), angles.sin()
     out = fused.fused_apply_mla_rope_for_q(q, cos, sin, NOPE, EMB)

@@ -242,9 +242,7 @@ class TELinear(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, None, sharded_offsets)
 
     def get_extra_state(self) -> torch.Tensor:
-        """TE modules carry an ``_extra_state`` entry (FP8 metadata); without FP8 TE stores an
-        empty uint8 tensor there, and so does this (a tensor, so code that ``detach()``es every
-        state-dict value works, as upstream's DSA test does)."""
+        """TE's ``_extra_state`` without FP8 (see ``backend._extra_state``)."""
         return no_fp8_extra_state()
 
     def set_extra_state(self, state: Any) -> None:

@@ -183,11 +183,11 @@ def case(kind: str, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
         "local_param_count": sum(p.numel() for p in local_model.parameters()),
         "te_layout": te_layout,
         "local_layout_as_te": {te_name(k, set(te_layout)): v for k, v in local_layout.items()},
-        **(split_case(attn, config(kind, dtype)) if kind == "mla" else {}),
+        **(split_case(attn) if kind == "mla" else {}),
     }
 
 
-def split_case(attn, cfg) -> dict:  # noqa: ANN001
+def split_case(attn) -> dict:  # noqa: ANN001
     """MLA's latent cache splits its norm-fused up-projection with the extension's
     ``split_te_layernorm_column_parallel_linear``: norm then linear must equal the fused one."""
     from megatron.core.transformer import multi_latent_attention as mla
@@ -196,7 +196,7 @@ def split_case(attn, cfg) -> dict:  # noqa: ANN001
     split = getattr(mla, "split_te_layernorm_column_parallel_linear", None)
     if split is None:  # before 0.17 MLA had no latent cache
         return {"split_is_ours": None}
-    norm, linear = split(fused, cfg, None, None)
+    norm, linear = split(fused, attn.config, None, None)
     with torch.no_grad():
         x = torch.randn(5, 2, fused.input_size, generator=torch.Generator().manual_seed(8))
         whole, _ = fused(x.to(fused.weight.dtype))
