@@ -13,8 +13,9 @@
 #                              per checkpoint format, DP2) for the refs in DISTOPT_REFS
 # and smoke-table.md, the Markdown table for docs/smoke.md (scripts/smoke_table.py).
 #
-# Switches: WHEELS=DIR installs offline from DIR (scripts/offline_wheels.sh; the box needs
-# psutil, and einops for Megatron-FSDP); SKIP_INSTALL=1 skips `install` (the tree goes first on
+# Switches: WHEELS="DIR ..." installs offline from those folders (pip's find-links; from
+# scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"; the box needs psutil, and einops
+# for Megatron-FSDP); SKIP_INSTALL=1 skips `install` (the tree goes first on
 # sys.path anyway, its dependencies must be there); JOBS=N smoke runs in flight at once (default
 # 2: tags share the GPUs, which changes timings, not verdicts); DISTOPT_REFS="R ..." (default:
 # the last REF; "none" for none). About 3 minutes of smoke per ref on H100/H200.

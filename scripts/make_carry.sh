@@ -13,7 +13,8 @@
 #   .whl/*.whl            wheels to put on PYTHONPATH: megatron-rocm's own deps (gitpython,
 #                         gitdb, smmap, unidiff) and pydantic (megatron imports it from 0.16)
 #   .whl/build/*.whl      wheels only pip needs: `install`'s isolated build of a 0.16 tree
-#                         (setuptools<80, pybind11, packaging) and nltk, which `install` adds
+#                         (setuptools<80, pybind11, packaging) and nltk, which `install` adds,
+#                         with defusedxml (the one dependency of nltk the box lacks)
 # Both folders are made ignored by git (.git/info/exclude) so they travel only when carried.
 # The lead's steps on the box are in docs/results.md ("Reproducing on a lent GPU box").
 set -euo pipefail
@@ -75,7 +76,7 @@ keep() {  # keep(dir dest name...): copy the wheels of these distributions
 }
 keep "$dl/site" .whl gitpython gitdb smmap unidiff pydantic pydantic_core annotated_types \
   typing_inspection typing_extensions
-keep "$dl/build" .whl/build setuptools pybind11 packaging nltk
+keep "$dl/build" .whl/build setuptools pybind11 packaging nltk defusedxml  # the box has nltk's other deps
 
 echo "carry (name both in run's carry list):"
 du -sh .upstream .whl | sed 's/^/  /'

@@ -10,9 +10,14 @@ Per format: run A trains 8 iterations of a small Llama (mock data, bf16, DP over
 and ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) and saves every 4; its iteration-4 checkpoint is
 staged alone in a second folder; run B, a fresh torchrun, loads it and trains iterations 5-8.
 The verdict compares B's losses with A's as Megatron prints them (7 significant digits):
-``bit-exact`` when equal, else the largest relative difference. ``fsdp_dtensor`` runs
+``bit-exact`` when equal, else the largest relative difference. From 0.16 a process's second
+printed loss is the mean of its first two iterations (``training_log``), so B's iteration 6 is
+compared with mean(A5, A6) to the printed digits (``judge``). ``fsdp_dtensor`` runs
 Megatron-FSDP (``--use-megatron-fsdp``, optim_grads_params) with CUDA_DEVICE_MAX_CONNECTIONS
 unset; formats a tree does not have are reported as skipped.
+
+A torchrun that has not ended after ``--run-timeout`` seconds (240) is stopped, ranks
+included, and the format fails as ``hung`` with the last line it printed.
 
 Prints one JSON line per format and exits 1 when any format failed. Needs a patched tree with
 ``pretrain_gpt.py``, the tree's dependencies and psutil (Megatron's torch_dist writer); no
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +41,8 @@ sys.path.insert(0, str(HERE))
 from train_small import last_exception, parse_log  # noqa: E402
 
 ITERS, SAVE_AT = 8, 4
+RUN_TIMEOUT = 240  # seconds per torchrun; --run-timeout
+HUNG = 124
 MODEL = [
     "--num-layers=2",
     "--hidden-size=256",
@@ -93,7 +102,9 @@ def has_text(tree: Path, text: str) -> bool:
     return any(text in p.read_text(errors="replace") for p in places if p.is_file())
 
 
-def run(tree: Path, nproc: int, args: list[str], env_extra: dict, log: Path) -> tuple[int, list]:
+def run(
+    tree: Path, nproc: int, args: list[str], env_extra: dict, log: Path, timeout: int
+) -> tuple[int, list]:
     env = dict(os.environ, NCCL_ALGO="Ring", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     env.update(NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
     for key, value in env_extra.items():
@@ -107,8 +118,27 @@ def run(tree: Path, nproc: int, args: list[str], env_extra: dict, log: Path) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "pretrain_gpt.py", *MODEL, *args]
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(
+            cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hung collective: stop torchrun and its ranks
+            lines = log.read_text(errors="replace").splitlines()  # what it said before we did
+            last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+            proc.terminate()  # torchrun passes SIGTERM on to its ranks (their own sessions)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return HUNG, [*lines, f"no end after {timeout} s; last line: {last[:200]}"]
     return rc, log.read_text(errors="replace").splitlines()
+
+
+def _why(rc: int, lines: list[str]) -> str | None:
+    """A hung run's last words, else the run's last exception."""
+    return f"hung: {lines[-1]}" if rc == HUNG and lines else last_exception(lines)
 
 
 def losses(lines: list[str]) -> dict[int, float]:
@@ -116,7 +146,7 @@ def losses(lines: list[str]) -> dict[int, float]:
     return {r.iteration: r.loss for r in records if r.loss is not None}
 
 
-def check_format(tree: Path, name: str, nproc: int, out: Path) -> dict:
+def check_format(tree: Path, name: str, nproc: int, out: Path, timeout: int = RUN_TIMEOUT) -> dict:
     flags, needs, env = FORMATS[name]
     result: dict = {"format": name, "tree": str(tree), "nproc": nproc}
     if not has_text(tree, needs):
@@ -130,26 +160,61 @@ def check_format(tree: Path, name: str, nproc: int, out: Path) -> dict:
         [*flags, f"--save={first}", f"--save-interval={SAVE_AT}"],
         env,
         out / f"{name}-A.log",
+        timeout,
     )
     a = losses(lines_a)
     if rc or len(a) < ITERS:
-        why = last_exception(lines_a) or f"exit {rc}, {len(a)} iterations logged"
+        why = _why(rc, lines_a) or f"exit {rc}, {len(a)} iterations logged"
         return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
     saved = first / f"iter_{SAVE_AT:07d}"
     staged.mkdir(parents=True)
     shutil.copytree(saved, staged / saved.name)
     (staged / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    rc, lines_b = run(tree, nproc, [*flags, f"--load={staged}"], env, out / f"{name}-B.log")
+    rc, lines_b = run(
+        tree, nproc, [*flags, f"--load={staged}"], env, out / f"{name}-B.log", timeout
+    )
     b = losses(lines_b)
     result["straight"] = [a[i] for i in range(SAVE_AT + 1, ITERS + 1)]
     result["resumed"] = [b.get(i) for i in range(SAVE_AT + 1, ITERS + 1)]
     if rc or None in result["resumed"] or min(b, default=0) != SAVE_AT + 1:
-        why = last_exception(lines_b) or f"exit {rc}, iterations {sorted(b)}"
+        why = _why(rc, lines_b) or f"exit {rc}, iterations {sorted(b)}"
         return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
-    if result["resumed"] == result["straight"]:
-        return {**result, "status": "pass", "detail": "iterations 5-8 bit-exact (as printed)"}
-    worst = max(abs(x - y) / abs(y) for x, y in zip(result["resumed"], result["straight"]))
-    return {**result, "status": "fail", "detail": f"resumed losses differ (max rel {worst:.1e})"}
+    status, detail = judge(result["straight"], result["resumed"], averages_second_log(tree))
+    return {**result, "status": status, "detail": detail}
+
+
+def averages_second_log(tree: Path) -> bool:
+    """From 0.16, training_log keeps its loss totals after a process's first iteration
+    (``should_reset = not is_first_iteration``), so the second line a process prints is the
+    mean of its first two iterations: after the resume, iteration 6 prints mean(5, 6)."""
+    training = tree / "megatron/training/training.py"
+    return training.is_file() and "should_reset = not is_first_iteration" in training.read_text()
+
+
+def judge(straight: list[float], resumed: list[float], averaged: bool) -> tuple[str, str]:
+    """Run B's printed losses against what run A's losses make it print.
+
+    Megatron prints 7 significant digits. Every line compares exactly, except, where the
+    tree averages the second line (``averaged``), that one: it is compared with the mean of
+    run A's two printed values, within one unit of the 7th digit (the rounding of the two
+    inputs and of the print). A lost Adam step or moment moves iteration 6 by ~1e-3, far
+    more than that.
+    """
+    expected = list(straight)
+    slack = [0.0] * len(expected)
+    if averaged and len(expected) > 1:
+        expected[1] = (straight[0] + straight[1]) / 2
+        slack[1] = 10.0 ** (math.floor(math.log10(abs(expected[1]))) - 6)
+    off = [abs(x - y) - tol for x, y, tol in zip(resumed, expected, slack)]
+    if max(off) <= 0:
+        if not averaged:
+            return "pass", "iterations 5-8 bit-exact as printed"
+        return "pass", (
+            "iterations 5, 7, 8 bit-exact as printed; 6 equals mean(5, 6) to the printed "
+            "digits (training_log averages a process's first two iterations)"
+        )
+    worst = max(abs(x - y) / abs(y) for x, y in zip(resumed, expected))
+    return "fail", f"resumed losses differ (max rel {worst:.1e})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("distopt-resume"))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--run-timeout", type=int, default=RUN_TIMEOUT, help="seconds per torchrun")
     opts = p.parse_args(argv)
     tree = opts.tree.resolve()
     if not (tree / "pretrain_gpt.py").is_file():
@@ -170,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     failed = False
     for name in opts.formats.split(","):
-        verdict = check_format(tree, name, opts.nproc, opts.out.resolve())
+        verdict = check_format(tree, name, opts.nproc, opts.out.resolve(), opts.run_timeout)
         failed |= verdict["status"] == "fail"
         print(json.dumps(verdict), flush=True)
     return 1 if failed else 0

@@ -278,3 +278,21 @@ def test_te_spec_failure_names_upstreams_error(monkeypatch) -> None:
     assert "upstream's TE spec does not build without TransformerEngine" in str(e.value)
     assert "TypeError: 'NoneType' object is not callable" in str(e.value)
     assert "te-spec-backend" in str(e.value)  # this megatron_rocm has the native backend
+
+
+def test_fsdp2_is_skipped_where_upstreams_wrapper_cannot_finish_a_step(tmp_path: Path) -> None:
+    """0.16-0.18: finalize_model_grads passes force_all_reduce, the FSDP2 wrapper lacks it."""
+    dist = tmp_path / "megatron/core/distributed"
+    dist.mkdir(parents=True)
+    (dist / "finalize_model_grads.py").write_text(
+        "model_chunk.finish_grad_sync(force_all_reduce=force_all_reduce)\n"
+    )
+    wrapper = dist / "torch_fully_sharded_data_parallel.py"
+    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    fsdp2 = checks_parallel.BY_NAME["fsdp2"]
+    assert "force_all_reduce" in checks_parallel.skip_reason(fsdp2, "te", tmp_path)
+    wrapper.write_text("    def finish_grad_sync(self, force_all_reduce=False):\n")  # 0.19+
+    assert checks_parallel.skip_reason(fsdp2, "te", tmp_path) is None
+    (dist / "finalize_model_grads.py").write_text("model_chunk.finish_grad_sync()\n")  # <= 0.15
+    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    assert checks_parallel.skip_reason(fsdp2, "te", tmp_path) is None

@@ -125,6 +125,31 @@ def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> Non
         checks_resume.judge(out["local"])
 
 
+def test_fsdp2_trains_both_specs_and_the_te_spec_needs_fsdp_without_te(trees, tmp_path) -> None:
+    """torch FSDP2 (0.15: the newest tag whose FSDP2 wrapper finishes a step on Python 3.11):
+    both specs match the 1-rank run; without ``fsdp-without-te`` FSDP2 shards the native TE
+    linears a second time inside their layer and torch refuses."""
+    fsdp2 = checks_parallel.BY_NAME["fsdp2"]
+    ctx = context(trees("0.15.3"))
+    pairs = [(fsdp2, "local"), (fsdp2, "te")]
+    results = checks_parallel.parallel_results(
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    for spec in ("local", "te"):
+        name = f"parallel.fsdp2.{spec}"
+        assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
+    tree = tmp_path / "unfixed"
+    subprocess.run(["cp", "-r", str(trees("0.15.3")), str(tree)], check=True)
+    diff = Path(__file__).parents[2] / "patches/fsdp-without-te/v0.14.diff"
+    subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
+    unfixed = context(tree)
+    results = checks_parallel.parallel_results(
+        unfixed, [(fsdp2, "te")], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    with pytest.raises(runner.CheckFailed, match="Invariant encountered"):
+        checks_parallel.judge(unfixed, "parallel.fsdp2.te", results["parallel.fsdp2.te"])
+
+
 def test_oldest_release_resumes_and_trains_tp2(trees) -> None:
     """0.12: the sharding_type keyword and fully_sharded_model_space, the 0.12 TE spec."""
     ctx = context(trees("0.12.0"))

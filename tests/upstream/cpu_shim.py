@@ -63,6 +63,19 @@ def install() -> CudaOnCpu:
     torch.cuda.Event = lambda *a, **k: _NullStream()
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.manual_seed_all = lambda *a, **k: None
+    _cpu_device_meshes()
     mode = CudaOnCpu()
     mode.__enter__()
     return mode
+
+
+def _cpu_device_meshes() -> None:
+    """torch FSDP2's wrapper asks for ``DeviceMesh.from_group(group, "cuda")``: a CPU mesh."""
+    from torch.distributed import device_mesh
+
+    original = device_mesh.DeviceMesh.from_group
+
+    def from_group(group, device_type, *args, **kwargs):  # noqa: ANN001, ANN202
+        return original(group, "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+
+    device_mesh.DeviceMesh.from_group = staticmethod(from_group)

@@ -85,7 +85,26 @@ def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
         and not (tree / "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py").is_file()
     ):
         return "Megatron-FSDP is in megatron-core from 0.14; this tree predates it"
+    if mode.name == "fsdp2" and _fsdp2_misses_force_all_reduce(tree):
+        return (
+            "upstream's torch FSDP2 wrapper cannot finish a step at this tag: "
+            "finalize_model_grads passes finish_grad_sync(force_all_reduce=...), which "
+            "TorchFullyShardedDataParallel does not take before 0.19 (TypeError, TE or not)"
+        )
     return None
+
+
+def _fsdp2_misses_force_all_reduce(tree: Path) -> bool:
+    """0.16-0.18: finalize_model_grads calls ``finish_grad_sync(force_all_reduce=...)`` and
+    the FSDP2 wrapper inherits ``_BaseDataParallel.finish_grad_sync(self)``; 0.19 overrides it."""
+    dist = tree / "megatron/core/distributed"
+    finalize = dist / "finalize_model_grads.py"
+    wrapper = dist / "torch_fully_sharded_data_parallel.py"
+    if not (finalize.is_file() and wrapper.is_file()):
+        return False
+    return "force_all_reduce" in finalize.read_text() and (
+        "def finish_grad_sync" not in wrapper.read_text()
+    )
 
 
 def job_for(mode: Mode, spec: str, weights: str, overrides: dict | None = None) -> Job:

@@ -149,6 +149,7 @@ class Trainer:
         self.config = models.build_config(
             job.model,
             job.layout,
+            spec=job.spec,
             gpu=device.type == "cuda",
             deterministic=job.deterministic,
             overrides=overrides,

@@ -84,12 +84,14 @@ def build_config(
     model: str,
     layout: Layout,
     *,
+    spec: str,
     gpu: bool,
     deterministic: bool = False,
     overrides: dict[str, Any] | None = None,
 ) -> Any:
     """A TransformerConfig with pretrain_gpt's fusion defaults; fields this tag lacks are
-    dropped (so one recipe serves core_v0.12 to main)."""
+    dropped (so one recipe serves core_v0.12 to main). ``transformer_impl`` follows the layer
+    spec as ``--transformer-impl`` does in pretrain_gpt (0.14+ read it, e.g. torch FSDP2)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -110,6 +112,7 @@ def build_config(
         expert_model_parallel_size=layout.ep,
         sequence_parallel=layout.sp,
         deterministic_mode=deterministic,
+        transformer_impl="local" if spec == "local" else "transformer_engine",
     )
     if not gpu:
         kwargs["gradient_accumulation_fusion"] = False  # CPU (our tests): no main_grad kernel

@@ -25,7 +25,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
-from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+from megatron_rocm.runtime.kernels.grad_accum import (
+    main_grad_for_wgrad,
+    wgrad_gemm_accum_fp16,
+    wgrad_gemm_accum_fp32,
+)
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -139,7 +143,10 @@ class _ReplicatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, fuse_wgrad):  # noqa: ANN001, ANN205 - autograd signature
         ctx.save_for_backward(x, weight)
-        ctx.fuse_wgrad = fuse_wgrad and hasattr(weight, "main_grad")
+        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
+        ctx.fuse_wgrad = fuse_wgrad and (
+            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+        )
         return torch.matmul(x, weight.t())
 
     @staticmethod
@@ -149,13 +156,14 @@ class _ReplicatedLinearFunction(torch.autograd.Function):
         if not ctx.fuse_wgrad:
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
             return grad_input, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), None
-        if weight.main_grad.dtype == torch.float32:
-            wgrad_gemm_accum_fp32(x, grad_output, weight.main_grad)
+        main_grad = main_grad_for_wgrad(weight)
+        if main_grad.dtype == torch.float32:
+            wgrad_gemm_accum_fp32(x, grad_output, main_grad)
         else:
-            wgrad_gemm_accum_fp16(x, grad_output, weight.main_grad)
+            wgrad_gemm_accum_fp16(x, grad_output, main_grad)
         if hasattr(weight, "grad_added_to_main_grad"):
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            placeholder = make(weight.main_grad.shape, dtype=x.dtype, device=x.device)
+            placeholder = make(main_grad.shape, dtype=x.dtype, device=x.device)
             weight.grad_added_to_main_grad = True
             return grad_input, placeholder, None
         return grad_input, None, None

@@ -103,6 +103,28 @@ def wgrad_gemm_accum_fp16(
     main_grad.addmm_(_as_2d(grad_output).t(), _as_2d(total_input))
 
 
+def main_grad_for_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """The buffer a fused weight-gradient GEMM adds into, ready to add into.
+
+    Megatron's DDP gives each parameter a persistent ``main_grad`` to accumulate into.
+    Megatron-FSDP marks its parameters ``__fsdp_param__`` and hands the buffer out per backward
+    through ``get_main_grad()``; with sharded gradients (``overwrite_main_grad``) that buffer
+    must end up holding this gradient alone, as upstream's ``layers.py`` and TE (>= 2.10)
+    write it, so it is zeroed first.
+    """
+    if hasattr(weight, "__fsdp_param__"):
+        weight.main_grad = weight.get_main_grad()
+        if getattr(weight, "overwrite_main_grad", False):
+            weight.main_grad.zero_()
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        raise RuntimeError(
+            "gradient_accumulation_fusion needs weight.main_grad (set by Megatron's DDP or "
+            "FSDP wrapper); build the model with gradient_accumulation_fusion=False otherwise"
+        )
+    return grad
+
+
 def wgrad_reference(
     total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
 ) -> torch.Tensor:

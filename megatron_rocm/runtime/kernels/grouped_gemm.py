@@ -38,6 +38,7 @@ from megatron_rocm.runtime.kernels._runtime import (
     reference_forced,
     triton_available,
 )
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
 ENV = "MEGATRON_ROCM_GROUPED_GEMM"
 IMPLEMENTATIONS = ("torch", "triton", "loop")
@@ -127,18 +128,6 @@ class _Plan:
     fuse_wgrad: bool
 
 
-def _main_grad(weight: torch.Tensor) -> torch.Tensor:
-    grad = getattr(weight, "main_grad", None)
-    if grad is None and callable(getattr(weight, "get_main_grad", None)):
-        grad = weight.get_main_grad()
-    if grad is None:
-        raise RuntimeError(
-            "gradient_accumulation_fusion needs weight.main_grad (set by Megatron's DDP "
-            "wrapper); build the model with gradient_accumulation_fusion=False otherwise"
-        )
-    return grad
-
-
 def _placeholders(weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """Weight "gradients" after fused accumulation, as Megatron's DDP expects them.
 
@@ -207,7 +196,7 @@ class _GroupedLinear(torch.autograd.Function):
         wgrads: list[torch.Tensor | None] = [None] * plan.n_weights
         if any(needs[2 : 2 + plan.n_weights]):
             if plan.fuse_wgrad:
-                grads = [_main_grad(w) for w in weights]
+                grads = [main_grad_for_wgrad(w) for w in weights]
                 main = ops.Matrices(list(grads[0].unbind(0)) if plan.packed else grads)
                 if not empty:
                     ops.wgrad_accumulate(plan.impl, dy, x2, s, main)

@@ -106,3 +106,37 @@ def test_gpu_uses_out_dtype_gemm(cuda_device: torch.device, dtype: torch.dtype) 
     wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     torch.testing.assert_close(main_grad, expected, atol=0.5, rtol=1e-2)
     assert grad_accum.chosen_strategy("cuda", dtype) != "upcast operands to fp32"
+
+
+def _fsdp_param(shape: tuple[int, int], overwrite: bool) -> tuple[torch.nn.Parameter, torch.Tensor]:
+    """A parameter as Megatron-FSDP leaves it: ``__fsdp_param__``, ``get_main_grad()`` handing
+    out a buffer that still holds an earlier micro-batch's sum, ``overwrite_main_grad``."""
+    weight = torch.nn.Parameter(torch.zeros(shape))
+    buffer = torch.full(shape, 7.0)
+    weight.__fsdp_param__ = True
+    weight.overwrite_main_grad = overwrite
+    weight.get_main_grad = lambda: buffer
+    return weight, buffer
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_megatron_fsdp_main_grad_is_fetched_and_overwritten_when_sharded(overwrite: bool) -> None:
+    total_input, grad_output = _inputs((6, 4), (6, 3), torch.float32)
+    weight, buffer = _fsdp_param((3, 4), overwrite)
+    target = grad_accum.main_grad_for_wgrad(weight)
+    assert target is buffer and weight.main_grad is buffer
+    wgrad_gemm_accum_fp32(total_input, grad_output, target)
+    start = torch.zeros(3, 4) if overwrite else torch.full((3, 4), 7.0)
+    torch.testing.assert_close(buffer, wgrad_reference(total_input, grad_output, start))
+
+
+def test_ddp_main_grad_is_used_as_is() -> None:
+    weight = torch.nn.Parameter(torch.zeros(3, 4))
+    weight.main_grad = torch.ones(3, 4)
+    assert grad_accum.main_grad_for_wgrad(weight) is weight.main_grad
+    assert torch.equal(weight.main_grad, torch.ones(3, 4))
+
+
+def test_missing_main_grad_says_how_to_build_the_model() -> None:
+    with pytest.raises(RuntimeError, match="gradient_accumulation_fusion=False"):
+        grad_accum.main_grad_for_wgrad(torch.nn.Parameter(torch.zeros(2, 2)))
