@@ -117,6 +117,8 @@ def main_grad_for_wgrad(weight: torch.Tensor) -> torch.Tensor:
         if getattr(weight, "overwrite_main_grad", False):
             weight.main_grad.zero_()
     grad = getattr(weight, "main_grad", None)
+    if grad is None and callable(getattr(weight, "get_main_grad", None)):
+        grad = weight.get_main_grad()
     if grad is None:
         raise RuntimeError(
             "gradient_accumulation_fusion needs weight.main_grad (set by Megatron's DDP or "
