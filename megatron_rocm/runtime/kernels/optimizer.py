@@ -14,9 +14,18 @@ Apex/TE constructor so Megatron's ``Adam(**kwargs)`` call works unchanged:
   changing the math: ``bias_correction=False``, TE's precision-aware options
   (``master_weights``, ``use_decoupled_grad``, non-fp32 state dtypes).
 
-State follows torch (a per-parameter ``step`` tensor). Megatron's ``init_state_fn`` only
-creates ``exp_avg``/``exp_avg_sq`` (Apex keeps ``step`` in the param group), so a missing
-per-parameter ``step`` is filled from ``group["step"]`` (or 0) before each step.
+State follows torch (a per-parameter ``step`` tensor) but is kept the way Apex and TE keep
+theirs, which Megatron relies on:
+
+* every parameter gets its state at the first step, gradient or not, in parameter order (TE
+  creates state before it looks at the gradient), and every step counts for every parameter
+  (Apex and TE count steps per group). Megatron-FSDP leaves ``grad`` None where a rank's shard
+  of a parameter is empty; with torch's lazy state the ranks then held different state keys,
+  and the ``fsdp_dtensor`` save, which runs collectives key by key, hung (2×H200). Equal
+  per-parameter steps on every rank also keep a deduplicated checkpoint's ``step`` right.
+* Megatron's ``init_state_fn`` only creates ``exp_avg``/``exp_avg_sq`` (Apex keeps ``step`` in
+  the param group), so a missing per-parameter ``step`` is filled from ``group["step"]``, else
+  from the group's other parameters, else 0.
 """
 
 from __future__ import annotations
@@ -103,20 +112,44 @@ class FusedAdam(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _fill_missing_steps(self) -> None:
+    def _complete_state(self) -> list[torch.Tensor]:
+        """Give every parameter a full state, in parameter order; return the steps of the
+        parameters without a gradient (torch's step skips them, Apex's and TE's count them)."""
+        idle_steps = []
         for group in self.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            group_step: float | None = None
             for param in group["params"]:
-                state = self.state.get(param)
-                if state and "step" not in state:
-                    fused = group.get("fused") or group.get("capturable")
-                    device = param.device if fused else "cpu"
-                    step = float(group.get("step") or 0)  # a checkpoint may hold None
-                    state["step"] = torch.tensor(step, dtype=torch.float32, device=device)
+                state = self.state[param]  # creates the entry: the same key order on every rank
+                if "step" not in state:
+                    if group_step is None:
+                        group_step = _group_step(group, self.state)
+                    device = param.device if on_device else "cpu"
+                    state["step"] = torch.tensor(group_step, dtype=torch.float32, device=device)
+                for name in moments:
+                    if name not in state:
+                        state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if param.grad is None:
+                    idle_steps.append(state["step"])
+        return idle_steps
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        self._fill_missing_steps()
-        return super().step(closure)
+        idle_steps = self._complete_state()
+        loss = super().step(closure)
+        for count in idle_steps:
+            count += 1
+        return loss
+
+
+def _group_step(group: dict[str, Any], state: Any) -> float:
+    """The step a parameter joining ``group`` starts from: Apex's group step (a checkpoint may
+    hold None), else the step its neighbours reached, else 0."""
+    if group.get("step") is not None:
+        return float(group["step"])
+    steps = [float(state[p]["step"]) for p in group["params"] if "step" in state.get(p, {})]
+    return max(steps, default=0.0)
 
 
 def adam_reference_step(

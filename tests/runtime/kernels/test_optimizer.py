@@ -136,6 +136,57 @@ def test_state_from_megatron_init_state_fn() -> None:
         torch.testing.assert_close(params[i].detach(), ref[i])
 
 
+@pytest.mark.parametrize("with_grad", [(1,), (0, 2), ()])
+def test_every_parameter_gets_state_in_order_and_every_step_counts(with_grad: tuple) -> None:
+    """Apex's and TE's convention, which Megatron-FSDP's fsdp_dtensor save needs: a rank whose
+    shard of a parameter is empty gets no gradient for it, yet must hold the same state keys,
+    in the same order, with the same step as the rank that updates it."""
+    params = _params()
+    optimizer = FusedAdam(params, **HYPER)
+    before = [p.detach().clone() for p in params]
+    for _ in range(2):
+        for i, param in enumerate(params):
+            param.grad = torch.randn_like(param) if i in with_grad else None
+        optimizer.step()
+    assert list(optimizer.state) == params
+    for i, param in enumerate(params):
+        state = optimizer.state[param]
+        assert float(state["step"]) == 2.0
+        if i not in with_grad:  # untouched, as torch's Adam leaves a parameter without grad
+            torch.testing.assert_close(param.detach(), before[i], atol=0, rtol=0)
+            assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def test_a_parameter_first_updated_late_uses_the_groups_step() -> None:
+    """Bias correction from the step count of the group (Apex/TE), not from the parameter's
+    first gradient (what torch's lazy state would give)."""
+    params = _params()
+    optimizer = FusedAdam(params, adam_w_mode=True, **HYPER)
+    for _ in range(2):
+        params[0].grad, params[1].grad, params[2].grad = torch.randn_like(params[0]), None, None
+        optimizer.step()
+    ref = params[1].detach().clone()
+    grad = torch.randn_like(ref)
+    params[1].grad = grad.clone()
+    optimizer.step()
+    zeros = [torch.zeros_like(ref), torch.zeros_like(ref)]
+    adam_reference_step(ref, grad, *zeros, 3, adam_w_mode=True, **HYPER)
+    torch.testing.assert_close(params[1].detach(), ref)
+
+
+def test_a_checkpoint_without_step_joins_its_neighbours() -> None:
+    """A parameter whose state lacks ``step`` (Megatron's init_state_fn) next to ones that
+    have it starts from their step."""
+    params = _params()
+    optimizer = FusedAdam(params, **HYPER)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    del optimizer.state[params[2]]["step"]
+    optimizer.step()
+    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0, 2.0]
+
+
 def test_state_dict_round_trip() -> None:
     params = _params()
     optimizer = FusedAdam(params, **HYPER)
