@@ -296,3 +296,17 @@ def test_fsdp2_is_skipped_where_upstreams_wrapper_cannot_finish_a_step(tmp_path:
     (dist / "finalize_model_grads.py").write_text("model_chunk.finish_grad_sync()\n")  # <= 0.15
     wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
     assert checks_parallel.skip_reason(fsdp2, "te", tmp_path) is None
+
+
+def test_fsdp2_is_skipped_where_upstreams_wrapper_drops_ddp_config(tmp_path: Path) -> None:
+    """0.12: get_megatron_optimizer reads model_chunks[0].ddp_config, the wrapper never sets it."""
+    core = tmp_path / "megatron/core"
+    (core / "optimizer").mkdir(parents=True)
+    (core / "distributed").mkdir()
+    (core / "optimizer/__init__.py").write_text("ddp_config = model_chunks[0].ddp_config\n")
+    wrapper = core / "distributed/torch_fully_sharded_data_parallel.py"
+    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    fsdp2 = checks_parallel.BY_NAME["fsdp2"]
+    assert "ddp_config" in checks_parallel.skip_reason(fsdp2, "local", tmp_path)
+    wrapper.write_text("        self.ddp_config = ddp_config\n")  # 0.13+
+    assert checks_parallel.skip_reason(fsdp2, "local", tmp_path) is None

@@ -125,12 +125,19 @@ def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> Non
         checks_resume.judge(out["local"])
 
 
-def test_fsdp2_trains_both_specs_and_the_te_spec_needs_fsdp_without_te(trees, tmp_path) -> None:
-    """torch FSDP2 (0.15: the newest tag whose FSDP2 wrapper finishes a step on Python 3.11):
-    both specs match the 1-rank run; without ``fsdp-without-te`` FSDP2 shards the native TE
-    linears a second time inside their layer and torch refuses."""
+@pytest.mark.parametrize(
+    ("release", "diff", "failing_spec"),
+    [("0.15.3", "v0.14.diff", "te"), ("0.13.1", "v0.13.diff", "local")],
+)
+def test_fsdp2_trains_both_specs_and_needs_fsdp_without_te(
+    trees, tmp_path, release: str, diff: str, failing_spec: str
+) -> None:
+    """torch FSDP2 (0.15: the newest tag whose FSDP2 wrapper finishes a step on Python 3.11;
+    0.13: the oldest that builds an optimizer): both specs match the 1-rank run. Without ``fsdp-without-te`` FSDP2
+    shards ColumnParallelLinears a second time inside their layer and torch refuses: the
+    native TE linears from 0.14, and at 0.12-0.13 the local spec's too."""
     fsdp2 = checks_parallel.BY_NAME["fsdp2"]
-    ctx = context(trees("0.15.3"))
+    ctx = context(trees(release))
     pairs = [(fsdp2, "local"), (fsdp2, "te")]
     results = checks_parallel.parallel_results(
         ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
@@ -139,31 +146,33 @@ def test_fsdp2_trains_both_specs_and_the_te_spec_needs_fsdp_without_te(trees, tm
         name = f"parallel.fsdp2.{spec}"
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
     tree = tmp_path / "unfixed"
-    subprocess.run(["cp", "-r", str(trees("0.15.3")), str(tree)], check=True)
-    diff = Path(__file__).parents[2] / "patches/fsdp-without-te/v0.14.diff"
-    subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
+    subprocess.run(["cp", "-r", str(trees(release)), str(tree)], check=True)
+    patch = Path(__file__).parents[2] / "patches/fsdp-without-te" / diff
+    subprocess.run(["git", "apply", "-R", str(patch)], cwd=tree, check=True)
     unfixed = context(tree)
     results = checks_parallel.parallel_results(
-        unfixed, [(fsdp2, "te")], backend="gloo", env=CPU_ENV, overrides=SMALL
+        unfixed, [(fsdp2, failing_spec)], backend="gloo", env=CPU_ENV, overrides=SMALL
     )
+    name = f"parallel.fsdp2.{failing_spec}"
     with pytest.raises(runner.CheckFailed, match="Invariant encountered"):
-        checks_parallel.judge(unfixed, "parallel.fsdp2.te", results["parallel.fsdp2.te"])
+        checks_parallel.judge(unfixed, name, results[name])
 
 
-def test_oldest_release_resumes_and_trains_tp2(trees) -> None:
-    """0.12: the sharding_type keyword and fully_sharded_model_space, the 0.12 TE spec."""
+def test_oldest_release_resumes_and_trains_tp2_then_pp2(trees) -> None:
+    """0.12: the sharding_type keyword and fully_sharded_model_space, the 0.12 TE spec; and
+    PP2 after TP2 in one world, where 0.12's destroy_model_parallel keeps the last layout's
+    position-embedding ranks (the engine forgets them)."""
     ctx = context(trees("0.12.0"))
     out = checks_resume.resume_results(
         ctx, "dp2_distopt", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
     )
     assert "bit-exact" in checks_resume.judge(out["local"])
-    pair = [(checks_parallel.BY_NAME["tp2_sp"], "te")]
+    pairs = [(checks_parallel.BY_NAME["tp2_sp"], "te"), (checks_parallel.BY_NAME["pp2"], "local")]
     results = checks_parallel.parallel_results(
-        ctx, pair, backend="gloo", env=CPU_ENV, overrides=SMALL
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
     )
-    assert "= 1-GPU" in checks_parallel.judge(
-        ctx, "parallel.tp2_sp.te", results["parallel.tp2_sp.te"]
-    )
+    for name in ("parallel.tp2_sp.te", "parallel.pp2.local"):
+        assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
 
 
 SINGLE = """

@@ -85,6 +85,21 @@ def _fields(cls: type, **kwargs: object) -> dict:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
+def _finish_on_a_copy() -> None:
+    """torch 2.11's ``FileSystemWriter.finish`` pickles ``dataclasses.replace(metadata, ...)``,
+    so only dataclass fields reach the checkpoint; torch 2.13 pickles the object itself. This
+    makes any torch behave like 2.11 (what the GPU box runs)."""
+    from torch.distributed.checkpoint import filesystem
+
+    owner = next(c for c in filesystem.FileSystemWriter.__mro__ if "finish" in vars(c))
+    original = owner.finish
+
+    def finish(self, metadata, results):  # noqa: ANN001, ANN202
+        return original(self, dataclasses.replace(metadata), results)
+
+    owner.finish = finish
+
+
 def run_rank(args: argparse.Namespace) -> dict:
     sys.path.insert(0, args.tree)
     sys.path.insert(0, str(HERE))
@@ -93,6 +108,8 @@ def run_rank(args: argparse.Namespace) -> dict:
     import torch
 
     cpu_shim.install()
+    if args.finish_on_a_copy:
+        _finish_on_a_copy()
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -272,6 +289,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument(
+        "--finish-on-a-copy",
+        action="store_true",
+        help="write the checkpoint metadata the way torch 2.11 does (a dataclasses.replace copy)",
+    )
     args = ap.parse_args()
     if "RANK" not in os.environ:
         return launch(args)

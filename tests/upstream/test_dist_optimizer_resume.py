@@ -72,12 +72,14 @@ def trees(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def roundtrip(tree: Path, fmt: str, precision: str, world: int, tmp_path: Path) -> dict:
+def roundtrip(
+    tree: Path, fmt: str, precision: str, world: int, tmp_path: Path, *extra: str
+) -> dict:
     if fmt.startswith("torch_dist"):
         pytest.importorskip("psutil", reason="megatron's torch_dist writer needs psutil")
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(WORKER), "--tree", str(tree), "--format", fmt]
-    cmd += ["--precision", precision, "--world", str(world), "--out", str(out)]
+    cmd += ["--precision", precision, "--world", str(world), "--out", str(out), *extra]
     subprocess.run(cmd, check=True, timeout=600)
     return json.loads(out.read_text())
 
@@ -119,3 +121,39 @@ def test_without_the_patch_resume_fails(trees, tmp_path, version, fmt, error):
     result = roundtrip(trees(version, patched=False), fmt, "bf16", 1, tmp_path)
     assert not result["ok"]
     assert result["error"].startswith(error), result["error"]
+
+
+def test_nd_flattened_checkpoint_survives_torch_2_11s_metadata_copy(trees, tmp_path):
+    """0.12-0.14 set ``mcore_data`` as an attribute on torch's Metadata; torch 2.11 writes a
+    ``dataclasses.replace`` copy, so a distributed-optimizer checkpoint lost it and the load
+    died with AttributeError (smoke on 2 x H200, core_v0.12.0). The patch carries upstream's
+    0.15 fix (an ``MCoreMetadata`` dataclass)."""
+    fmt = "torch_dist:fully_sharded_model_space"
+    result = roundtrip(trees("0.12.0"), fmt, "bf16", 2, tmp_path, "--finish-on-a-copy")
+    assert result["errors"] == [] and result["ok"], result.get("error")
+    assert result["losses"]["resumed"] == result["losses"]["straight"]
+
+
+PLANNER = """
+import dataclasses, sys
+sys.path.insert(0, sys.argv[1])
+from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlan, MCoreSavePlanner
+shape = {"k": {"nd_reformulated_orig_global_shape": (2, 3)}}
+_, metadata = MCoreSavePlanner(flatten_state_dict=False).create_global_plan(
+    [MCoreSavePlan(items=[], mcore_data=shape)]
+)
+print(getattr(dataclasses.replace(metadata), "mcore_data", None) == shape)
+"""
+
+
+@pytest.mark.parametrize(
+    ("version", "patched"),
+    [("0.12.0", True), ("0.12.0", False), ("0.14.0", True), ("0.14.0", False)],
+)
+def test_planner_metadata_keeps_mcore_data_through_a_copy(trees, version, patched):
+    tree = trees(version, patched=patched)
+    out = subprocess.run(
+        [sys.executable, "-c", PLANNER, str(tree)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == str(patched)

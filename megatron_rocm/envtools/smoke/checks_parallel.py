@@ -91,7 +91,23 @@ def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
             "finalize_model_grads passes finish_grad_sync(force_all_reduce=...), which "
             "TorchFullyShardedDataParallel does not take before 0.19 (TypeError, TE or not)"
         )
+    if mode.name == "fsdp2" and _fsdp2_drops_ddp_config(tree):
+        return (
+            "upstream's torch FSDP2 wrapper cannot build an optimizer at this tag: "
+            "get_megatron_optimizer reads model.ddp_config, which TorchFullyShardedDataParallel "
+            "does not keep before 0.13 (AttributeError, TE or not)"
+        )
     return None
+
+
+def _fsdp2_drops_ddp_config(tree: Path) -> bool:
+    """0.12: the wrapper takes ``ddp_config`` but never stores it; the optimizer reads it."""
+    core = tree / "megatron/core"
+    optimizer = core / "optimizer/__init__.py"
+    wrapper = core / "distributed/torch_fully_sharded_data_parallel.py"
+    if not (optimizer.is_file() and wrapper.is_file()):
+        return False
+    return ".ddp_config" in optimizer.read_text() and "self.ddp_config" not in wrapper.read_text()
 
 
 def _fsdp2_misses_force_all_reduce(tree: Path) -> bool:

@@ -69,6 +69,7 @@ def set_parallel_state(layout: Layout) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _forget_embedding_ranks(parallel_state)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -77,6 +78,20 @@ def set_parallel_state(layout: Layout) -> None:
     )
     torch.manual_seed(models.SEED)
     model_parallel_cuda_manual_seed(models.SEED)  # the CUDA RNG tracker (our CPU tests stub it)
+
+
+# Rank lists destroy_model_parallel leaves behind (the position-embedding one at 0.12 only).
+_STALE_AFTER_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
+
+
+def _forget_embedding_ranks(parallel_state: Any) -> None:
+    """Training initialises one layout per process; the smoke worlds run several. A rank list
+    kept from the last layout makes a rank outside the new layout's group believe it is in,
+    and 0.12's PP2 then asserts "position embedding group is not initialized" on the last
+    stage after a TP2 job (2 x H200). ``initialize_model_parallel`` sets them again."""
+    for name in _STALE_AFTER_DESTROY:
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
 
 
 def _wrap(job: Job, config: Any, module: Any) -> Any:
