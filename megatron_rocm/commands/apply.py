@@ -95,6 +95,7 @@ def _show(done: transaction.Outcome, dest: Path, as_json: bool) -> None:
         )
         return
     print(f"{done.ref} ({done.plan.commit[:12]}, megatron-core {report.version})")
+    width = max((len(p.patch_id) for p in report.patches), default=0)
     for p in report.patches:
         if p.variant == "skip":
             state = "skipped"
@@ -106,7 +107,7 @@ def _show(done: transaction.Outcome, dest: Path, as_json: bool) -> None:
             state = "not in source"  # every file it touches is outside the sdist
         else:
             state = "in upstream"
-        print(f"  {state:<16} {p.patch_id:<22} {p.variant or '-':<14} {hunk_summary(p)}")
+        print(f"  {state:<16} {p.patch_id:<{width}} {p.variant or '-':<14} {hunk_summary(p)}")
     if already:
         print(f"already applied: {done.branch} at {done.tip[:12]} in {dest}; nothing changed")
     elif done.state == "switched":

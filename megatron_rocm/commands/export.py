@@ -37,8 +37,9 @@ def export(
             }
         )
     else:
+        width = max((len(i.patch_id) for i in items), default=0)
         for i in items:
-            print(f"  {i.action:<12} {i.patch_id:<24} {i.diff}")
+            print(f"  {i.action:<12} {i.patch_id:<{width}} {i.diff}")
         changed = [i for i in items if i.action not in ("unchanged", "missing", "no-change")]
         print(
             f"exported {len(items) - len(missing)} patches for megatron-core {version} into "
