@@ -280,33 +280,38 @@ def test_te_spec_failure_names_upstreams_error(monkeypatch) -> None:
     assert "te-spec-backend" in str(e.value)  # this megatron_rocm has the native backend
 
 
+FSDP2_WRAPPER = "distributed/torch_fully_sharded_data_parallel.py"
+FINALIZE = "distributed/finalize_model_grads.py"
+WRAPPER_WITHOUT_OVERRIDES = "class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n"
+
+
+def _core_file(tree: Path, path: str, text: str) -> None:
+    """Write ``megatron/core/<path>`` of a stand-in tree."""
+    target = tree / "megatron/core" / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+
 def test_fsdp2_is_skipped_where_upstreams_wrapper_cannot_finish_a_step(tmp_path: Path) -> None:
     """0.16-0.18: finalize_model_grads passes force_all_reduce, the FSDP2 wrapper lacks it."""
-    dist = tmp_path / "megatron/core/distributed"
-    dist.mkdir(parents=True)
-    (dist / "finalize_model_grads.py").write_text(
-        "model_chunk.finish_grad_sync(force_all_reduce=force_all_reduce)\n"
-    )
-    wrapper = dist / "torch_fully_sharded_data_parallel.py"
-    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    calls_with_force = "model_chunk.finish_grad_sync(force_all_reduce=force_all_reduce)\n"
+    _core_file(tmp_path, FINALIZE, calls_with_force)
+    _core_file(tmp_path, FSDP2_WRAPPER, WRAPPER_WITHOUT_OVERRIDES)
     fsdp2 = checks_parallel.BY_NAME["fsdp2"]
     assert "force_all_reduce" in checks_parallel.skip_reason(fsdp2, "te", tmp_path)
-    wrapper.write_text("    def finish_grad_sync(self, force_all_reduce=False):\n")  # 0.19+
+    overrides = "    def finish_grad_sync(self, force_all_reduce=False):\n"  # 0.19+
+    _core_file(tmp_path, FSDP2_WRAPPER, overrides)
     assert checks_parallel.skip_reason(fsdp2, "te", tmp_path) is None
-    (dist / "finalize_model_grads.py").write_text("model_chunk.finish_grad_sync()\n")  # <= 0.15
-    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    _core_file(tmp_path, FINALIZE, "model_chunk.finish_grad_sync()\n")  # <= 0.15
+    _core_file(tmp_path, FSDP2_WRAPPER, WRAPPER_WITHOUT_OVERRIDES)
     assert checks_parallel.skip_reason(fsdp2, "te", tmp_path) is None
 
 
 def test_fsdp2_is_skipped_where_upstreams_wrapper_drops_ddp_config(tmp_path: Path) -> None:
     """0.12: get_megatron_optimizer reads model_chunks[0].ddp_config, the wrapper never sets it."""
-    core = tmp_path / "megatron/core"
-    (core / "optimizer").mkdir(parents=True)
-    (core / "distributed").mkdir()
-    (core / "optimizer/__init__.py").write_text("ddp_config = model_chunks[0].ddp_config\n")
-    wrapper = core / "distributed/torch_fully_sharded_data_parallel.py"
-    wrapper.write_text("class TorchFullyShardedDataParallel(_BaseDataParallel):\n    pass\n")
+    _core_file(tmp_path, "optimizer/__init__.py", "ddp_config = model_chunks[0].ddp_config\n")
+    _core_file(tmp_path, FSDP2_WRAPPER, WRAPPER_WITHOUT_OVERRIDES)
     fsdp2 = checks_parallel.BY_NAME["fsdp2"]
     assert "ddp_config" in checks_parallel.skip_reason(fsdp2, "local", tmp_path)
-    wrapper.write_text("        self.ddp_config = ddp_config\n")  # 0.13+
+    _core_file(tmp_path, FSDP2_WRAPPER, "        self.ddp_config = ddp_config\n")  # 0.13+
     assert checks_parallel.skip_reason(fsdp2, "local", tmp_path) is None

@@ -9,7 +9,6 @@ at the top of the model is still sharded on its own, which upstream's own
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from cache_paths import DOWNLOAD_CACHE
 
+from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
@@ -69,12 +69,6 @@ print("SHARDED", fsdp(model.block), fsdp(model.block.inner), fsdp(model.head))
 """
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _wrap(tree: Path) -> str:
     env = dict(
         os.environ,
@@ -83,7 +77,7 @@ def _wrap(tree: Path) -> str:
         OMP_NUM_THREADS="1",
     )
     done = subprocess.run(
-        [sys.executable, "-c", WRAP, str(tree), _free_port()],
+        [sys.executable, "-c", WRAP, str(tree), str(free_port())],
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,7 +9,6 @@ the smoke parallel tier, 2 x H200). The patched backward must leave exactly
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from cache_paths import DOWNLOAD_CACHE
 
+from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
@@ -46,15 +46,9 @@ print("MAXREL", float(((buffer.double() - expected).abs() / expected.abs().max()
 """
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _backward(tree: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", BACKWARD, str(tree), _free_port()],
+        [sys.executable, "-c", BACKWARD, str(tree), str(free_port())],
         capture_output=True,
         text=True,
         timeout=300,

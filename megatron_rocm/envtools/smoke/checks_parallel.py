@@ -100,26 +100,29 @@ def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
     return None
 
 
+def _core_texts(tree: Path, *paths: str) -> list[str] | None:
+    """The text of each ``megatron/core`` file, or None when the tree lacks one of them."""
+    files = [tree / "megatron/core" / path for path in paths]
+    return [f.read_text() for f in files] if all(f.is_file() for f in files) else None
+
+
+_FSDP2_WRAPPER = "distributed/torch_fully_sharded_data_parallel.py"
+
+
 def _fsdp2_drops_ddp_config(tree: Path) -> bool:
     """0.12: the wrapper takes ``ddp_config`` but never stores it; the optimizer reads it."""
-    core = tree / "megatron/core"
-    optimizer = core / "optimizer/__init__.py"
-    wrapper = core / "distributed/torch_fully_sharded_data_parallel.py"
-    if not (optimizer.is_file() and wrapper.is_file()):
-        return False
-    return ".ddp_config" in optimizer.read_text() and "self.ddp_config" not in wrapper.read_text()
+    texts = _core_texts(tree, "optimizer/__init__.py", _FSDP2_WRAPPER)
+    return texts is not None and ".ddp_config" in texts[0] and "self.ddp_config" not in texts[1]
 
 
 def _fsdp2_misses_force_all_reduce(tree: Path) -> bool:
     """0.16-0.18: finalize_model_grads calls ``finish_grad_sync(force_all_reduce=...)`` and
     the FSDP2 wrapper inherits ``_BaseDataParallel.finish_grad_sync(self)``; 0.19 overrides it."""
-    dist = tree / "megatron/core/distributed"
-    finalize = dist / "finalize_model_grads.py"
-    wrapper = dist / "torch_fully_sharded_data_parallel.py"
-    if not (finalize.is_file() and wrapper.is_file()):
-        return False
-    return "force_all_reduce" in finalize.read_text() and (
-        "def finish_grad_sync" not in wrapper.read_text()
+    texts = _core_texts(tree, "distributed/finalize_model_grads.py", _FSDP2_WRAPPER)
+    return (
+        texts is not None
+        and "force_all_reduce" in texts[0]
+        and "def finish_grad_sync" not in texts[1]
     )
 
 
