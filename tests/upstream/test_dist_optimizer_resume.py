@@ -134,8 +134,14 @@ def test_nd_flattened_checkpoint_survives_torch_2_11s_metadata_copy(trees, tmp_p
     assert result["losses"]["resumed"] == result["losses"]["straight"]
 
 
+# The planner never writes, so psutil (imported at module level by 0.12's torch_dist writer,
+# for its memory log) gets an empty stand-in where it is not installed.
 PLANNER = """
-import dataclasses, sys
+import dataclasses, sys, types
+try:
+    import psutil
+except ImportError:
+    sys.modules["psutil"] = types.ModuleType("psutil")
 sys.path.insert(0, sys.argv[1])
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlan, MCoreSavePlanner
 shape = {"k": {"nd_reformulated_orig_global_shape": (2, 3)}}
