@@ -92,7 +92,7 @@ def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> 
     only = ["training", "collectives", "parallel"]
     assert smoke(str(fake_tree), str(out), None, only=only) == 0
     checks = load(out)
-    assert len(checks) == 4 + 4 + 2 + 14  # training x spec, resume, collectives, parallel
+    assert len(checks) == 4 + 4 + 2 + 16  # training x spec, resume, collectives, parallel
     assert {c["status"] for c in checks.values()} == {"skip"}  # never "pass" without a GPU
     assert "needs a GPU" in checks["training.gpt.te"]["detail"]
     assert "needs 1 GPU; no GPU visible" in checks["training.resume.1gpu.local"]["detail"]

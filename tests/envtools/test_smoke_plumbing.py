@@ -42,7 +42,8 @@ def test_registry_names_every_mode_and_spec() -> None:
         "training.resume.dp2_distopt.local",
         "training.resume.dp2_distopt.te",
     ]
-    modes = ["tp2_sp", "pp2", "dp2_distopt_overlap", "ep2_moe", "cp2", "fsdp2", "megatron_fsdp"]
+    modes = ["tp2_sp", "pp2", "dp2_distopt_overlap", "ep2_moe", "cp2", "cp2_packed", "fsdp2"]
+    modes.append("megatron_fsdp")
     assert [n for n in names if n.startswith("parallel.")] == [
         f"parallel.{m}.{s}" for m in modes for s in ("local", "te")
     ]
@@ -51,7 +52,7 @@ def test_registry_names_every_mode_and_spec() -> None:
 
 @pytest.mark.parametrize(
     ("only", "count"),
-    [(["parallel"], 14), (["parallel.ep2_moe"], 2), (["training.resume"], 4), (["training"], 8)],
+    [(["parallel"], 16), (["parallel.ep2_moe"], 2), (["training.resume"], 4), (["training"], 8)],
 )
 def test_select_by_prefix(only, count) -> None:
     assert len(runner.select(runner.load_checks(), only)) == count
@@ -93,6 +94,17 @@ def test_static_skip_reasons(tmp_path: Path, monkeypatch) -> None:
         lambda name: None if name.endswith("context_parallel") else real(name),
     )
     assert "no context parallelism yet" in checks_parallel.skip_reason(modes["cp2"], "te", tree)
+    assert "only through TEDotProductAttention" in checks_parallel.skip_reason(
+        modes["cp2_packed"], "local", tree
+    )
+    monkeypatch.setattr(
+        checks_parallel.importlib.util,
+        "find_spec",
+        lambda name: None if name.endswith("packed_context_parallel") else real(name),
+    )
+    assert "no packed context parallelism yet" in checks_parallel.skip_reason(
+        modes["cp2_packed"], "te", tree
+    )
     assert "from 0.14" in checks_parallel.skip_reason(modes["megatron_fsdp"], "te", tree)
     adapter = tree / "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py"
     adapter.parent.mkdir(parents=True)
@@ -154,7 +166,7 @@ def test_parallel_worlds_and_environments(tmp_path: Path, launches, monkeypatch)
 
 def test_parallel_judge(tmp_path: Path) -> None:
     c = ctx(tmp_path)
-    c.cache[("parallel-reference", "llama", "local")] = JobResult("ref", True, CURVE)
+    c.cache[("parallel-reference", "llama", "local", False)] = JobResult("ref", True, CURVE)
     with pytest.raises(runner.Skip, match="not yet"):
         checks_parallel.judge(c, "parallel.cp2.local", "not yet")
     with pytest.raises(runner.CheckFailed, match="rank 1: boom"):

@@ -209,3 +209,19 @@ def test_one_gpu_training_runs_in_process(trees) -> None:
         assert learned.startswith("loss 6.9") and "in 10 steps" in learned, name
         assert optimizer == "Float16OptimizerWithFloat16Params(FusedAdam)"
         assert params > 100_000
+
+
+def test_context_parallel_on_packed_and_unpacked_batches_matches_one_rank(trees) -> None:
+    """CP2 through the TE spec on the native backend: upstream's load-balanced chunks, and
+    packed documents with padding split per document (``thd-cp-partition``'s layout), each
+    against the 1-rank run on the same data from the same weights."""
+    ctx = context(trees("0.16.0"))
+    pairs = [(checks_parallel.BY_NAME[m], "te") for m in ("cp2", "cp2_packed")]
+    results = checks_parallel.parallel_results(
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    for name in ("parallel.cp2.te", "parallel.cp2_packed.te"):
+        assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
+    unpacked = ctx.cache[("parallel-reference", "llama", "te", False)].losses
+    packed = ctx.cache[("parallel-reference", "llama", "te", True)].losses
+    assert packed[0] != unpacked[0]  # documents attend only to themselves: another loss

@@ -28,8 +28,10 @@ class CudaOnCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if kwargs.get("pin_memory"):  # pinned host memory only exists beside an accelerator
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)

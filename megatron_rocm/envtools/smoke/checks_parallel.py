@@ -41,6 +41,7 @@ class Mode:
     overlap: bool = False
     fsdp: str = ""
     env: str = "mp"
+    packed: bool = False  # packed sequences (THD): compared with the packed 1-GPU run
 
 
 MODES = [
@@ -54,6 +55,12 @@ MODES = [
     ),
     Mode("ep2_moe", "MoE (4 experts, top-2, alltoall) with expert parallel 2", "moe", Layout(ep=2)),
     Mode("cp2", "context parallel 2 (load-balanced chunks, causal)", layout=Layout(cp=2)),
+    Mode(
+        "cp2_packed",
+        "context parallel 2 on packed sequences (THD with padding, per-document chunks)",
+        layout=Layout(cp=2),
+        packed=True,
+    ),
     Mode("fsdp2", "torch FSDP2 (--use-torch-fsdp2)", fsdp="torch_fsdp2", env="fsdp"),
     Mode(
         "megatron_fsdp",
@@ -67,10 +74,19 @@ BY_NAME = {m.name: m for m in MODES}
 
 def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
     """Why (mode, spec) cannot run on this tree at all; None when it can."""
-    if mode.name == "cp2" and spec == "local":
+    if mode.name.startswith("cp2") and spec == "local":
         return (
             "upstream runs context parallelism only through TEDotProductAttention (the TE "
             "spec); the local DotProductAttention asserts context_parallel_size == 1"
+        )
+    if (
+        mode.packed
+        and importlib.util.find_spec("megatron_rocm.runtime.backend.packed_context_parallel")
+        is None
+    ):
+        return (
+            "the native TE backend has no packed context parallelism yet "
+            "(megatron_rocm.runtime.backend.packed_context_parallel)"
         )
     if (
         mode.name == "cp2"
@@ -137,10 +153,16 @@ def job_for(mode: Mode, spec: str, weights: str, overrides: dict | None = None) 
         overlap=mode.overlap,
         fsdp=mode.fsdp,
         grouped_gemm=grouped,
+        packed=mode.packed,
         steps=PARALLEL_STEPS,
         weights=weights,
         overrides=dict(overrides or {}),
     )
+
+
+def _ref_key(mode: Mode, spec: str) -> tuple[str, str, bool]:
+    """Which 1-GPU run a mode is compared with: same model, spec and data."""
+    return (mode.model, spec, mode.packed)
 
 
 def _wanted(ctx: Context) -> list[tuple[Mode, str]]:
@@ -167,30 +189,34 @@ def parallel_results(
             out[f"parallel.{mode.name}.{spec}"] = reason
         else:
             runnable.append((mode, spec))
-    refs: dict[tuple[str, str], Job] = {}
+    refs: dict[tuple[str, str, bool], Job] = {}
     for mode, spec in runnable:
-        weights = str(ctx.workdir / f"parallel-initial-{mode.model}-{spec}.pt")
+        data = "-packed" if mode.packed else ""
+        weights = str(ctx.workdir / f"parallel-initial-{mode.model}-{spec}{data}.pt")
         grouped = job_for(mode, spec, weights).grouped_gemm
-        refs[(mode.model, spec)] = Job(
-            f"reference.{mode.model}.{spec}",
+        refs[_ref_key(mode, spec)] = Job(
+            f"reference.{mode.model}.{spec}{data}",
             model=mode.model,
             spec=spec,
             grouped_gemm=grouped,
+            packed=mode.packed,
             steps=PARALLEL_STEPS,
             dump_weights=weights,
             overrides=dict(overrides or {}),
         )
     done = run_jobs(1, list(refs.values()), ctx.tree, backend=backend, env=env)
-    for (model, spec), ref in refs.items():
-        ctx.cache[("parallel-reference", model, spec)] = done[ref.name]
+    for key, ref in refs.items():
+        ctx.cache[("parallel-reference", *key)] = done[ref.name]
     for group in ENVS:
         jobs = []
         for mode, spec in runnable:
             if mode.env != group:
                 continue
-            ref = refs[(mode.model, spec)]
+            ref = refs[_ref_key(mode, spec)]
             if not done[ref.name].ok:
-                why = f"the 1-GPU {mode.model} run ({spec} spec) failed: {done[ref.name].error}"
+                data = ", packed sequences" if mode.packed else ""
+                why = f"the 1-GPU {mode.model} run ({spec} spec{data}) failed: "
+                why += str(done[ref.name].error)
                 out[f"parallel.{mode.name}.{spec}"] = JobResult(ref.name, False, error=why)
                 continue
             jobs.append(job_for(mode, spec, ref.dump_weights or "", overrides))
@@ -207,7 +233,7 @@ def judge(ctx: Context, name: str, result: JobResult | str) -> str:
         raise CheckFailed(result.error or "no losses reported")
     _, mode_name, spec = name.split(".")
     mode = BY_NAME[mode_name]
-    ref = ctx.cache[("parallel-reference", mode.model, spec)]
+    ref = ctx.cache[("parallel-reference", *_ref_key(mode, spec))]
     try:
         learned = verdicts.learns(result.losses)
         matched = verdicts.matches_reference(result.losses, ref.losses)

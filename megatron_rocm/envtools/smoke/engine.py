@@ -38,6 +38,7 @@ class Job:
     overlap: bool = False  # overlap_grad_reduce + overlap_param_gather (distributed optimizer)
     fsdp: str = ""  # "" | "torch_fsdp2" | "megatron_fsdp"
     grouped_gemm: bool = False
+    packed: bool = False  # packed sequences (THD, documents with padding): models.PACKED_DOCUMENTS
     steps: int = 10
     start_step: int = 0  # data index of the first step (a resumed run continues the sequence)
     weights: str | None = None  # torch.save'd full_weights() to start from
@@ -194,6 +195,15 @@ class Trainer:
     def _forward_step(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
         batch = next(data_iterator)
         cp = self.job.layout.cp
+        if self.job.packed:
+            params = models.packed_seq_params(batch)
+            output = model(
+                batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                packed_seq_params=params,
+            )  # fmt: skip
+            return output, functools.partial(
+                _masked_loss, cp, batch["loss_mask"], batch["loss_tokens"]
+            )
         mask = models.causal_mask(models.SEQ, self.device) if cp == 1 else None
         output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
         return output, functools.partial(_loss, cp)
@@ -206,7 +216,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         dp = parallel_state.get_data_parallel_world_size()
-        batches = models.microbatches(
+        packed = self.job.packed
+        batches = (models.packed_microbatches if packed else models.microbatches)(
             step,
             self.device,
             dp=dp,
@@ -219,9 +230,10 @@ class Trainer:
             data_iterator=batches,
             model=[self.model],
             num_microbatches=models.num_microbatches(dp),
-            seq_length=models.SEQ,
-            micro_batch_size=models.MICRO_BATCH,
-            decoder_seq_length=models.SEQ,
+            # a packed micro-batch is one row of MICRO_BATCH samples (THD)
+            seq_length=models.SEQ * (models.MICRO_BATCH if packed else 1),
+            micro_batch_size=1 if packed else models.MICRO_BATCH,
+            decoder_seq_length=models.SEQ * (models.MICRO_BATCH if packed else 1),
             forward_only=False,
         )
         result = self.optimizer.step()
@@ -276,6 +288,17 @@ def _loss(cp: int, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str,
     local_mean / cp gives the gradient of the global mean (pretrain_gpt's legacy form)."""
     local = output_tensor.float().mean()
     return local / cp, {"lm loss": local.detach()}
+
+
+def _masked_loss(
+    cp: int, loss_mask: torch.Tensor, loss_tokens: float, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``_loss`` for packed batches: padding carries no loss, and CP ranks hold unequal
+    numbers of real tokens, so this rank's sum is divided by the micro-batch's token count
+    (the same gradient contract as ``_loss``); reported times cp, so that the mean over the
+    CP ranks is the micro-batch's mean."""
+    local = (output_tensor.float() * loss_mask).sum() / loss_tokens
+    return local, {"lm loss": (local * cp).detach()}
 
 
 def perturb_optimizer_state(optimizer: Any) -> int:

@@ -208,6 +208,63 @@ def microbatches(
         yield {k: cp_slice(v, cp, cp_rank) for k, v in part.items()}
 
 
+# Packed sequences: each sample of SEQ tokens holds these documents as (real, padded) lengths.
+# Padded lengths are multiples of 2 x CP 2, as upstream's SFT data pads them for CP; the
+# padding rows are inputs no real token attends to and carry no loss.
+PACKED_DOCUMENTS = ((37, 40), (50, 52), (17, 20), (16, 16))
+
+
+def packed_microbatches(
+    step: int, device: Any, *, dp: int, dp_rank: int, cp: int, cp_rank: int
+) -> Iterator[dict[str, Any]]:
+    """Like ``microbatches``, with each micro-batch packed (THD): its samples flattened into
+    one row of documents (``cu_seqlens`` real, ``cu_seqlens_padded`` storage, positions
+    restarting per document, ``loss_mask`` 0 on padding) and split for context parallelism
+    per document (TE's ``thd_get_partitioned_indices``, what upstream's packed data path
+    calls)."""
+    from megatron_rocm.runtime.backend.thd_partition import thd_get_partitioned_indices
+
+    real, padded, positions, mask = [0], [0], [], []
+    for length, room in PACKED_DOCUMENTS * MICRO_BATCH:
+        real.append(real[-1] + length)
+        padded.append(padded[-1] + room)
+        positions += range(room)
+        mask += [1.0] * length + [0.0] * (room - length)
+    cu = torch.tensor(real, dtype=torch.int32)
+    cu_padded = torch.tensor(padded, dtype=torch.int32)
+    total = int(cu_padded[-1])
+    if total != MICRO_BATCH * SEQ:
+        raise AssertionError(f"PACKED_DOCUMENTS fill {total} rows, not {MICRO_BATCH * SEQ}")
+    index = thd_get_partitioned_indices(cu_padded, total, cp, cp_rank).long()
+    extra = {
+        "position_ids": torch.tensor(positions).unsqueeze(0),
+        "loss_mask": torch.tensor(mask).unsqueeze(0),
+    }
+    for part in microbatches(step, "cpu", dp=dp, dp_rank=dp_rank, cp=1, cp_rank=0):
+        flat = {k: part[k].reshape(1, -1) for k in ("tokens", "labels")}
+        flat.update(extra)
+        batch: dict[str, Any] = {k: v.index_select(1, index).to(device) for k, v in flat.items()}
+        batch["loss_tokens"] = float(sum(mask))  # the whole micro-batch's, on every CP rank
+        batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu.to(device), cu_padded.to(device)
+        batch["max_seqlen"] = max(room for _, room in PACKED_DOCUMENTS)
+        yield batch
+
+
+def packed_seq_params(batch: dict[str, Any]) -> Any:
+    """upstream's ``PackedSeqParams`` for a ``packed_microbatches`` batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch["cu_seqlens"],
+        cu_seqlens_kv=batch["cu_seqlens"],
+        cu_seqlens_q_padded=batch["cu_seqlens_padded"],
+        cu_seqlens_kv_padded=batch["cu_seqlens_padded"],
+        max_seqlen_q=batch["max_seqlen"],
+        max_seqlen_kv=batch["max_seqlen"],
+    )
+
+
 def num_microbatches(dp: int) -> int:
     return GLOBAL_BATCH // (dp * MICRO_BATCH)
 

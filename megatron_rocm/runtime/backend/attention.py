@@ -5,7 +5,8 @@ Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`
 ``backend.sdpa``). What TE does beyond that dispatches here:
 
 * context parallelism (``config.context_parallel_size > 1``): ``backend.context_parallel``;
-* packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed_attention``;
+* packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed_attention``,
+  and ``backend.packed_context_parallel`` under context parallelism;
 * ``attention_bias`` (relative position embeddings): an additive float mask;
 * a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer;
 * a block-causal mask under a causal mask type (``--reset-attention-mask`` data): attention
@@ -45,6 +46,16 @@ def _window_for_layer(config: Any, layer_number: int) -> tuple[int, int] | None:
         return tuple(window)
     skip = getattr(config, "window_attn_skip_freq", None)
     return tuple(window) if is_layer_window_attention(window, skip, layer_number) else None
+
+
+def _offsets(params: Any) -> dict[str, torch.Tensor | None]:
+    """The document offsets of a ``PackedSeqParams`` (the padded ones may be absent)."""
+    return {
+        "cu_seqlens_q": params.cu_seqlens_q,
+        "cu_seqlens_kv": params.cu_seqlens_kv,
+        "cu_seqlens_q_padded": getattr(params, "cu_seqlens_q_padded", None),
+        "cu_seqlens_kv_padded": getattr(params, "cu_seqlens_kv_padded", None),
+    }
 
 
 def _cp_group(config: Any, groups: Any) -> Any:
@@ -164,6 +175,8 @@ class TEDotProductAttention(torch.nn.Module):
             attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         )
         qkv_format = getattr(packed_seq_params, "qkv_format", None) or self.qkv_format
+        if packed_seq_params is not None:
+            self._follow_dynamic_cp(packed_seq_params)
         with self._rng_context():
             if packed_seq_params is not None and qkv_format == "thd":
                 return self._packed(query, key, value, mask_type, attention_bias, packed_seq_params)
@@ -193,6 +206,24 @@ class TEDotProductAttention(torch.nn.Module):
                 dropout_p=self._dropout_p(),
                 window_size=self.window_size,
             )
+
+    def _follow_dynamic_cp(self, params: Any) -> None:
+        """Hybrid CP (``--hybrid-context-parallel``) hands each batch its CP group in
+        ``PackedSeqParams``; ``local_cp_size == 1`` without a group turns CP off. As TE's
+        wrapper does, the change persists until the next batch changes it."""
+        group = getattr(params, "cp_group", None)
+        local = getattr(params, "local_cp_size", None)
+        if group is not None:
+            import torch.distributed as dist
+
+            self.cp_group, self.cp_size = group, dist.get_world_size(group)
+        elif local is not None:
+            if local != 1:
+                raise ValueError(
+                    f"{_OWNER}: PackedSeqParams.local_cp_size={local} needs its cp_group "
+                    f"(only local_cp_size == 1 may come without one)"
+                )
+            self.cp_group, self.cp_size = None, 1
 
     @staticmethod
     def _documents(
@@ -267,27 +298,51 @@ class TEDotProductAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError(f"{_OWNER}: packed sequences with an attention bias are not supported")
+        causal = mask_type in ("causal", "padding_causal")
         if self.cp_size > 1:
-            raise ValueError(
-                f"{_OWNER}: context parallelism with packed (THD) sequences is not supported by "
-                f"the native backend yet; use --context-parallel-size 1 or unpacked data"
-            )
+            return self._packed_context_parallel(query, key, value, causal, params)
         from megatron_rocm.runtime.backend.packed_attention import packed_attention
 
         return packed_attention(
             query,
             key,
             value,
-            cu_seqlens_q=params.cu_seqlens_q,
-            cu_seqlens_kv=params.cu_seqlens_kv,
+            **_offsets(params),
             max_seqlen_q=getattr(params, "max_seqlen_q", None),
             max_seqlen_kv=getattr(params, "max_seqlen_kv", None),
-            cu_seqlens_q_padded=getattr(params, "cu_seqlens_q_padded", None),
-            cu_seqlens_kv_padded=getattr(params, "cu_seqlens_kv_padded", None),
-            causal=mask_type in ("causal", "padding_causal"),
+            causal=causal,
             softmax_scale=self.softmax_scale,
             dropout_p=self._dropout_p(),
             window_size=self.window_size,
+        )
+
+    def _packed_context_parallel(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, params: Any
+    ) -> torch.Tensor:
+        if self.window_size is not None:
+            raise ValueError(
+                f"{_OWNER}: context parallelism with packed (THD) sequences and a sliding window "
+                f"is not supported by the native backend"
+            )
+        from megatron_rocm.runtime.backend.packed_context_parallel import (
+            packed_context_parallel_attention,
+        )
+        from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+
+        log_fallback_once(
+            f"packed-cp-comm:{self.cp_comm_type}",
+            f"packed (THD) sequences under context parallelism all-gather K/V once per layer "
+            f"(--cp-comm-type {self.cp_comm_type} applies to unpacked batches)",
+        )
+        return packed_context_parallel_attention(
+            query,
+            key,
+            value,
+            **_offsets(params),
+            cp_group=self.cp_group,
+            causal=causal,
+            softmax_scale=self.softmax_scale,
+            dropout_p=self._dropout_p(),
         )
 
     def sharded_state_dict(

@@ -16,6 +16,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -165,6 +166,104 @@ def dropout_case(
         "repeatable": bool(torch.equal(out.detach(), again)),
         "dropped": (out.detach() - plain).abs().max().item(),
     }
+
+
+def thd_rows(padded: list[int], cp: int, rank: int) -> list[int]:
+    """TE's per-document CP split, written out independently of the package: of every
+    document's padded span cut into 2cp equal chunks, chunks r and 2cp-1-r, in order."""
+    rows: list[int] = []
+    for begin, end in zip(padded, padded[1:]):
+        chunk = (end - begin) // (2 * cp)
+        for position in (rank, 2 * cp - 1 - rank):
+            rows.extend(range(begin + position * chunk, begin + (position + 1) * chunk))
+    return rows
+
+
+def packed_parity_case(
+    *,
+    tensors: dict[str, torch.Tensor],
+    cu_seqlens: list[int],
+    padded: list[int] | None,
+    causal: bool,
+    scale: float | None,
+    dtype: torch.dtype,
+    kernel: str | None = None,
+    rows_of: str = "thd",
+    through_module: str | None = None,
+) -> dict[str, Any]:
+    """Packed CP attention on this rank's rows of the whole packed q/k/v: output and grads.
+
+    ``through_module``: called as upstream's attention layer calls it, through the backend's
+    ``TEDotProductAttention`` with ``PackedSeqParams``-like arguments, with CP over the world
+    from the config (``static``) or, as hybrid CP does, from ``PackedSeqParams.cp_group`` on
+    a module built without CP (``dynamic``), or CP turned off by ``local_cp_size=1`` on a
+    module built with it (``off``: every rank attends over all rows).
+    """
+    from megatron_rocm.runtime.backend.packed_context_parallel import (
+        packed_context_parallel_attention,
+    )
+
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    layout = padded if padded is not None else cu_seqlens
+    if through_module == "off":
+        rows = list(range(layout[-1]))
+    elif rows_of == "thd":
+        rows = thd_rows(layout, cp, rank)
+    else:  # a *wrong* layout (plain contiguous split), to show the parity check notices
+        rows = list(range(rank * layout[-1] // cp, (rank + 1) * layout[-1] // cp))
+    index = torch.tensor(rows)
+    leaves = [tensors[n][index].to(device, dtype).requires_grad_() for n in "qkv"]
+
+    def offsets(values: list[int] | None) -> torch.Tensor | None:
+        return None if values is None else torch.tensor(values, dtype=torch.int32, device=device)
+
+    params = {
+        "cu_seqlens_q": offsets(cu_seqlens),
+        "cu_seqlens_kv": offsets(cu_seqlens),
+        "cu_seqlens_q_padded": offsets(padded),
+        "cu_seqlens_kv_padded": offsets(padded),
+    }
+    if through_module:
+        dynamic = {
+            "static": {},
+            "dynamic": {"cp_group": dist.group.WORLD, "local_cp_size": cp},
+            "off": {"cp_group": None, "local_cp_size": 1},
+        }[through_module]
+        built_cp = 1 if through_module == "dynamic" else cp
+        packed = SimpleNamespace(qkv_format="thd", **params, **dynamic)
+        out = _te_attention(leaves, built_cp, causal, scale)(
+            *leaves, None, packed_seq_params=packed
+        )
+    else:
+        out = packed_context_parallel_attention(
+            *leaves, **params, cp_group=None, causal=causal, softmax_scale=scale,
+            implementation=kernel,
+        )  # fmt: skip
+    out.backward(tensors["grad"][index].to(device, dtype))
+    result = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    from megatron_rocm.runtime.backend.packed_attention import last_implementation
+
+    tensors_out = {n: t.float().cpu() for n, t in result.items()}
+    return {"rows": rows, "implementation": last_implementation(), **tensors_out}
+
+
+def _te_attention(leaves: list[torch.Tensor], cp: int, causal: bool, scale: float | None) -> Any:
+    """The backend's TEDotProductAttention as a TE spec builds it, with CP over the world."""
+    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+
+    heads, dim = leaves[0].shape[1], leaves[0].shape[2]
+    config = SimpleNamespace(
+        kv_channels=dim, attention_dropout=0.0, window_size=None, softmax_type="vanilla",
+        num_attention_heads=heads, tensor_model_parallel_size=1, context_parallel_size=cp,
+    )  # fmt: skip
+    return TEDotProductAttention(
+        config,
+        layer_number=1,
+        attn_mask_type="padding_causal" if causal else "padding",
+        attention_type="self",
+        softmax_scale=scale,
+        pg_collection=SimpleNamespace(cp=dist.group.WORLD, tp=None),
+    )
 
 
 def _serve(rank: int, size: int, port: int, backend: str, tasks: Any, results: Any) -> None:

@@ -11,7 +11,6 @@ memory-efficient kernels the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -203,21 +202,6 @@ def test_an_explicit_kernel_that_cannot_run_fails_loudly(
 # --- parity across processes ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def worlds() -> Iterator[Callable[[int], World]]:
-    """``worlds(n)``: a live gloo world of n ranks, started on first use, shared by the module."""
-    live: dict[int, World] = {}
-
-    def get(size: int) -> World:
-        if size not in live or not live[size].alive:
-            live[size] = World(size)
-        return live[size]
-
-    yield get
-    for world in live.values():
-        world.close()
-
-
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Full-sequence q/k/v and output gradient, already rounded to ``dtype`` (both sides see
     the same values)."""
@@ -347,15 +331,6 @@ def test_dropout_backward_replays_the_forward_mask(worlds, comm_type: str, kerne
 
 
 # --- GPUs (NCCL/RCCL, one GPU per rank) ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gpu_world() -> Iterator[World]:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA/ROCm GPUs")
-    world = World(2, backend="nccl")
-    yield world
-    world.close()
 
 
 GPU_SHAPE = (512, 1, 8, 2, 64, 64)
