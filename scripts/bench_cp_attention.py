@@ -1,13 +1,17 @@
 """Attention TFLOP/s of context-parallel attention vs single-GPU SDPA at the same total length.
 
     torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
-        [--comm p2p,all_gather,a2a] [--json FILE]
+        [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--json FILE]
 
 Llama-ish shapes: batch 1, 32 query heads, 8 kv groups, head dim 128, bf16, causal, forward +
 backward. Per total length L, every rank first times single-GPU SDPA over all L tokens
 (``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
 ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
-zigzag layout, for each comm type. One JSON line per case, with the device named:
+zigzag layout, for each comm type and block kernel (``--kernels``: values of
+``MEGATRON_ROCM_CP_KERNEL``; a2a runs SDPA whatever it says). The single-GPU SDPA is also timed
+with its flash and cuDNN backends forced (``sdpa_1gpu_flash``, ``sdpa_1gpu_cudnn``, where the
+build has them): a CP block kernel slower than the backend SDPA picks makes CP look sub-linear.
+One JSON line per case, with the device named:
 
 * ``ms``: median wall time of forward + backward (the slowest rank's, for CP);
 * ``tflops_per_gpu``: causal attention FLOPs (forward ``2 * 2 * b * h * L^2 * d / 2``,
@@ -76,8 +80,39 @@ def slowest(ms: float, device: torch.device) -> float:
     return value.item()
 
 
+def _forced_sdpa_backends(
+    leaves: list[torch.Tensor], grad: torch.Tensor, scale: float, length: int, iters: int,
+    device: torch.device,
+) -> Iterator[dict]:  # fmt: skip
+    """The one-GPU SDPA with each fast backend forced: which one the default dispatch took."""
+    if device.type != "cuda":
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for label, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+        if not hasattr(SDPBackend, backend):
+            continue
+
+        def run(x: list = leaves, b: object = getattr(SDPBackend, backend)) -> None:
+            with sdpa_kernel(b):
+                sdpa_attention(*x, None, "causal", scale).backward(grad)
+
+        try:
+            ms = timed(run, iters, device)
+        except RuntimeError as exc:  # the backend cannot take these inputs on this build
+            yield {"case": f"sdpa_1gpu_{label}", "L": length, "error": str(exc)[:160]}
+            continue
+        yield {"case": f"sdpa_1gpu_{label}", "L": length, "ms": round(ms, 3),
+               "tflops_per_gpu": round(causal_flops(length) / ms / 1e9, 2)}  # fmt: skip
+
+
 def bench_length(
-    length: int, comms: list[str], iters: int, device: torch.device, dtype: torch.dtype
+    length: int,
+    comms: list[str],
+    iters: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: list[str],
 ) -> Iterator[dict]:
     """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -98,10 +133,15 @@ def bench_length(
     )
     yield {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
            "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
+    yield from _forced_sdpa_backends(leaves, full["g"], scale, length, iters, device)
     del leaves  # free the single-GPU tensors before the CP cases
     local = {n: zigzag_shard(t, cp, rank) for n, t in full.items()}
     expected = zigzag_shard(single_out, cp, rank).float()
-    for comm in comms:
+    cases = [
+        (comm, kernel) for comm in comms for kernel in (kernels if comm != "a2a" else ["auto"])
+    ]
+    for comm, kernel_name in cases:
+        os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
 
         def run(comm: str = comm, cp_leaves: list = cp_leaves) -> torch.Tensor:
@@ -114,7 +154,7 @@ def bench_length(
         dist.barrier()
         ms = slowest(timed(lambda run=run: run().backward(local["g"]), iters, device), device)
         kernel = "sdpa" if comm == "a2a" else pick_kernel(*cp_leaves, 0.0).name
-        yield {"case": f"cp{cp}_{comm}", "L": length, "ms": round(ms, 3),
+        yield {"case": f"cp{cp}_{comm}_{kernel}", "L": length, "ms": round(ms, 3),
                "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
                "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
                "kernel": kernel}  # fmt: skip
@@ -125,6 +165,9 @@ def main() -> int:
     parser.add_argument("--lengths", default="8192,16384,32768")
     parser.add_argument("--comm", default="p2p,all_gather,a2a")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--kernels", default="auto", help="CP block kernels (MEGATRON_ROCM_CP_KERNEL values)"
+    )
     parser.add_argument("--json", help="also append the JSON lines to this file (rank 0)")
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
@@ -149,7 +192,10 @@ def main() -> int:
                 sink.write(line + "\n")
 
     for length in lengths:
-        for record in bench_length(length, args.comm.split(","), args.iters, device, dtype):
+        kernels = args.kernels.split(",")
+        for record in bench_length(
+            length, args.comm.split(","), args.iters, device, dtype, kernels
+        ):
             emit(record)
         if device.type == "cuda":
             torch.cuda.empty_cache()

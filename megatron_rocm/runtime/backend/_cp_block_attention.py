@@ -13,10 +13,16 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
   query/value head dims, a multiple of 8, at most 256). Grouped kv heads are native on CUDA.
 * ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA and ROCm; head dims
   multiples of 8; fp32 too).
+* ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (CUDA builds with cuDNN SDPA; no
+  dropout). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
+  (FlashAttention-2), so a CP block on ``flash`` is slower than the one-GPU SDPA it replaces.
+  Only on request for now (its speed under CP is still to be measured), and only after a probe:
+  two key blocks merged by log-sum-exp and differentiated with the merged output and lse must
+  give the math kernel's output and gradients, or the request fails with the reason.
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, no dropout).
 * ``math``: fp32 matmuls (any device). It materialises the block's scores: a fallback only.
 
-``MEGATRON_ROCM_CP_KERNEL`` (flash, efficient, cpu_flash, math; default auto) picks one
+``MEGATRON_ROCM_CP_KERNEL`` (flash, efficient, cudnn, cpu_flash, math; default auto) picks one
 explicitly; an explicit kernel that cannot run raises, an automatic fallback is logged once.
 
 Dropout: the GPU kernels return their philox seed and offset, which go back into their
@@ -27,6 +33,7 @@ linear, so the merged output is exactly dropout applied to the global softmax.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -199,6 +206,98 @@ class EfficientKernel(BlockKernel):
         return dq, dk, dv
 
 
+class CudnnKernel(BlockKernel):
+    name = "cudnn"
+
+    def unsupported(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> str | None:
+        if not q.is_cuda or is_hip():
+            return "needs an NVIDIA GPU (cuDNN)"
+        if dropout_p > 0:
+            return "is used without dropout only"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs fp16/bf16, got {q.dtype}"
+        if q.shape[-1] != v.shape[-1] or q.shape[-1] % 8 or q.shape[-1] > 128:
+            return f"needs equal q/v head dims, multiples of 8 and <= 128 (got {q.shape[-1]}, {v.shape[-1]})"
+        if not hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+            return f"torch {torch.__version__} has no cuDNN attention op"
+        if not getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)():
+            return "cuDNN SDPA is disabled (torch.backends.cuda.enable_cudnn_sdp)"
+        return _cudnn_probe(q.device.index, q.dtype, q.shape[-1])
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, p, causal, False, scale=scale
+            )
+        )
+        b, heads, sq = q.shape[:3]
+        state = (cum_q, cum_k, max_q, max_k, seed, offset, tuple(lse.shape))
+        return out, lse.reshape(b, heads, sq).float(), state
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = state
+        bias = torch.empty(0, device=q.device, dtype=q.dtype)  # no bias (an empty tensor)
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            do.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
+            seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal, scale=scale,
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _cudnn_probe(device_index: int | None, dtype: torch.dtype, dim: int) -> str | None:
+    """None when cuDNN's kernel can serve a CP block, else why not.
+
+    64 queries against 128 keys in two blocks (the causal diagonal, then 64 keys all visible),
+    merged by log-sum-exp and differentiated with the merged output and lse, as the ring does:
+    output and gradients must match fp64 math over all the keys.
+    """
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(keys: int) -> Tensor:
+        return torch.randn(1, 2, keys, dim, device=device, generator=gen, dtype=dtype)
+
+    q, keys, values, do = rand(64), rand(128), rand(128), rand(64)
+    scale, kernel = dim**-0.5, KERNELS["cudnn"]
+    blocks = [(slice(0, 64), True), (slice(64, 128), False)]
+    try:
+        merger, states = SoftmaxMerger(q, dim), []
+        for i, (cols, causal) in enumerate(blocks):
+            kb, vb = keys[:, :, cols], values[:, :, cols]
+            out, lse, state = kernel.forward(q, kb, vb, causal=causal, scale=scale, dropout_p=0.0)
+            merger.add(slice(None), out, lse, first=i == 0)
+            states.append(state)
+        out = merger.out.to(dtype)
+        grads = [
+            kernel.backward(
+                do, q, keys[:, :, cols], values[:, :, cols], out, merger.lse, state,
+                causal=causal, scale=scale, dropout_p=0.0,
+            )
+            for (cols, causal), state in zip(blocks, states)
+        ]  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
+        return f"failed its probe ({type(exc).__name__}: {exc})"[:300]
+    square = torch.ones(64, 64, dtype=torch.bool, device=device)
+    visible = torch.cat([square.tril(), square], dim=1)  # the diagonal block, then all visible
+    qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
+    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    reference = torch.softmax(scores, -1) @ vf
+    reference.backward(do.double())
+    got = {
+        "out": out,
+        "dq": grads[0][0] + grads[1][0],
+        "dk": torch.cat([grads[0][1], grads[1][1]], 2),
+        "dv": torch.cat([grads[0][2], grads[1][2]], 2),
+    }
+    want = {"out": reference, "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for name, value in got.items():
+        err = (value.double() - want[name]).abs().max().item()
+        if not err <= tol * (1 + want[name].abs().max().item()):
+            return f"its probe differs from fp64 math ({name}: max abs error {err:.3g})"
+    return None
+
+
 class CpuFlashKernel(BlockKernel):
     name = "cpu_flash"
 
@@ -273,7 +372,8 @@ class MathKernel(BlockKernel):
 
 
 KERNELS: dict[str, BlockKernel] = {
-    k.name: k for k in (FlashKernel(), EfficientKernel(), CpuFlashKernel(), MathKernel())
+    k.name: k
+    for k in (FlashKernel(), EfficientKernel(), CudnnKernel(), CpuFlashKernel(), MathKernel())
 }
 
 

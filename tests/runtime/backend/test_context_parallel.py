@@ -188,7 +188,8 @@ def test_kernel_choice_on_cpu(
     [
         ("cpu_flash", 0.1, "cpu_flash: this kernel cannot replay dropout"),
         ("flash", 0.0, "flash: this kernel needs a GPU"),
-        ("fast", 0.0, "'fast' is not one of auto, flash, efficient, cpu_flash, math"),
+        ("cudnn", 0.0, r"cudnn: this kernel needs an NVIDIA GPU \(cuDNN\)"),
+        ("fast", 0.0, "'fast' is not one of auto, flash, efficient, cudnn, cpu_flash, math"),
     ],
 )
 def test_an_explicit_kernel_that_cannot_run_fails_loudly(
@@ -346,10 +347,17 @@ def test_gpu_bf16_parity(gpu_world: World, comm_type: str, causal: bool) -> None
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("kernel", "dtype"),
-    [("flash", torch.float16), ("efficient", torch.float32), ("efficient", torch.bfloat16)],
+    [
+        ("flash", torch.float16),
+        ("efficient", torch.float32),
+        ("efficient", torch.bfloat16),
+        ("cudnn", torch.bfloat16),  # on request; its probe must pass on an NVIDIA GPU
+    ],
 )
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
 def test_gpu_kernels(gpu_world: World, kernel: str, dtype: torch.dtype, comm_type: str) -> None:
+    if kernel == "cudnn" and torch.version.hip:
+        pytest.skip("cuDNN attention is NVIDIA's; ROCm builds have no such kernel")
     tol = {torch.float32: 2e-3, torch.float16: 1e-2}.get(dtype)  # fp32 kernels may use TF32
     _assert_parity(gpu_world, GPU_SHAPE, dtype, comm_type=comm_type, kernel=kernel, tol=tol)
 
