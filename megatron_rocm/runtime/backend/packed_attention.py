@@ -115,7 +115,8 @@ def packed_attention_reference(
 # --------------------------------------------------------------------------- selection
 
 
-def _requested(implementation: str | None) -> str:
+def requested_implementation(implementation: str | None) -> str:
+    """The implementation asked for (argument, else the environment variable), or "auto"."""
     name = implementation or os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if name != "auto" and name not in IMPLEMENTATIONS:
         raise ValueError(
@@ -134,7 +135,7 @@ def _choose(
     window: tuple[int, int] | None,
     dropout_p: float,
 ) -> str:
-    name = _requested(implementation)
+    name = requested_implementation(implementation)
     if name in ("flex", "reference") and dropout_p > 0.0:
         raise NotImplementedError(
             f"packed attention {name!r} has no dropout; use attention dropout 0 or the "

@@ -27,11 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_all_gather import _all_gather, _reduce_scatter
-from megatron_rocm.runtime.backend.packed_attention import _requested, packed_attention
+from megatron_rocm.runtime.backend.packed_attention import (
+    packed_attention,
+    requested_implementation,
+)
 from megatron_rocm.runtime.backend.thd_partition import (
-    _host_offsets,
     check_divisible,
     concat_ranges,
+    host_offsets,
     partition_index,
 )
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
@@ -111,7 +114,7 @@ def _layout(
             return layout
     cu_q, cu_kv, pad_q, pad_kv = sources
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    host = [None if s is None else _host_offsets(s, n) for s, n in zip(sources, names)]
+    host = [None if s is None else host_offsets(s, n) for s, n in zip(sources, names)]
     real_q, real_kv = host[0], host[1]
     padded_q = host[2] if host[2] is not None else real_q
     padded_kv = host[3] if host[3] is not None else real_kv
@@ -217,7 +220,7 @@ def packed_context_parallel_attention(
 
 def _implementation(requested: str | None, query: Tensor, causal: bool) -> str | None:
     """The caller's choice, else ``flash`` only where its windows align bottom-right."""
-    if _requested(requested) != "auto" or not (causal and query.is_cuda):
+    if requested_implementation(requested) != "auto" or not (causal and query.is_cuda):
         return requested
     reason = _bottom_right_probe(query.device.index, query.dtype)
     if reason is None:

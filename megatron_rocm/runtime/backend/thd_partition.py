@@ -20,7 +20,8 @@ import torch
 NATIVE = True  # lets a patched assert tell this module from an old TransformerEngine
 
 
-def _host_offsets(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> list[int]:
+def host_offsets(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> list[int]:
+    """Validated cumulative offsets on the host (one copy; a leading batch dim of 1 is dropped)."""
     if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
         cu_seqlens = cu_seqlens[0]
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
@@ -82,7 +83,7 @@ def thd_get_partitioned_indices(
     world_size, rank, total_tokens = int(world_size), int(rank), int(total_tokens)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a context-parallel group of {world_size}")
-    offsets = _host_offsets(cu_seqlens)
+    offsets = host_offsets(cu_seqlens)
     if offsets[-1] != total_tokens:
         raise ValueError(
             f"cu_seqlens ends at {offsets[-1]} but the batch has {total_tokens} tokens; the "
