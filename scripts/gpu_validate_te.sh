@@ -29,6 +29,11 @@
 #            experimental ones included
 #   units2   upstream's own unit tests (transformer/, tensor_parallel/, fusions/), unpatched vs
 #            patched newest ref, 2 ranks (scripts/upstream_unit_tests.py), UNIT_BUDGET seconds
+#   packedcp packed sequences under CP and the CP block kernels (2 GPUs): the GPU cases of
+#            test_packed_context_parallel and test_context_parallel (cuDNN blocks included),
+#            bench_cp_attention with flash and cuDNN blocks and SDPA's backends forced, smoke's
+#            parallel.cp2 / parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks,
+#            and CP=2 at 16k with cuDNN blocks (compare with cp2's te-llama-cp2-16k)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Two calls cover everything the native-backend issues still owe on a GPU (docs/results.md):
@@ -222,6 +227,28 @@ stage_units2() {
   (cd "$HERE" && $PY scripts/upstream_unit_tests.py compare "$OUT/ut/u-$NEWEST/results.json" \
      "$OUT/ut/p-$NEWEST/results.json" --md "$OUT/units-compare.md" > /dev/null 2>&1)
   log "units: $(tail -2 "$OUT/units.log" | tr '\n' ' ')"
+}
+
+stage_packedcp() {
+  (cd "$HERE" && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu \
+     tests/runtime/backend/test_packed_context_parallel.py \
+     tests/runtime/backend/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
+  log "packed/cp gpu tests: $(tail -1 "$OUT/packedcp-gpu-tests.txt")"
+  (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+     scripts/bench_cp_attention.py --kernels auto,cudnn --json "$OUT/bench-cp-kernels.jsonl" \
+     > "$OUT/bench-cp-kernels.txt" 2>&1)
+  log "cp bench (flash and cuDNN blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
+  $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
+    --json "$OUT/smoke-packedcp-$NEWEST.json" > "$OUT/smoke-packedcp-$NEWEST.log" 2>&1
+  log "smoke cp2 / cp2_packed $NEWEST: exit $? $(tail -1 "$OUT/smoke-packedcp-$NEWEST.log")"
+  (cd "$W/p-$NEWEST" && PYTHONPATH="$W/p-$NEWEST:$PYTHONPATH" timeout 300 $PY -m torch.distributed.run \
+     --nproc-per-node 2 -m pytest -q -p no:cacheprovider tests/unit_tests/test_sequence_packing.py \
+     > "$OUT/sequence-packing-tests.txt" 2>&1)
+  log "upstream test_sequence_packing.py, 2 ranks: $(tail -1 "$OUT/sequence-packing-tests.txt")"
+  MEGATRON_ROCM_CP_KERNEL=cudnn train "te-llama-cp2-16k-cudnn-$NEWEST" "$W/p-$NEWEST" \
+    --preset llama --iters "${CP_ITERS:-30}" --micro-batch-size 1 --global-batch-size 8 \
+    --nproc 2 --cp 2 --seq-length 16384
+  log "te-llama-cp2-16k-cudnn: $(cat "$OUT/te-llama-cp2-16k-cudnn-$NEWEST.json")"
 }
 
 for stage in "$@"; do
