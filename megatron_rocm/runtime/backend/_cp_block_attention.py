@@ -236,10 +236,10 @@ class CudnnKernel(BlockKernel):
 
     def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
         cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = state
-        bias = torch.empty(0, device=q.device, dtype=q.dtype)  # no bias (an empty tensor)
+        # attn_bias None: an undefined tensor (an empty one would be taken for a 1-D bias)
         return aten._scaled_dot_product_cudnn_attention_backward(
             do.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
-            seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal, scale=scale,
+            seed, offset, None, cum_q, cum_k, max_q, max_k, p, causal, scale=scale,
         )  # fmt: skip
 
 

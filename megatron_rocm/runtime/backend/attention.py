@@ -298,7 +298,12 @@ class TEDotProductAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError(f"{_OWNER}: packed sequences with an attention bias are not supported")
-        causal = mask_type in ("causal", "padding_causal")
+        if mask_type == "arbitrary":
+            raise ValueError(
+                f"{_OWNER}: packed (THD) sequences take their mask from cu_seqlens; an "
+                f"arbitrary attention mask is not supported with them"
+            )
+        causal = "causal" in mask_type  # causal, padding_causal and their bottom_right forms
         if self.cp_size > 1:
             return self._packed_context_parallel(query, key, value, causal, params)
         from megatron_rocm.runtime.backend.packed_attention import packed_attention

@@ -142,12 +142,12 @@ def _choose(
             f"flash / sdpa_loop implementation"
         )
     if name == "flash":
-        reason = _flash_unavailable(query, value, window)
+        reason = flash_unavailable(query, value, window)
         if reason:
             raise RuntimeError(f"packed attention 'flash' was requested but {reason}")
     if name != "auto":
         return name
-    reason = _flash_unavailable(query, value, window)
+    reason = flash_unavailable(query, value, window)
     if reason is None:
         key = (query.device.index, query.dtype, query.shape[1], value.shape[1],
                query.shape[2], causal, window is not None)  # fmt: skip
@@ -166,7 +166,7 @@ def _flash_op_args() -> frozenset[str]:
     return frozenset(a.name for a in op.default._schema.arguments)
 
 
-def _flash_unavailable(
+def flash_unavailable(
     query: torch.Tensor, value: torch.Tensor, window: tuple[int, int] | None
 ) -> str | None:
     """Why the varlen flash kernel cannot take these inputs (None: it can)."""

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_all_gather import _all_gather, _reduce_scatter
+from megatron_rocm.runtime.backend._cp_block_attention import accumulation_dtype
 from megatron_rocm.runtime.backend.packed_attention import (
+    flash_unavailable,
     packed_attention,
     requested_implementation,
 )
@@ -150,7 +152,8 @@ def _layout(
 
 
 class _GatherRows(torch.autograd.Function):
-    """All-gather along rows (rank-major); backward reduce-scatters the gradient in fp32."""
+    """All-gather along rows (rank-major); backward reduce-scatters the gradient in fp32 (fp64
+    stays fp64)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # noqa: ANN205
@@ -164,7 +167,7 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor):  # noqa: ANN205
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        full = grad.float().contiguous()
+        full = grad.to(accumulation_dtype(grad.dtype)).contiguous()
         rows = full.shape[0] // size
         if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
             dist.all_reduce(full, group=group)
@@ -213,39 +216,44 @@ def packed_context_parallel_attention(
         softmax_scale=softmax_scale,
         dropout_p=dropout_p,
         window_size=(-1, 0) if causal else None,
-        implementation=_implementation(implementation, query, causal),
+        implementation=_implementation(implementation, query, value, causal),
     )
     return out.index_copy(0, layout.q_rows, chunks)
 
 
-def _implementation(requested: str | None, query: Tensor, causal: bool) -> str | None:
+def _implementation(
+    requested: str | None, query: Tensor, value: Tensor, causal: bool
+) -> str | None:
     """The caller's choice, else ``flash`` only where its windows align bottom-right."""
     if requested_implementation(requested) != "auto" or not (causal and query.is_cuda):
         return requested
-    reason = _bottom_right_probe(query.device.index, query.dtype)
+    if flash_unavailable(query, value, (-1, 0)) is not None:
+        return requested  # auto takes sdpa_loop, which aligns bottom-right by construction
+    reason = _bottom_right_probe(query.device.index, query.dtype, query.shape[-1])
     if reason is None:
-        return None
+        return requested
     log_fallback_once(f"packed-cp:{reason}", f"packed context-parallel attention: {reason}")
     return "sdpa_loop"
 
 
 @functools.lru_cache(maxsize=8)
-def _bottom_right_probe(device_index: int | None, dtype: torch.dtype) -> str | None:
-    """One query row against two keys under the window (-1, 0): bottom-right alignment lets it
-    see both keys (top-left only the first). None when the auto choice may stand."""
+def _bottom_right_probe(device_index: int | None, dtype: torch.dtype, dim: int) -> str | None:
+    """The flash kernel on one query row against two keys under the window (-1, 0):
+    bottom-right alignment lets it see both keys (top-left only the first). None when it may
+    run the chunks."""
     device = torch.device("cuda", device_index)
-    q = torch.ones(1, 1, 8, device=device, dtype=dtype)
-    k = torch.ones(2, 1, 8, device=device, dtype=dtype)
-    v = torch.tensor([0.0, 2.0], device=device, dtype=dtype).view(2, 1, 1).expand(2, 1, 8)
+    q = torch.ones(1, 2, dim, device=device, dtype=dtype)
+    k = torch.ones(2, 2, dim, device=device, dtype=dtype)
+    v = torch.tensor([0.0, 2.0], device=device, dtype=dtype).view(2, 1, 1).expand(2, 2, dim)
     try:
         out = packed_attention(
             q, k, v.contiguous(),
             cu_seqlens_q=torch.tensor([0, 1], device=device, dtype=torch.int32),
             cu_seqlens_kv=torch.tensor([0, 2], device=device, dtype=torch.int32),
-            causal=False, softmax_scale=None, window_size=(-1, 0),
+            causal=False, softmax_scale=None, window_size=(-1, 0), implementation="flash",
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback"
-        return f"the varlen kernel failed a probe ({type(exc).__name__}: {exc})"[:300]
+        return f"the varlen flash kernel failed a probe ({type(exc).__name__}: {exc})"[:300]
     if abs(float(out.float().mean()) - 1.0) > 1e-2:  # both keys: mean of 0 and 2
-        return "the varlen kernel aligns windows top-left; using sdpa_loop"
+        return "the varlen flash kernel aligns windows top-left; using sdpa_loop"
     return None

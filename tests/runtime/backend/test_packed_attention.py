@@ -229,7 +229,7 @@ def fake_flash(monkeypatch: pytest.MonkeyPatch) -> list:
         return FakeFlash.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
     monkeypatch.setattr(pa, "_flash_kernel", kernel)
-    monkeypatch.setattr(pa, "_flash_unavailable", lambda *a: None)
+    monkeypatch.setattr(pa, "flash_unavailable", lambda *a: None)
     monkeypatch.setattr(pa, "_flash_probe", lambda *a: None)
     return calls
 

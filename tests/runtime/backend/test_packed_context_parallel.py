@@ -9,6 +9,8 @@ attention over the whole sequence (``packed_attention``'s fp32 reference math).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -213,3 +215,44 @@ def test_gpu_bf16_packed_parity(gpu_world: World, causal: bool, kernel, ran: str
         tol=3e-2, kernel=kernel,
     )  # fmt: skip
     assert implementations == [ran, ran]
+
+
+def _attention_without_cp(mask: str):  # noqa: ANN202
+    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+
+    config = SimpleNamespace(
+        kv_channels=8, attention_dropout=0.0, window_size=None, softmax_type="vanilla",
+        num_attention_heads=4, tensor_model_parallel_size=1, context_parallel_size=1,
+    )  # fmt: skip
+    return TEDotProductAttention(config, 1, mask, "self")
+
+
+@pytest.mark.parametrize(
+    ("mask", "causal"),
+    [("padding_causal", True), ("causal_bottom_right", True), ("padding", False)],
+)
+def test_packed_mask_types_keep_their_causality(mask: str, causal: bool) -> None:
+    """The bottom-right causal forms are causal too (equal lengths: the same mask)."""
+    real, padded = LAYOUTS["padded"]
+    cu, pad = _cumulative(real), _cumulative(padded)
+    tensors = _packed_inputs(pad[-1], 4, 2, 8, 8, torch.float32)
+    attention = _attention_without_cp(mask)
+    offsets = {
+        "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
+        "cu_seqlens_kv": torch.tensor(cu, dtype=torch.int32),
+        "cu_seqlens_q_padded": torch.tensor(pad, dtype=torch.int32),
+        "cu_seqlens_kv_padded": torch.tensor(pad, dtype=torch.int32),
+    }
+    params = SimpleNamespace(qkv_format="thd", **offsets)
+    out = attention(tensors["q"], tensors["k"], tensors["v"], None, packed_seq_params=params)
+    want = _whole_sequence(tensors, cu, pad, causal, None)["out"]
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_an_arbitrary_mask_with_packed_sequences_is_refused() -> None:
+    attention = _attention_without_cp("arbitrary")
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    q = torch.randn(8, 4, 8)
+    with pytest.raises(ValueError, match="arbitrary attention mask is not supported"):
+        attention(q, q[:, :2], q[:, :2], None, packed_seq_params=params)
