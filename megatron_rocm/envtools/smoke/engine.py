@@ -217,6 +217,8 @@ class Trainer:
         self.optimizer.zero_grad()
         dp = parallel_state.get_data_parallel_world_size()
         packed = self.job.packed
+        # a packed micro-batch is one row of its MICRO_BATCH samples (THD)
+        seq = models.SEQ * models.MICRO_BATCH if packed else models.SEQ
         batches = (models.packed_microbatches if packed else models.microbatches)(
             step,
             self.device,
@@ -230,10 +232,9 @@ class Trainer:
             data_iterator=batches,
             model=[self.model],
             num_microbatches=models.num_microbatches(dp),
-            # a packed micro-batch is one row of MICRO_BATCH samples (THD)
-            seq_length=models.SEQ * (models.MICRO_BATCH if packed else 1),
+            seq_length=seq,
             micro_batch_size=1 if packed else models.MICRO_BATCH,
-            decoder_seq_length=models.SEQ * (models.MICRO_BATCH if packed else 1),
+            decoder_seq_length=seq,
             forward_only=False,
         )
         result = self.optimizer.step()

@@ -240,14 +240,17 @@ def packed_microbatches(
         "position_ids": torch.tensor(positions).unsqueeze(0),
         "loss_mask": torch.tensor(mask).unsqueeze(0),
     }
+    layout = {
+        "loss_tokens": float(sum(mask)),  # the whole micro-batch's, on every CP rank
+        "cu_seqlens": cu.to(device),
+        "cu_seqlens_padded": cu_padded.to(device),
+        "max_seqlen": max(room for _, room in PACKED_DOCUMENTS),
+    }
     for part in microbatches(step, "cpu", dp=dp, dp_rank=dp_rank, cp=1, cp_rank=0):
         flat = {k: part[k].reshape(1, -1) for k in ("tokens", "labels")}
         flat.update(extra)
         batch: dict[str, Any] = {k: v.index_select(1, index).to(device) for k, v in flat.items()}
-        batch["loss_tokens"] = float(sum(mask))  # the whole micro-batch's, on every CP rank
-        batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu.to(device), cu_padded.to(device)
-        batch["max_seqlen"] = max(room for _, room in PACKED_DOCUMENTS)
-        yield batch
+        yield {**batch, **layout}
 
 
 def packed_seq_params(batch: dict[str, Any]) -> Any:

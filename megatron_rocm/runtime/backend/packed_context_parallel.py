@@ -33,6 +33,7 @@ from megatron_rocm.runtime.backend.packed_attention import (
     packed_attention,
     requested_implementation,
 )
+from megatron_rocm.runtime.backend.packed_plan import same_batch, versions_of
 from megatron_rocm.runtime.backend.thd_partition import (
     check_divisible,
     concat_ranges,
@@ -52,8 +53,9 @@ class ChunkLayout:
     kv_rows: Tensor  # int64: rows of the gathered (rank-major) K/V, chunk by chunk
     cu_q: Tensor  # int32 [chunks + 1]
     cu_kv: Tensor  # int32 [chunks + 1]
-    key: tuple = ()  # what the cache matches: the offset tensors' ids and versions, shapes
-    sources: tuple = ()  # those tensors, kept alive so that their ids stay theirs
+    sources: tuple = ()  # the offset tensors it was worked out from (the cache matches them)
+    versions: tuple = ()  # and their in-place versions then
+    shape: tuple = ()  # (rows, CP size, CP rank, causal, device)
 
 
 def chunk_layout(
@@ -109,10 +111,9 @@ def _layout(
     causal: bool,
     device: torch.device,
 ) -> ChunkLayout:
-    versions = tuple(-1 if s is None else s._version for s in sources)
-    key = (tuple(id(s) for s in sources), versions, t_local, cp_size, cp_rank, causal, device)
+    shape = (t_local, cp_size, cp_rank, causal, device)
     for layout in _cache:
-        if layout.key == key:
+        if layout.shape == shape and same_batch(layout.sources, layout.versions, sources):
             return layout
     cu_q, cu_kv, pad_q, pad_kv = sources
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -144,8 +145,9 @@ def _layout(
         kv_rows=kv_rows.to(device),
         cu_q=cumulative(q_lengths).to(device),
         cu_kv=cumulative(kv_lengths).to(device),
-        key=key,
         sources=sources,
+        versions=versions_of(sources),
+        shape=shape,
     )
     _cache[:] = [layout]
     return layout

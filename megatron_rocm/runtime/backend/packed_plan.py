@@ -90,6 +90,21 @@ def rows_mask(plan: PackedPlan, side: str) -> torch.Tensor:
 _cache: list[PackedPlan] = []
 
 
+def versions_of(sources: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
+    """In-place versions of the offset tensors (-1 for an absent one)."""
+    return tuple(-1 if s is None else s._version for s in sources)
+
+
+def same_batch(
+    cached: tuple[torch.Tensor | None, ...],
+    cached_versions: tuple[int, ...],
+    sources: tuple[torch.Tensor | None, ...],
+) -> bool:
+    """Whether ``sources`` are the very tensors a cached layout was worked out from, unchanged:
+    upstream hands every layer the same offset tensors, so a layout is computed once a batch."""
+    return all(a is b for a, b in zip(cached, sources)) and cached_versions == versions_of(sources)
+
+
 def build_plan(
     t_q: int,
     t_kv: int,
@@ -103,22 +118,22 @@ def build_plan(
 ) -> PackedPlan:
     """Validate the offsets and decide the layout (cached for the same tensors)."""
     sources = (cu_q, cu_kv, padded_q, padded_kv)
-    versions = tuple(-1 if s is None else s._version for s in sources)
     for plan in _cache:
         if (
-            all(a is b for a, b in zip(plan.sources, sources))
-            and plan.versions == versions
+            same_batch(plan.sources, plan.versions, sources)
             and (plan.t_q, plan.t_kv, plan.causal) == (t_q, t_kv, causal)
             and plan.cu_q.device == device
         ):
             return plan
     plan = _new_plan(t_q, t_kv, sources, causal, device)
-    plan.sources, plan.versions = sources, versions
+    plan.sources, plan.versions = sources, versions_of(sources)
     _cache[:] = [plan]
     return plan
 
 
-def _as_offsets(x: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+def as_offsets(x: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """Cumulative offsets as an int32 ``[n+1]`` tensor on ``device`` (a leading batch dim of 1,
+    as some tags' batches keep, is dropped)."""
     if x.dim() == 2 and x.shape[0] == 1:  # core_v0.16's SFT batches keep a batch dim of 1
         x = x[0]
     if x.dim() != 1 or x.numel() < 2 or x.dtype.is_floating_point:
@@ -135,7 +150,7 @@ def _new_plan(
 ) -> PackedPlan:
     cu_q_in, cu_kv_in, pad_q_in, pad_kv_in = sources
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    dev = [None if s is None else _as_offsets(s, n, device) for s, n in zip(sources, names)]
+    dev = [None if s is None else as_offsets(s, n, device) for s, n in zip(sources, names)]
     sizes = {d.numel() for d in dev if d is not None}
     if len(sizes) != 1:
         raise ValueError(

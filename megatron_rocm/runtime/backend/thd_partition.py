@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rocm.runtime.backend.packed_plan import as_offsets
+
 NATIVE = True  # lets a patched assert tell this module from an old TransformerEngine
 
 
 def host_offsets(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> list[int]:
     """Validated cumulative offsets on the host (one copy; a leading batch dim of 1 is dropped)."""
-    if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
-        cu_seqlens = cu_seqlens[0]
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(
-            f"{name} must be an integer [n+1] tensor, got {cu_seqlens.dtype} "
-            f"{tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
+    offsets = as_offsets(cu_seqlens, name, cu_seqlens.device).tolist()
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must start at 0 and not decrease: {offsets}")
     return offsets
