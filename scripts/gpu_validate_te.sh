@@ -32,8 +32,9 @@
 #   packedcp packed sequences under CP and the CP block kernels (2 GPUs): the GPU cases of
 #            test_packed_context_parallel and test_context_parallel (cuDNN blocks included),
 #            bench_cp_attention with flash and cuDNN blocks and SDPA's backends forced, smoke's
-#            parallel.cp2 / parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks,
-#            and CP=2 at 16k with cuDNN blocks (compare with cp2's te-llama-cp2-16k)
+#            parallel.cp2 / parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
+#   cpscale  CP throughput (2 GPUs): CP=1 at 8k and 16k, CP=2 at 16k with the ring's blocks on
+#            auto's kernel and on cuDNN's, and CP=2 at 16k with --cp-comm-type a2a (CP_ITERS)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Two calls cover everything the native-backend issues still owe on a GPU (docs/results.md):
@@ -238,17 +239,30 @@ stage_packedcp() {
      scripts/bench_cp_attention.py --kernels auto,cudnn --json "$OUT/bench-cp-kernels.jsonl" \
      > "$OUT/bench-cp-kernels.txt" 2>&1)
   log "cp bench (flash and cuDNN blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
-  $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
+  timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
     --json "$OUT/smoke-packedcp-$NEWEST.json" > "$OUT/smoke-packedcp-$NEWEST.log" 2>&1
   log "smoke cp2 / cp2_packed $NEWEST: exit $? $(tail -1 "$OUT/smoke-packedcp-$NEWEST.log")"
   (cd "$W/p-$NEWEST" && PYTHONPATH="$W/p-$NEWEST:$PYTHONPATH" timeout 300 $PY -m torch.distributed.run \
      --nproc-per-node 2 -m pytest -q -p no:cacheprovider tests/unit_tests/test_sequence_packing.py \
      > "$OUT/sequence-packing-tests.txt" 2>&1)
   log "upstream test_sequence_packing.py, 2 ranks: $(tail -1 "$OUT/sequence-packing-tests.txt")"
-  MEGATRON_ROCM_CP_KERNEL=cudnn train "te-llama-cp2-16k-cudnn-$NEWEST" "$W/p-$NEWEST" \
-    --preset llama --iters "${CP_ITERS:-30}" --micro-batch-size 1 --global-batch-size 8 \
+}
+
+stage_cpscale() {
+  # Issue 11's CP throughput, every run in one call on the same GPUs: CP=2 at 16k against CP=1
+  # at 8k (the issue's pair) and against CP=1 at 16k (the same work on one GPU), the ring's
+  # blocks on auto's kernel and on cuDNN's (MEGATRON_ROCM_CP_KERNEL=cudnn), and --cp-comm-type a2a.
+  local long="--preset llama --iters ${CP_ITERS:-20} --micro-batch-size 1 --global-batch-size 8"
+  train "cpscale-cp1-8k-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length 8192
+  train "cpscale-cp1-16k-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length 16384
+  train "cpscale-cp2-16k-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length 16384
+  MEGATRON_ROCM_CP_KERNEL=cudnn train "cpscale-cp2-16k-cudnn-$NEWEST" "$W/p-$NEWEST" $long \
     --nproc 2 --cp 2 --seq-length 16384
-  log "te-llama-cp2-16k-cudnn: $(cat "$OUT/te-llama-cp2-16k-cudnn-$NEWEST.json")"
+  train "cpscale-cp2-16k-a2a-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length 16384 \
+    -- --cp-comm-type a2a
+  for n in cp1-8k cp1-16k cp2-16k cp2-16k-cudnn cp2-16k-a2a; do
+    log "cpscale-$n: $(cat "$OUT/cpscale-$n-$NEWEST.json")"
+  done
 }
 
 for stage in "$@"; do
