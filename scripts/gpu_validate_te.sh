@@ -33,13 +33,14 @@
 #            test_packed_context_parallel and test_context_parallel (cuDNN blocks included),
 #            bench_cp_attention with flash and cuDNN blocks and SDPA's backends forced, smoke's
 #            parallel.cp2 / parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
-#   cpscale  CP throughput (2 GPUs): CP=1 at 8k and 16k, CP=2 at 16k with the ring's blocks on
-#            auto's kernel and on cuDNN's, and CP=2 at 16k with --cp-comm-type a2a (CP_ITERS)
+#   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
+#            with the ring's blocks on auto's kernel and on cuDNN's and with --cp-comm-type a2a
+#            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
-# Two calls cover everything the native-backend issues still owe on a GPU (docs/results.md):
+# Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
 #   1 GPU:  setup train profile bench kernels smoke mla
-#   2 GPUs: setup tp2 cp2 moe2 units2
+#   2 GPUs: setup tp2 cp2 moe2 units2 packedcp cpscale
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -249,19 +250,26 @@ stage_packedcp() {
 }
 
 stage_cpscale() {
-  # Issue 11's CP throughput, every run in one call on the same GPUs: CP=2 at 16k against CP=1
-  # at 8k (the issue's pair) and against CP=1 at 16k (the same work on one GPU), the ring's
-  # blocks on auto's kernel and on cuDNN's (MEGATRON_ROCM_CP_KERNEL=cudnn), and --cp-comm-type a2a.
-  local long="--preset llama --iters ${CP_ITERS:-20} --micro-batch-size 1 --global-batch-size 8"
-  train "cpscale-cp1-8k-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length 8192
-  train "cpscale-cp1-16k-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length 16384
-  train "cpscale-cp2-16k-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length 16384
-  MEGATRON_ROCM_CP_KERNEL=cudnn train "cpscale-cp2-16k-cudnn-$NEWEST" "$W/p-$NEWEST" $long \
-    --nproc 2 --cp 2 --seq-length 16384
-  train "cpscale-cp2-16k-a2a-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length 16384 \
-    -- --cp-comm-type a2a
-  for n in cp1-8k cp1-16k cp2-16k cp2-16k-cudnn cp2-16k-a2a; do
-    log "cpscale-$n: $(cat "$OUT/cpscale-$n-$NEWEST.json")"
+  # Issue 11's CP throughput, every run in one call on the same GPUs: CP=2 at CP_LENGTH (default
+  # 16384) against CP=1 at half of it (the issue's pair) and at CP_LENGTH (the same work on one
+  # GPU), the ring's blocks on auto's kernel and on cuDNN's (MEGATRON_ROCM_CP_KERNEL=cudnn), and
+  # --cp-comm-type a2a. CP_SIZE picks the Llama preset (small, or 0.85b: the small model's
+  # iteration is host-bound, see docs/results.md); CP_FLAGS go to pretrain_gpt.py (for example
+  # --no-create-attention-mask-in-dataloader, which long-context runs use).
+  local L=${CP_LENGTH:-16384} size=${CP_SIZE:-small}
+  local tag="$size-$((L / 1024))k" half=$((L / 2))
+  local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"
+  long="$long --global-batch-size 8"
+  train "cpscale-$tag-cp1-half-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$half" -- ${CP_FLAGS:-}
+  train "cpscale-$tag-cp1-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$L" -- ${CP_FLAGS:-}
+  train "cpscale-$tag-cp2-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
+    -- ${CP_FLAGS:-}
+  MEGATRON_ROCM_CP_KERNEL=cudnn train "cpscale-$tag-cp2-cudnn-$NEWEST" "$W/p-$NEWEST" $long \
+    --nproc 2 --cp 2 --seq-length "$L" -- ${CP_FLAGS:-}
+  train "cpscale-$tag-cp2-a2a-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
+    -- --cp-comm-type a2a ${CP_FLAGS:-}
+  for n in cp1-half cp1 cp2 cp2-cudnn cp2-a2a; do
+    log "cpscale-$tag-$n: $(cat "$OUT/cpscale-$tag-$n-$NEWEST.json")"
   done
 }
 
