@@ -39,7 +39,7 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
-#   1 GPU:  setup train profile bench kernels smoke mla
+#   1 GPU:  setup train units profile bench trace kernels smoke mla
 #   2 GPUs: setup tp2 cp2 moe2 units2 packedcp cpscale
 set -u
 OUT=$1; shift
