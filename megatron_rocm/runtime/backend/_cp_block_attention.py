@@ -16,9 +16,12 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (CUDA builds with cuDNN SDPA; no
   dropout). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
   (FlashAttention-2), so a CP block on ``flash`` is slower than the one-GPU SDPA it replaces.
-  Only on request for now (its speed under CP is still to be measured), and only after a probe:
-  two key blocks merged by log-sum-exp and differentiated with the merged output and lse must
-  give the math kernel's output and gradients, or the request fails with the reason.
+  Only on request for now, and only after a probe: two key blocks merged by log-sum-exp and
+  differentiated with the merged output and lse must give the math kernel's output and
+  gradients, or the request fails with the reason. On 2 x H100 it lifts the ring from 0.92x
+  to 1.33x one GPU's SDPA at 16k (attention alone), but a host-bound small-model training run
+  was no faster (docs/results.md, eleventh session); ``auto`` takes it once a GPU-bound run
+  does.
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, no dropout).
 * ``math``: fp32 matmuls (any device). It materialises the block's scores: a fallback only.
 
