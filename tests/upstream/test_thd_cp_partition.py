@@ -1,7 +1,8 @@
 """``thd-cp-partition`` on real sdists, on CPU: upstream's packed-batch CP split without TE.
 
 0.16's ``get_thd_batch_on_this_cp_rank`` and 0.19's per-document balancing (what
-``pretrain_gpt.py --sft --context-parallel-size 2`` calls) split a packed batch of three
+``pretrain_gpt.py --sft --context-parallel-size 2`` calls), and from 0.17 MIMO's
+``PartitionAdapter.shard`` (multimodal THD inputs under CP), split a packed batch of three
 padded documents for CP rank 0 and 1. Patched, each rank keeps chunks r and 2cp-1-r of every
 document (``_cp_world.thd_rows``, TE's layout restated); with the patch reverted, upstream's
 own assertion or a ``None`` ``tex`` stops them.
@@ -56,10 +57,54 @@ for rank in (0, 1):
 print(json.dumps(kept))
 """
 
+MIMO_SPLIT = """
+import inspect, json, sys, tempfile, torch
+sys.path.insert(0, sys.argv[1])
+padded = torch.tensor(json.loads(sys.argv[2]), dtype=torch.int32)
+total = int(padded[-1])
+torch.distributed.init_process_group(
+    "gloo", init_method="file://" + tempfile.mkdtemp() + "/store", rank=0, world_size=1)
+from megatron.core.models.mimo.partition.utils import PartitionAdapter, PartitionConfig
+from megatron.core.packed_seq_params import PackedSeqParams
 
-def _split(tree: Path) -> str:
+class Group:  # the CP group's size and rank, as get_pg_size / get_pg_rank read them
+    def __init__(self, rank): self._rank = rank
+    def size(self): return 2
+    def rank(self): return self._rank
+
+kept = {}
+for rank in (0, 1):
+    cfg = PartitionConfig(seq_parallel=False, use_cp=True, tp_comm_overlap=False,
+                          max_seq_len=total, kv_format="thd", cp_group=Group(rank))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=padded, cu_seqlens_kv=padded,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    positions = torch.arange(total)
+    embeddings = positions.view(total, 1, 1).float().expand(total, 1, 4)  # [S, B, H]
+    kwargs = dict(labels=positions.view(1, -1) + 100, loss_mask=torch.ones(1, total),
+                  packed_seq_params=params)
+    batch_first = "attention_mask" in inspect.signature(PartitionAdapter.shard).parameters
+    if batch_first:  # 0.17-0.18: [B, S, H] in and out, and a mask argument
+        kwargs["attention_mask"] = None
+    kwargs["embeddings"] = embeddings.transpose(0, 1) if batch_first else embeddings
+    try:
+        out = PartitionAdapter(cfg).shard(**kwargs)
+    except Exception as exc:
+        print("ERROR", type(exc).__name__, str(exc)[:300])
+        raise SystemExit(0)
+    embeddings, labels = out[0], out[1]
+    embeddings = embeddings.transpose(0, 1) if batch_first else embeddings
+    rows = (labels[0] - 100).tolist()
+    # the embeddings ([S/cp, B, H] here) hold the same positions as the labels
+    assert embeddings.shape == (total // 2, 1, 4), tuple(embeddings.shape)
+    assert embeddings[:, 0, 0].long().tolist() == rows
+    kept[rank] = rows
+print(json.dumps(kept))
+"""
+
+
+def _split(tree: Path, script: str = SPLIT) -> str:
     done = subprocess.run(
-        [sys.executable, "-c", SPLIT, str(tree), json.dumps(PADDED)],
+        [sys.executable, "-c", script, str(tree), json.dumps(PADDED)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -68,11 +113,22 @@ def _split(tree: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+TE_ASSERTION = "ERROR AssertionError Please update Transformer Engine"
+
+
 @pytest.mark.parametrize(
     ("release", "diff", "unpatched"),
     [
-        ("0.16.1", "v0.16.diff", "ERROR AssertionError Please update Transformer Engine"),
-        ("0.19.2", "v0.18.diff", "ERROR AttributeError 'NoneType' object has no attribute"),
+        ("0.16.1", "v0.16.diff", {SPLIT: TE_ASSERTION}),
+        ("0.17.1", "v0.17.diff", {SPLIT: TE_ASSERTION, MIMO_SPLIT: TE_ASSERTION}),
+        (
+            "0.19.2",
+            "v0.18.diff",
+            {
+                SPLIT: "ERROR AttributeError 'NoneType' object has no attribute",
+                MIMO_SPLIT: TE_ASSERTION,
+            },
+        ),
     ],
 )
 def test_packed_batches_split_per_document_without_te(
@@ -81,8 +137,10 @@ def test_packed_batches_split_per_document_without_te(
     monkeypatch.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
     tree = tmp_path / release
     assert main(["apply", "--source", "pypi", "--ref", release, "--dest", str(tree)]) == 0
-    kept = {int(rank): rows for rank, rows in json.loads(_split(tree)).items()}
-    assert kept == {rank: thd_rows(PADDED, 2, rank) for rank in (0, 1)}
+    for script in unpatched:
+        kept = {int(rank): rows for rank, rows in json.loads(_split(tree, script)).items()}
+        assert kept == {rank: thd_rows(PADDED, 2, rank) for rank in (0, 1)}
 
     subprocess.run(["git", "apply", "-R", str(PATCH / diff)], cwd=tree, check=True)
-    assert _split(tree).startswith(unpatched)
+    for script, error in unpatched.items():
+        assert _split(tree, script).startswith(error)
