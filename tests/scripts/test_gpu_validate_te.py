@@ -46,8 +46,9 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
         "echo '{\"ok\": true}'\n"
     )
     fake.chmod(0o755)
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("CP_")}
     full_env = {
-        **os.environ,
+        **inherited,
         "PYTHON": str(fake),
         "WORK": str(tmp_path / "work"),
         "REFS": "main",
@@ -92,7 +93,8 @@ def test_cpscale_runs_the_five_comparisons(tmp_path: Path) -> None:
     for call in calls:
         assert option(call, "--preset-size") == "0.85b"
         assert call.endswith("--no-create-attention-mask-in-dataloader")
-    assert [c for c in calls if "--cp-comm-type a2a" in c] == [calls[4]]
+    # after the lone --, where train_small.py hands it on to pretrain_gpt.py
+    assert [c for c in calls if " -- --cp-comm-type a2a " in c] == [calls[4]]
     summary = (tmp_path / "out/summary.txt").read_text()
     assert summary.count("cpscale-0.85b-32k-") == 5
 
@@ -102,3 +104,4 @@ def test_cpscale_defaults_to_the_small_model_at_16k_with_upstreams_flags(tmp_pat
     assert [option(c, "--seq-length") for c in calls] == ["8192"] + ["16384"] * 4
     assert all(option(c, "--preset-size") == "small" for c in calls)
     assert all(c.endswith("--") for c in calls[:4])  # nothing added for pretrain_gpt.py
+    assert calls[4].endswith(" -- --cp-comm-type a2a")

@@ -58,12 +58,11 @@ print(json.dumps(kept))
 """
 
 MIMO_SPLIT = """
-import inspect, json, sys, tempfile, torch
+import inspect, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 padded = torch.tensor(json.loads(sys.argv[2]), dtype=torch.int32)
 total = int(padded[-1])
-torch.distributed.init_process_group(
-    "gloo", init_method="file://" + tempfile.mkdtemp() + "/store", rank=0, world_size=1)
+torch.distributed.is_initialized = lambda: True  # get_pg_size/get_pg_rank then ask the group
 from megatron.core.models.mimo.partition.utils import PartitionAdapter, PartitionConfig
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -80,7 +79,7 @@ for rank in (0, 1):
                              cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
     positions = torch.arange(total)
     embeddings = positions.view(total, 1, 1).float().expand(total, 1, 4)  # [S, B, H]
-    kwargs = dict(labels=positions.view(1, -1) + 100, loss_mask=torch.ones(1, total),
+    kwargs = dict(labels=positions.view(1, -1) + 100, loss_mask=positions.view(1, -1) + 200.0,
                   packed_seq_params=params)
     batch_first = "attention_mask" in inspect.signature(PartitionAdapter.shard).parameters
     if batch_first:  # 0.17-0.18: [B, S, H] in and out, and a mask argument
@@ -91,12 +90,13 @@ for rank in (0, 1):
     except Exception as exc:
         print("ERROR", type(exc).__name__, str(exc)[:300])
         raise SystemExit(0)
-    embeddings, labels = out[0], out[1]
+    embeddings, labels, loss_mask = out[0], out[1], out[2]
     embeddings = embeddings.transpose(0, 1) if batch_first else embeddings
     rows = (labels[0] - 100).tolist()
-    # the embeddings ([S/cp, B, H] here) hold the same positions as the labels
+    # the embeddings ([S/cp, B, H] here) and the loss mask hold the same positions as the labels
     assert embeddings.shape == (total // 2, 1, 4), tuple(embeddings.shape)
     assert embeddings[:, 0, 0].long().tolist() == rows
+    assert (loss_mask[0] - 200).long().tolist() == rows
     kept[rank] = rows
 print(json.dumps(kept))
 """
