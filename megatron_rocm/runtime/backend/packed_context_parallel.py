@@ -33,7 +33,7 @@ from megatron_rocm.runtime.backend.packed_attention import (
     packed_attention,
     requested_implementation,
 )
-from megatron_rocm.runtime.backend.packed_plan import same_batch, versions_of
+from megatron_rocm.runtime.backend.packed_plan import OFFSET_NAMES, same_batch, versions_of
 from megatron_rocm.runtime.backend.thd_partition import (
     check_divisible,
     concat_ranges,
@@ -115,9 +115,7 @@ def _layout(
     for layout in _cache:
         if layout.shape == shape and same_batch(layout.sources, layout.versions, sources):
             return layout
-    cu_q, cu_kv, pad_q, pad_kv = sources
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    host = [None if s is None else host_offsets(s, n) for s, n in zip(sources, names)]
+    host = [None if s is None else host_offsets(s, n) for s, n in zip(sources, OFFSET_NAMES)]
     real_q, real_kv = host[0], host[1]
     padded_q = host[2] if host[2] is not None else real_q
     padded_kv = host[3] if host[3] is not None else real_kv

@@ -89,6 +89,9 @@ def rows_mask(plan: PackedPlan, side: str) -> torch.Tensor:
 
 _cache: list[PackedPlan] = []
 
+# The offsets a ``PackedSeqParams`` carries, in the order the layout caches take them.
+OFFSET_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
 
 def versions_of(sources: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
     """In-place versions of the offset tensors (-1 for an absent one)."""
@@ -148,9 +151,7 @@ def _new_plan(
     causal: bool,
     device: torch.device,
 ) -> PackedPlan:
-    cu_q_in, cu_kv_in, pad_q_in, pad_kv_in = sources
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    dev = [None if s is None else as_offsets(s, n, device) for s, n in zip(sources, names)]
+    dev = [None if s is None else as_offsets(s, n, device) for s, n in zip(sources, OFFSET_NAMES)]
     sizes = {d.numel() for d in dev if d is not None}
     if len(sizes) != 1:
         raise ValueError(
