@@ -191,11 +191,9 @@ def main() -> int:
             if sink:
                 sink.write(line + "\n")
 
+    comms, kernels = args.comm.split(","), args.kernels.split(",")
     for length in lengths:
-        kernels = args.kernels.split(",")
-        for record in bench_length(
-            length, args.comm.split(","), args.iters, device, dtype, kernels
-        ):
+        for record in bench_length(length, comms, args.iters, device, dtype, kernels):
             emit(record)
         if device.type == "cuda":
             torch.cuda.empty_cache()
