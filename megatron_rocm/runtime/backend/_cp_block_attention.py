@@ -16,12 +16,12 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (CUDA builds with cuDNN SDPA; no
   dropout). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
   (FlashAttention-2), so a CP block on ``flash`` is slower than the one-GPU SDPA it replaces.
-  Only on request for now, and only after a probe: two key blocks merged by log-sum-exp and
-  differentiated with the merged output and lse must give the math kernel's output and
-  gradients, or the request fails with the reason. On 2 x H100 it lifts the ring from 0.92x
-  to 1.33x one GPU's SDPA at 16k (attention alone), but a host-bound small-model training run
-  was no faster (docs/results.md, eleventh session); ``auto`` takes it once a GPU-bound run
-  does.
+  ``auto``'s first choice on NVIDIA GPUs, but only after a probe: two key blocks merged by
+  log-sum-exp and differentiated with the merged output and lse must give the math kernel's
+  output and gradients, or ``auto`` moves on to ``flash`` (an explicit request fails with the
+  reason). On 2 x H100, CP=2 training of a 0.85B Llama at 16k takes 1454 ms per iteration on
+  cuDNN blocks against 1783 ms on flash blocks (docs/results.md, twelfth session). ROCm has no
+  cuDNN: there ``auto`` starts at ``flash``.
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, no dropout).
 * ``math``: fp32 matmuls (any device). It materialises the block's scores: a fallback only.
 
@@ -282,10 +282,11 @@ def _cudnn_probe(device_index: int | None, dtype: torch.dtype, dim: int) -> str 
         return f"failed its probe ({type(exc).__name__}: {exc})"[:300]
     square = torch.ones(64, 64, dtype=torch.bool, device=device)
     visible = torch.cat([square.tril(), square], dim=1)  # the diagonal block, then all visible
-    qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
-    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    reference = torch.softmax(scores, -1) @ vf
-    reference.backward(do.double())
+    with torch.enable_grad():  # the first CP call may come under no_grad (evaluation, inference)
+        qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
+        scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        reference = torch.softmax(scores, -1) @ vf
+        reference.backward(do.double())
     got = {
         "out": out,
         "dq": grads[0][0] + grads[1][0],
@@ -380,6 +381,12 @@ KERNELS: dict[str, BlockKernel] = {
 }
 
 
+def auto_order(q: Tensor) -> tuple[str, ...]:
+    """The kernels ``auto`` tries, fastest first; each one's ``unsupported`` has the last word
+    (``cudnn`` declines on ROCm, with dropout, or when its probe fails)."""
+    return ("cudnn", "flash", "efficient") if q.is_cuda else ("cpu_flash",)
+
+
 def pick_kernel(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> BlockKernel:
     """The fastest kernel that runs these inputs, or the one ``MEGATRON_ROCM_CP_KERNEL`` names."""
     requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
@@ -394,9 +401,14 @@ def pick_kernel(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> BlockKerne
             raise ValueError(f"MEGATRON_ROCM_CP_KERNEL={requested}: this kernel {reason}")
         return kernel
     reasons = []
-    for name in ("flash", "efficient") if q.is_cuda else ("cpu_flash",):
+    for name in auto_order(q):
         reason = KERNELS[name].unsupported(q, k, v, dropout_p)
         if reason is None:
+            if reasons and not is_hip():  # cuDNN declined on an NVIDIA GPU: say so, once
+                log_fallback_once(
+                    f"cp-kernel:{name}:{reasons[0]}",
+                    f"context-parallel attention runs {name} blocks ({reasons[0]})",
+                )
             return KERNELS[name]
         reasons.append(f"{name} {reason}")
     message = "; ".join(reasons)

@@ -183,6 +183,58 @@ def test_kernel_choice_on_cpu(
     assert blocks.pick_kernel(q, k, torch.zeros(4, 1, 2, 6), 0.0).name == "math"
 
 
+class _GpuTensor:
+    """Stands in for a CUDA query: ``pick_kernel`` reads ``is_cuda`` and hands it to the
+    kernels' ``unsupported``, which the tests below replace."""
+
+    is_cuda = True
+
+
+class _Kernel(blocks.BlockKernel):
+    def __init__(self, name: str, reason: str | None) -> None:
+        self.name, self.reason = name, reason
+
+    def unsupported(self, q, k, v, dropout_p):  # noqa: ANN001, ANN201
+        return self.reason
+
+
+@pytest.mark.parametrize(
+    ("declines", "hip", "picked", "logged"),
+    [
+        ({}, False, "cudnn", None),  # NVIDIA: cuDNN blocks first (the twelfth session's run)
+        ({"cudnn": "failed its probe (x)"}, False, "flash", "runs flash blocks (cudnn failed"),
+        ({"cudnn": "needs an NVIDIA GPU (cuDNN)"}, True, "flash", None),  # ROCm: flash, quietly
+        ({"cudnn": "no", "flash": "no"}, False, "efficient", "runs efficient blocks (cudnn no)"),
+    ],
+)
+def test_auto_prefers_cudnn_then_flash_on_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    declines: dict[str, str],
+    hip: bool,
+    picked: str,
+    logged: str | None,
+) -> None:
+    monkeypatch.delenv("MEGATRON_ROCM_CP_KERNEL", raising=False)
+    monkeypatch.setattr(blocks, "is_hip", lambda: hip)
+    for name in ("cudnn", "flash", "efficient"):
+        monkeypatch.setitem(blocks.KERNELS, name, _Kernel(name, declines.get(name)))
+    monkeypatch.setattr(blocks, "log_fallback_once", lambda key, message: logging.getLogger(
+        "megatron_rocm.runtime.kernels").warning(message))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="megatron_rocm.runtime.kernels"):
+        assert blocks.pick_kernel(_GpuTensor(), None, None, 0.0).name == picked
+    if logged:
+        assert logged in caplog.text
+    else:
+        assert "blocks (" not in caplog.text
+
+
+def test_cudnn_declines_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blocks, "is_hip", lambda: True)
+    reason = blocks.KERNELS["cudnn"].unsupported(_GpuTensor(), None, None, 0.0)
+    assert reason == "needs an NVIDIA GPU (cuDNN)"
+
+
 @pytest.mark.parametrize(
     ("requested", "dropout_p", "message"),
     [
@@ -351,7 +403,7 @@ def test_gpu_bf16_parity(gpu_world: World, comm_type: str, causal: bool) -> None
         ("flash", torch.float16),
         ("efficient", torch.float32),
         ("efficient", torch.bfloat16),
-        ("cudnn", torch.bfloat16),  # on request; its probe must pass on an NVIDIA GPU
+        ("cudnn", torch.bfloat16),  # auto's first choice there; its probe must pass
     ],
 )
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
@@ -360,6 +412,23 @@ def test_gpu_kernels(gpu_world: World, kernel: str, dtype: torch.dtype, comm_typ
         pytest.skip("cuDNN attention is NVIDIA's; ROCm builds have no such kernel")
     tol = {torch.float32: 2e-3, torch.float16: 1e-2}.get(dtype)  # fp32 kernels may use TF32
     _assert_parity(gpu_world, GPU_SHAPE, dtype, comm_type=comm_type, kernel=kernel, tol=tol)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_cudnn_blocks_even_when_first_called_without_grad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.version.hip:
+        pytest.skip("cuDNN attention is NVIDIA's; on ROCm auto starts at flash (CPU test above)")
+    monkeypatch.delenv("MEGATRON_ROCM_CP_KERNEL", raising=False)
+    blocks._cudnn_probe.cache_clear()
+    q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():  # evaluation or inference may make the first CP call
+        assert blocks.pick_kernel(q, k, v, 0.0).name == "cudnn"
+    assert blocks.pick_kernel(q, k, v, 0.1).name == "flash"  # cuDNN blocks take no dropout
 
 
 @pytest.mark.gpu
