@@ -26,7 +26,6 @@ place, the ``torch`` path then stacks: ``last_run()`` reports which happened).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 
 from megatron_rocm.runtime.backend import _grouped_compat as compat
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
+from megatron_rocm.runtime.backend._init_rng import tracker_fork
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, reject
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
 from megatron_rocm.runtime.kernels.norm import param_device
@@ -64,16 +64,6 @@ def _reject_te_features(owner: str, config: Any) -> None:
             reject(owner, what, instead)
     if (getattr(config, "expert_gtp_weight_remat_size", None) or 1) > 1:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
-
-
-def _rng_fork(tracker_name: str | None) -> contextlib.AbstractContextManager:
-    """Megatron's CUDA RNG tracker fork TE initialises under (expert tracker for experts)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    if not tracker.is_initialized():
-        return contextlib.nullcontext()
-    return tracker.fork(tracker_name) if tracker_name else tracker.fork()
 
 
 def _divide(size: int, parts: int, what: str) -> int:
@@ -172,7 +162,7 @@ class TEGroupedLinear(torch.nn.Module):
         if not getattr(config, "perform_initialization", True) or device == "meta":
             return
         for i in range(n):  # TE's order: one fork of the RNG tracker per weight
-            with _rng_fork(self.rng_tracker_name):
+            with tracker_fork(self.rng_tracker_name):
                 init_method(getattr(self, f"weight{i}"))
         if self.use_bias:
             with torch.no_grad():

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
 from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
@@ -46,18 +47,19 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         if is_expert:
             raise ValueError(f"{owner}: TE linear layers do not yet support MoE")
         extra = column_parallel_kwargs(owner, gather_output, skip_weight_param_allocation, kwargs)
-        super().__init__(
-            input_size,
-            output_size,
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            gather_output=False,
-            skip_bias_add=skip_bias_add,
-            is_expert=False,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **extra,
-        )
+        with te_style_init():  # TE builds without a seeded tracker (see _init_rng)
+            super().__init__(
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                bias=bias,
+                gather_output=False,
+                skip_bias_add=skip_bias_add,
+                is_expert=False,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                **extra,
+            )
         self.normalization = config.normalization
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"{owner}: normalization {self.normalization!r} is not supported")

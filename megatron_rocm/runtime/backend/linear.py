@@ -24,6 +24,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
+from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
 from megatron_rocm.runtime.kernels.grad_accum import (
     main_grad_for_wgrad,
@@ -78,18 +79,19 @@ class TEColumnParallelLinear(ColumnParallelLinear):
         extra = column_parallel_kwargs(
             type(self).__name__, gather_output, skip_weight_param_allocation, kwargs
         )
-        super().__init__(
-            input_size,
-            output_size,
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            gather_output=False,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **extra,
-        )
+        with te_style_init():  # TE builds without a seeded tracker (see _init_rng)
+            super().__init__(
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                bias=bias,
+                gather_output=False,
+                skip_bias_add=skip_bias_add,
+                is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                **extra,
+            )
 
 
 class TERowParallelLinear(RowParallelLinear):
@@ -117,18 +119,19 @@ class TERowParallelLinear(RowParallelLinear):
             owner=type(self).__name__,
             inert={"stride": 1, **_TE_ONLY_INERT},
         )
-        super().__init__(
-            input_size,
-            output_size,
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            input_is_parallel=True,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **extra,
-        )
+        with te_style_init():  # TE builds without a seeded tracker (see _init_rng)
+            super().__init__(
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                bias=bias,
+                input_is_parallel=True,
+                skip_bias_add=skip_bias_add,
+                is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                **extra,
+            )
 
 
 class _ReplicatedLinearFunction(torch.autograd.Function):

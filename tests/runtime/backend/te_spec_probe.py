@@ -321,6 +321,41 @@ def modules_case() -> dict:
     out.update(swiglu_wiring())
     out["experimental_spec_provider"] = _experimental_attention_spec_provider(cfg)
     out["checkpoint_without_output_fp8"] = _checkpoint_without_output_fp8()
+    out.update(unseeded_tracker_case())
+    return out
+
+
+def unseeded_tracker_case() -> dict:
+    """Weights built before anyone seeds Megatron's CUDA RNG tracker: upstream's own GPU init
+    (``_initialize_affine_weight_gpu``, run here on a CPU tensor) raises, as it does for the
+    local linears; under the native classes' ``te_style_init`` it initialises from the default
+    generator, as TE does, and the tracker's ``fork`` is its own again afterwards."""
+    from megatron.core.tensor_parallel import layers, random
+
+    from megatron_rocm.runtime.backend._init_rng import te_style_init
+
+    tracker = random.get_cuda_rng_tracker()
+    tracker.reset()
+
+    def init() -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.empty(4, 3))
+        layers._initialize_affine_weight_gpu(weight, torch.nn.init.normal_, 0)
+        return weight
+
+    def message(fn) -> str:  # noqa: ANN001
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the probe reports whatever upstream raises
+            return str(exc)
+        return ""
+
+    out = {"unseeded_upstream_init": message(init)}
+    with te_style_init():
+        torch.manual_seed(3)
+        got = init()
+    torch.manual_seed(3)
+    out["unseeded_te_init_is_default_generator"] = torch.equal(got, torch.randn(4, 3))
+    out["unseeded_fork_restored"] = "fork" not in vars(tracker) and message(init) != ""
     return out
 
 

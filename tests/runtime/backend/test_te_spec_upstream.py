@@ -150,6 +150,9 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     assert provider is None if release < "0.16" else provider.startswith("megatron_rocm."), provider
     # recompute-without-te: upstream sets fp8=True even for fp8=False and then calls TE
     assert result["checkpoint_without_output_fp8"] is (None if release < "0.13" else False)
+    # TE initialises without Megatron's tracker until it is seeded; the native classes too
+    assert "is not added" in result["unseeded_upstream_init"]
+    assert result["unseeded_te_init_is_default_generator"] and result["unseeded_fork_restored"]
 
 
 @pytest.mark.parametrize("release", RELEASES)
