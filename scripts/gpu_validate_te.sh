@@ -254,8 +254,10 @@ stage_cpscale() {
   # 16384) against CP=1 at half of it (the pair) and at CP_LENGTH (the same work on one
   # GPU), the ring's blocks on auto's kernel and on cuDNN's (MEGATRON_ROCM_CP_KERNEL=cudnn), and
   # --cp-comm-type a2a. CP_SIZE picks the Llama preset (small, or 0.85b: the small model's
-  # iteration is host-bound, see docs/results.md); CP_FLAGS go to pretrain_gpt.py (for example
-  # --no-create-attention-mask-in-dataloader, which long-context runs use).
+  # iteration is host-bound, see docs/results.md); CP_FLAGS go to pretrain_gpt.py: the
+  # twelfth session's numbers used --no-create-attention-mask-in-dataloader (long-context runs
+  # switch the s x s mask off) and upstream's recipe flags --cross-entropy-loss-fusion
+  # --manual-gc, without which Python's GC and the unfused loss add ~0.6 s per 0.85B iteration.
   local L=${CP_LENGTH:-16384} size=${CP_SIZE:-small}
   local tag="$size-$((L / 1024))k" half=$((L / 2))
   local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"
