@@ -225,7 +225,7 @@ class CudnnKernel(BlockKernel):
             return f"torch {torch.__version__} has no cuDNN attention op"
         if not getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)():
             return "cuDNN SDPA is disabled (torch.backends.cuda.enable_cudnn_sdp)"
-        return _cudnn_probe(q.device.index, q.dtype, q.shape[-1])
+        return _cudnn_probe(q.device, q.dtype, q.shape[-1])
 
     def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
@@ -247,14 +247,24 @@ class CudnnKernel(BlockKernel):
 
 
 @functools.lru_cache(maxsize=16)
-def _cudnn_probe(device_index: int | None, dtype: torch.dtype, dim: int) -> str | None:
+def _cudnn_probe(device: torch.device, dtype: torch.dtype, dim: int) -> str | None:
     """None when cuDNN's kernel can serve a CP block, else why not.
 
     64 queries against 128 keys in two blocks (the causal diagonal, then 64 keys all visible),
     merged by log-sum-exp and differentiated with the merged output and lse, as the ring does:
     output and gradients must match fp64 math over all the keys.
     """
-    device = torch.device("cuda", device_index)
+    try:
+        # The first CP call may come under no_grad or inference_mode (evaluation, inference):
+        # the probe's reference needs autograd either way.
+        with torch.inference_mode(False), torch.enable_grad():
+            return _cudnn_probe_errors(device, dtype, dim)
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
+        return f"failed its probe ({type(exc).__name__}: {exc})"[:300]
+
+
+def _cudnn_probe_errors(device: torch.device, dtype: torch.dtype, dim: int) -> str | None:
+    """``_cudnn_probe``'s body: None, or how cuDNN's merged blocks differ from fp64 math."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(keys: int) -> Tensor:
@@ -263,30 +273,26 @@ def _cudnn_probe(device_index: int | None, dtype: torch.dtype, dim: int) -> str 
     q, keys, values, do = rand(64), rand(128), rand(128), rand(64)
     scale, kernel = dim**-0.5, KERNELS["cudnn"]
     blocks = [(slice(0, 64), True), (slice(64, 128), False)]
-    try:
-        merger, states = SoftmaxMerger(q, dim), []
-        for i, (cols, causal) in enumerate(blocks):
-            kb, vb = keys[:, :, cols], values[:, :, cols]
-            out, lse, state = kernel.forward(q, kb, vb, causal=causal, scale=scale, dropout_p=0.0)
-            merger.add(slice(None), out, lse, first=i == 0)
-            states.append(state)
-        out = merger.out.to(dtype)
-        grads = [
-            kernel.backward(
-                do, q, keys[:, :, cols], values[:, :, cols], out, merger.lse, state,
-                causal=causal, scale=scale, dropout_p=0.0,
-            )
-            for (cols, causal), state in zip(blocks, states)
-        ]  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
-        return f"failed its probe ({type(exc).__name__}: {exc})"[:300]
+    merger, states = SoftmaxMerger(q, dim), []
+    for i, (cols, causal) in enumerate(blocks):
+        kb, vb = keys[:, :, cols], values[:, :, cols]
+        out, lse, state = kernel.forward(q, kb, vb, causal=causal, scale=scale, dropout_p=0.0)
+        merger.add(slice(None), out, lse, first=i == 0)
+        states.append(state)
+    out = merger.out.to(dtype)
+    grads = [
+        kernel.backward(
+            do, q, keys[:, :, cols], values[:, :, cols], out, merger.lse, state,
+            causal=causal, scale=scale, dropout_p=0.0,
+        )
+        for (cols, causal), state in zip(blocks, states)
+    ]  # fmt: skip
     square = torch.ones(64, 64, dtype=torch.bool, device=device)
     visible = torch.cat([square.tril(), square], dim=1)  # the diagonal block, then all visible
-    with torch.enable_grad():  # the first CP call may come under no_grad (evaluation, inference)
-        qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
-        scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-        reference = torch.softmax(scores, -1) @ vf
-        reference.backward(do.double())
+    qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
+    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    reference = torch.softmax(scores, -1) @ vf
+    reference.backward(do.double())
     got = {
         "out": out,
         "dq": grads[0][0] + grads[1][0],
@@ -405,9 +411,10 @@ def pick_kernel(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> BlockKerne
         reason = KERNELS[name].unsupported(q, k, v, dropout_p)
         if reason is None:
             if reasons and not is_hip():  # cuDNN declined on an NVIDIA GPU: say so, once
+                why = "; ".join(reasons)
                 log_fallback_once(
-                    f"cp-kernel:{name}:{reasons[0]}",
-                    f"context-parallel attention runs {name} blocks ({reasons[0]})",
+                    f"cp-kernel:{name}:{why}",
+                    f"context-parallel attention runs {name} blocks ({why})",
                 )
             return KERNELS[name]
         reasons.append(f"{name} {reason}")

@@ -356,7 +356,40 @@ def unseeded_tracker_case() -> dict:
     torch.manual_seed(3)
     out["unseeded_te_init_is_default_generator"] = torch.equal(got, torch.randn(4, 3))
     out["unseeded_fork_restored"] = "fork" not in vars(tracker) and message(init) != ""
+    out.update(_unseeded_native_linears(message))
     return out
+
+
+def _unseeded_native_linears(message) -> dict:  # noqa: ANN001
+    """The native linears themselves on the GPU init path (``use_cpu_initialization=False``;
+    ``torch.cuda.current_device`` answers "cpu" so the weights land on this CPU), tracker
+    unseeded: upstream's local linear raises, the three native ones build."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megatron_rocm.runtime.backend.te_names import (
+        TEColumnParallelLinear,
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
+
+    cfg = config("llama", torch.float32)
+    cfg.use_cpu_initialization = False
+    common = dict(
+        config=cfg, init_method=torch.nn.init.normal_, bias=False, skip_bias_add=False,
+        is_expert=False,
+    )  # fmt: skip
+    builds = {
+        "local": lambda: ColumnParallelLinear(8, 8, gather_output=False, **common),
+        "column": lambda: TEColumnParallelLinear(8, 8, gather_output=False, **common),
+        "row": lambda: TERowParallelLinear(8, 8, input_is_parallel=True, **common),
+        "ln_column": lambda: TELayerNormColumnParallelLinear(8, 8, gather_output=False, **common),
+    }
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        return {f"unseeded_build_{name}": message(build) for name, build in builds.items()}
+    finally:
+        torch.cuda.current_device = real
 
 
 def _checkpoint_without_output_fp8() -> bool | None:

@@ -204,7 +204,12 @@ class _Kernel(blocks.BlockKernel):
         ({}, False, "cudnn", None),  # NVIDIA: cuDNN blocks first (the twelfth session's run)
         ({"cudnn": "failed its probe (x)"}, False, "flash", "runs flash blocks (cudnn failed"),
         ({"cudnn": "needs an NVIDIA GPU (cuDNN)"}, True, "flash", None),  # ROCm: flash, quietly
-        ({"cudnn": "no", "flash": "no"}, False, "efficient", "runs efficient blocks (cudnn no)"),
+        (
+            {"cudnn": "no", "flash": "no"},
+            False,
+            "efficient",
+            "runs efficient blocks (cudnn no; flash no)",
+        ),
     ],
 )
 def test_auto_prefers_cudnn_then_flash_on_gpus(
@@ -233,6 +238,26 @@ def test_cudnn_declines_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blocks, "is_hip", lambda: True)
     reason = blocks.KERNELS["cudnn"].unsupported(_GpuTensor(), None, None, 0.0)
     assert reason == "needs an NVIDIA GPU (cuDNN)"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_cudnn_probe_runs_under_no_grad_and_inference_mode(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The first CP call may come from evaluation or inference. The probe's logic, on CPU with
+    the math kernel standing in for cuDNN's: it passes, and a failure inside is a reason."""
+    monkeypatch.setitem(blocks.KERNELS, "cudnn", blocks.KERNELS["math"])
+    probe = blocks._cudnn_probe.__wrapped__  # not the cache: every case probes afresh
+    with getattr(torch, mode)():
+        assert probe(torch.device("cpu"), torch.float32, 8) is None
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(blocks.KERNELS["math"], "forward", broken)
+    with getattr(torch, mode)():
+        reason = probe(torch.device("cpu"), torch.float32, 8)
+    assert reason == "failed its probe (RuntimeError: no plan)"
 
 
 @pytest.mark.parametrize(
@@ -415,8 +440,9 @@ def test_gpu_kernels(gpu_world: World, kernel: str, dtype: torch.dtype, comm_typ
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_gpu_auto_takes_cudnn_blocks_even_when_first_called_without_grad(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -426,7 +452,7 @@ def test_gpu_auto_takes_cudnn_blocks_even_when_first_called_without_grad(
     blocks._cudnn_probe.cache_clear()
     q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():  # evaluation or inference may make the first CP call
+    with getattr(torch, mode)():  # evaluation or inference may make the first CP call
         assert blocks.pick_kernel(q, k, v, 0.0).name == "cudnn"
     assert blocks.pick_kernel(q, k, v, 0.1).name == "flash"  # cuDNN blocks take no dropout
 

@@ -153,6 +153,8 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     # TE initialises without Megatron's tracker until it is seeded; the native classes too
     assert "is not added" in result["unseeded_upstream_init"]
     assert result["unseeded_te_init_is_default_generator"] and result["unseeded_fork_restored"]
+    assert "is not added" in result["unseeded_build_local"]  # the local class forks and raises
+    assert [result[f"unseeded_build_{n}"] for n in ("column", "row", "ln_column")] == ["", "", ""]
 
 
 @pytest.mark.parametrize("release", RELEASES)
