@@ -19,6 +19,10 @@ One JSON line per case, with the device named:
   single-GPU figure; ``speedup`` = single-GPU ms / CP ms (cp is ideal);
 * ``max_abs_err``: CP output vs the single-GPU output on the same data (bf16 rounding only).
 
+``--ops N`` adds each case's N costliest ops (``top_ops``: name, ms and calls per forward +
+backward; GPU kernel time on a GPU, CPU time on the CPU) from ``torch.profiler``: where the
+ring's time goes that one SDPA call does not spend.
+
 ``--cpu`` runs the same code on gloo with tiny lengths (a check of the script, not a benchmark).
 Needs no network; takes well under two minutes on H100/H200.
 """
@@ -74,6 +78,27 @@ def timed(fn: Callable[[], object], iters: int, device: torch.device, warmup: in
     return statistics.median(samples)
 
 
+def top_ops(fn: Callable[[], object], device: torch.device, top: int, runs: int = 2) -> list:
+    """The ``top`` ops of ``fn`` by self time (device time of the kernels on a GPU), per run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(runs):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    names = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
+
+    def self_us(event: object) -> float:
+        return next((getattr(event, n) for n in names if hasattr(event, n)), 0.0)
+
+    rows = [(e.key, self_us(e) / 1e3 / runs, e.count / runs) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:top]
+    return [[name[:120], round(ms, 4), round(calls, 1)] for name, ms, calls in rows]
+
+
 def slowest(ms: float, device: torch.device) -> float:
     value = torch.tensor([ms], device=device, dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -113,6 +138,7 @@ def bench_length(
     device: torch.device,
     dtype: torch.dtype,
     kernels: list[str],
+    ops: int = 0,
 ) -> Iterator[dict]:
     """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -131,8 +157,15 @@ def bench_length(
         iters,
         device,
     )
-    yield {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
-           "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
+    single = {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
+              "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
+    if ops:
+        single["top_ops"] = top_ops(
+            lambda x=leaves: sdpa_attention(*x, None, "causal", scale).backward(full["g"]),
+            device,
+            ops,
+        )
+    yield single
     yield from _forced_sdpa_backends(leaves, full["g"], scale, length, iters, device)
     del leaves  # free the single-GPU tensors before the CP cases
     local = {n: zigzag_shard(t, cp, rank) for n, t in full.items()}
@@ -154,10 +187,13 @@ def bench_length(
         dist.barrier()
         ms = slowest(timed(lambda run=run: run().backward(local["g"]), iters, device), device)
         kernel = "sdpa" if comm == "a2a" else pick_kernel(*cp_leaves, 0.0).name
-        yield {"case": f"cp{cp}_{comm}_{kernel}", "L": length, "ms": round(ms, 3),
-               "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
-               "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
-               "kernel": kernel}  # fmt: skip
+        record = {"case": f"cp{cp}_{comm}_{kernel}", "L": length, "ms": round(ms, 3),
+                  "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
+                  "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
+                  "kernel": kernel}  # fmt: skip
+        if ops:  # every rank profiles (the ring needs its peer); rank 0's ops are reported
+            record["top_ops"] = top_ops(lambda run=run: run().backward(local["g"]), device, ops)
+        yield record
 
 
 def main() -> int:
@@ -169,6 +205,9 @@ def main() -> int:
         "--kernels", default="auto", help="CP block kernels (MEGATRON_ROCM_CP_KERNEL values)"
     )
     parser.add_argument("--json", help="also append the JSON lines to this file (rank 0)")
+    parser.add_argument(
+        "--ops", type=int, default=0, help="add each case's N costliest ops (torch.profiler)"
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
 
@@ -193,7 +232,7 @@ def main() -> int:
 
     comms, kernels = args.comm.split(","), args.kernels.split(",")
     for length in lengths:
-        for record in bench_length(length, comms, args.iters, device, dtype, kernels):
+        for record in bench_length(length, comms, args.iters, device, dtype, kernels, args.ops):
             emit(record)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -30,17 +30,21 @@
 #   units2   upstream's own unit tests (transformer/, tensor_parallel/, fusions/), unpatched vs
 #            patched newest ref, 2 ranks (scripts/upstream_unit_tests.py), UNIT_BUDGET seconds
 #   packedcp packed sequences under CP and the CP block kernels (2 GPUs): the GPU cases of
-#            test_packed_context_parallel and test_context_parallel (cuDNN blocks included),
-#            bench_cp_attention with flash and cuDNN blocks and SDPA's backends forced, smoke's
-#            parallel.cp2 / parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
+#            test_packed_context_parallel and test_context_parallel (verbose, tracebacks after
+#            120 s), bench_cp_attention with auto's blocks (cuDNN on NVIDIA) and flash's, SDPA's
+#            backends forced and each case's costliest ops, smoke's parallel.cp2 /
+#            parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
+#   mimo2    upstream's MIMO tests (tests/unit_tests/models/mimo), unpatched vs patched newest
+#            ref, 2 ranks
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
-#            with the ring's blocks on auto's kernel and on cuDNN's and with --cp-comm-type a2a
+#            with the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's and with
+#            --cp-comm-type a2a
 #            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
 #   1 GPU:  setup train units profile bench trace kernels smoke mla
-#   2 GPUs: setup tp2 cp2 moe2 units2 packedcp cpscale
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -221,23 +225,32 @@ stage_mla() {
   log "fused MLA RoPE tests (experimental included): $(tail -1 "$OUT/mla-rope-tests.txt")"
 }
 
-stage_units2() {
+units_two_ranks() {  # units_two_ranks NAME [--paths ...]: unpatched vs patched newest ref
+  local name=$1; shift
   rm -rf "$W/u-$NEWEST" && git clone -q -b "$NEWEST" "$W/src" "$W/u-$NEWEST" 2>/dev/null
   (cd "$HERE" && $PY scripts/upstream_unit_tests.py run --tree "u-$NEWEST=$W/u-$NEWEST" \
-     --tree "p-$NEWEST=$W/p-$NEWEST" --out "$OUT/ut" --nproc 2 --jobs "${UNIT_JOBS:-8}" \
-     --timeout 120 --budget "${UNIT_BUDGET:-420}" > "$OUT/units.log" 2>&1)
-  (cd "$HERE" && $PY scripts/upstream_unit_tests.py compare "$OUT/ut/u-$NEWEST/results.json" \
-     "$OUT/ut/p-$NEWEST/results.json" --md "$OUT/units-compare.md" > /dev/null 2>&1)
-  log "units: $(tail -2 "$OUT/units.log" | tr '\n' ' ')"
+     --tree "p-$NEWEST=$W/p-$NEWEST" --out "$OUT/$name" --nproc 2 --jobs "${UNIT_JOBS:-8}" \
+     --timeout 120 --budget "${UNIT_BUDGET:-420}" "$@" > "$OUT/$name.log" 2>&1)
+  (cd "$HERE" && $PY scripts/upstream_unit_tests.py compare "$OUT/$name/u-$NEWEST/results.json" \
+     "$OUT/$name/p-$NEWEST/results.json" --md "$OUT/$name-compare.md" > /dev/null 2>&1)
+  log "$name: $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
+}
+
+stage_units2() {
+  units_two_ranks units
+}
+
+stage_mimo2() {
+  UNIT_JOBS=${UNIT_JOBS:-4} units_two_ranks mimo --paths tests/unit_tests/models/mimo
 }
 
 stage_packedcp() {
-  (cd "$HERE" && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu \
-     tests/runtime/backend/test_packed_context_parallel.py \
+  (cd "$HERE" && PYTHONUNBUFFERED=1 timeout -s INT 300 $PY -m pytest -v -p no:cacheprovider -m gpu \
+     -o faulthandler_timeout=120 tests/runtime/backend/test_packed_context_parallel.py \
      tests/runtime/backend/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
   log "packed/cp gpu tests: $(tail -1 "$OUT/packedcp-gpu-tests.txt")"
   (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-     scripts/bench_cp_attention.py --kernels auto,cudnn --json "$OUT/bench-cp-kernels.jsonl" \
+     scripts/bench_cp_attention.py --kernels auto,flash --ops 12 --json "$OUT/bench-cp-kernels.jsonl" \
      > "$OUT/bench-cp-kernels.txt" 2>&1)
   log "cp bench (flash and cuDNN blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
   timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
@@ -252,8 +265,8 @@ stage_packedcp() {
 stage_cpscale() {
   # Issue 11's CP throughput, every run in one call on the same GPUs: CP=2 at CP_LENGTH (default
   # 16384) against CP=1 at half of it (the issue's pair) and at CP_LENGTH (the same work on one
-  # GPU), the ring's blocks on auto's kernel and on cuDNN's (MEGATRON_ROCM_CP_KERNEL=cudnn), and
-  # --cp-comm-type a2a. CP_SIZE picks the Llama preset (small, or 0.85b: the small model's
+  # GPU), the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's
+  # (MEGATRON_ROCM_CP_KERNEL=flash), and --cp-comm-type a2a. CP_SIZE picks the Llama preset (small, or 0.85b: the small model's
   # iteration is host-bound, see docs/results.md); CP_FLAGS go to pretrain_gpt.py: the
   # twelfth session's numbers used --no-create-attention-mask-in-dataloader (long-context runs
   # switch the s x s mask off) and upstream's recipe flags --cross-entropy-loss-fusion
@@ -266,11 +279,11 @@ stage_cpscale() {
   train "cpscale-$tag-cp1-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$L" -- ${CP_FLAGS:-}
   train "cpscale-$tag-cp2-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
     -- ${CP_FLAGS:-}
-  MEGATRON_ROCM_CP_KERNEL=cudnn train "cpscale-$tag-cp2-cudnn-$NEWEST" "$W/p-$NEWEST" $long \
+  MEGATRON_ROCM_CP_KERNEL=flash train "cpscale-$tag-cp2-flash-$NEWEST" "$W/p-$NEWEST" $long \
     --nproc 2 --cp 2 --seq-length "$L" -- ${CP_FLAGS:-}
   train "cpscale-$tag-cp2-a2a-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
     -- --cp-comm-type a2a ${CP_FLAGS:-}
-  for n in cp1-half cp1 cp2 cp2-cudnn cp2-a2a; do
+  for n in cp1-half cp1 cp2 cp2-flash cp2-a2a; do
     log "cpscale-$tag-$n: $(cat "$OUT/cpscale-$tag-$n-$NEWEST.json")"
   done
 }

@@ -87,7 +87,7 @@ def test_cpscale_runs_the_five_comparisons(tmp_path: Path) -> None:
         ("1", None, "16384", "kernel=auto"),
         ("1", None, "32768", "kernel=auto"),
         ("2", "2", "32768", "kernel=auto"),
-        ("2", "2", "32768", "kernel=cudnn"),
+        ("2", "2", "32768", "kernel=flash"),
         ("2", "2", "32768", "kernel=auto"),
     ]
     for call in calls:
@@ -105,3 +105,15 @@ def test_cpscale_defaults_to_the_small_model_at_16k_with_upstreams_flags(tmp_pat
     assert all(option(c, "--preset-size") == "small" for c in calls)
     assert all(c.endswith("--") for c in calls[:4])  # nothing added for pretrain_gpt.py
     assert calls[4].endswith(" -- --cp-comm-type a2a")
+
+
+def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> None:
+    calls = run_stage(tmp_path, "mimo2")
+    run, compare = calls
+    assert " scripts/upstream_unit_tests.py run " in f" {run} "
+    assert option(run, "--paths") == "tests/unit_tests/models/mimo"
+    assert (option(run, "--nproc"), option(run, "--jobs")) == ("2", "4")
+    trees = re.findall(r"--tree (\S+)=", run)
+    assert trees == ["u-main", "p-main"]  # unpatched first, then patched, in one run
+    assert compare.split()[1:2] == ["scripts/upstream_unit_tests.py"] and " compare " in compare
+    assert option(compare, "--md").endswith("/mimo-compare.md")
