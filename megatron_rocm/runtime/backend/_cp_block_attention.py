@@ -14,7 +14,7 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
 * ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA and ROCm; head dims
   multiples of 8; fp32 too).
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (CUDA builds with cuDNN SDPA; no
-  dropout). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
+  dropout; not under deterministic algorithms, which torch's SDPA honours the same way). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
   (FlashAttention-2), so a CP block on ``flash`` is slower than the one-GPU SDPA it replaces.
   ``auto``'s first choice on NVIDIA GPUs, but only after a probe: two key blocks merged by
   log-sum-exp and differentiated with the merged output and lse must give the math kernel's
@@ -217,6 +217,9 @@ class CudnnKernel(BlockKernel):
             return "needs an NVIDIA GPU (cuDNN)"
         if dropout_p > 0:
             return "is used without dropout only"
+        if deterministic_algorithms_required():
+            # torch's own SDPA dispatcher skips cuDNN for the same reason (check_cudnn_deterministic)
+            return "is not deterministic (torch.use_deterministic_algorithms, --deterministic-mode)"
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"needs fp16/bf16, got {q.dtype}"
         if q.shape[-1] != v.shape[-1] or q.shape[-1] % 8 or q.shape[-1] > 128:
@@ -244,6 +247,14 @@ class CudnnKernel(BlockKernel):
             do.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
             seed, offset, None, cum_q, cum_k, max_q, max_k, p, causal, scale=scale,
         )  # fmt: skip
+
+
+def deterministic_algorithms_required() -> bool:
+    """``torch.use_deterministic_algorithms(True)`` without ``warn_only`` (upstream's
+    ``--deterministic-mode`` turns it on)."""
+    return torch.are_deterministic_algorithms_enabled() and not (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
 
 
 @functools.lru_cache(maxsize=16)

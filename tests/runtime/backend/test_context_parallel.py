@@ -234,6 +234,26 @@ def test_auto_prefers_cudnn_then_flash_on_gpus(
         assert "blocks (" not in caplog.text
 
 
+def test_cudnn_declines_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's --deterministic-mode turns them on; torch's SDPA then skips cuDNN too."""
+    monkeypatch.setattr(blocks, "is_hip", lambda: False)
+    monkeypatch.setattr(blocks, "_cudnn_probe", lambda *args: None)  # the GPU part passes
+    fields = {"dtype": torch.bfloat16, "shape": (1, 8, 16, 64), "device": "cuda:0"}
+    q = type("Q", (_GpuTensor,), fields)()
+    cudnn = blocks.KERNELS["cudnn"]
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        pytest.skip("this torch build has no cuDNN attention op")
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    assert cudnn.unsupported(q, q, q, 0.0) is None
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)  # a warning only: still cuDNN
+        assert cudnn.unsupported(q, q, q, 0.0) is None
+        torch.use_deterministic_algorithms(True)
+        assert "is not deterministic" in cudnn.unsupported(q, q, q, 0.0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_cudnn_declines_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blocks, "is_hip", lambda: True)
     reason = blocks.KERNELS["cudnn"].unsupported(_GpuTensor(), None, None, 0.0)
