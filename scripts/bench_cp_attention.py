@@ -152,19 +152,15 @@ def bench_length(
     full["g"] = torch.randn(length, BATCH, HEADS * DIM, generator=gen, device=device, dtype=dtype)
     leaves = [full[n].clone().requires_grad_() for n in "qkv"]
     single_out = sdpa_attention(*leaves, None, "causal", scale).detach()
-    single_ms = timed(
-        lambda x=leaves: sdpa_attention(*x, None, "causal", scale).backward(full["g"]),
-        iters,
-        device,
-    )
+
+    def single_step(x: list = leaves) -> None:
+        sdpa_attention(*x, None, "causal", scale).backward(full["g"])
+
+    single_ms = timed(single_step, iters, device)
     single = {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
               "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
     if ops:
-        single["top_ops"] = top_ops(
-            lambda x=leaves: sdpa_attention(*x, None, "causal", scale).backward(full["g"]),
-            device,
-            ops,
-        )
+        single["top_ops"] = top_ops(single_step, device, ops)
     yield single
     yield from _forced_sdpa_backends(leaves, full["g"], scale, length, iters, device)
     del leaves  # free the single-GPU tensors before the CP cases
@@ -185,14 +181,18 @@ def bench_length(
         err = (run().detach().float() - expected).abs().max()
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         dist.barrier()
-        ms = slowest(timed(lambda run=run: run().backward(local["g"]), iters, device), device)
+
+        def step(run: Callable[[], torch.Tensor] = run) -> None:
+            run().backward(local["g"])
+
+        ms = slowest(timed(step, iters, device), device)
         kernel = "sdpa" if comm == "a2a" else pick_kernel(*cp_leaves, 0.0).name
         record = {"case": f"cp{cp}_{comm}_{kernel}", "L": length, "ms": round(ms, 3),
                   "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
                   "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
                   "kernel": kernel}  # fmt: skip
         if ops:  # every rank profiles (the ring needs its peer); rank 0's ops are reported
-            record["top_ops"] = top_ops(lambda run=run: run().backward(local["g"]), device, ops)
+            record["top_ops"] = top_ops(step, device, ops)
         yield record
 
 

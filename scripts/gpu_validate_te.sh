@@ -252,7 +252,7 @@ stage_packedcp() {
   (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
      scripts/bench_cp_attention.py --kernels auto,flash --ops 12 --json "$OUT/bench-cp-kernels.jsonl" \
      > "$OUT/bench-cp-kernels.txt" 2>&1)
-  log "cp bench (flash and cuDNN blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
+  log "cp bench (auto's and flash blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
   timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
     --json "$OUT/smoke-packedcp-$NEWEST.json" > "$OUT/smoke-packedcp-$NEWEST.log" 2>&1
   log "smoke cp2 / cp2_packed $NEWEST: exit $? $(tail -1 "$OUT/smoke-packedcp-$NEWEST.log")"
@@ -266,8 +266,9 @@ stage_cpscale() {
   # Issue 11's CP throughput, every run in one call on the same GPUs: CP=2 at CP_LENGTH (default
   # 16384) against CP=1 at half of it (the issue's pair) and at CP_LENGTH (the same work on one
   # GPU), the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's
-  # (MEGATRON_ROCM_CP_KERNEL=flash), and --cp-comm-type a2a. CP_SIZE picks the Llama preset (small, or 0.85b: the small model's
-  # iteration is host-bound, see docs/results.md); CP_FLAGS go to pretrain_gpt.py: the
+  # (MEGATRON_ROCM_CP_KERNEL=flash), and --cp-comm-type a2a. CP_SIZE picks the Llama preset
+  # (small, or 0.85b: the small model's iteration is host-bound, see docs/results.md); CP_FLAGS
+  # go to pretrain_gpt.py: the
   # twelfth session's numbers used --no-create-attention-mask-in-dataloader (long-context runs
   # switch the s x s mask off) and upstream's recipe flags --cross-entropy-loss-fusion
   # --manual-gc, without which Python's GC and the unfused loss add ~0.6 s per 0.85B iteration.

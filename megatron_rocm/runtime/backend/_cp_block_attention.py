@@ -14,7 +14,8 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
 * ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA and ROCm; head dims
   multiples of 8; fp32 too).
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (CUDA builds with cuDNN SDPA; no
-  dropout; not under deterministic algorithms, which torch's SDPA honours the same way). What torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
+  dropout; not under deterministic algorithms, which torch's SDPA honours the same way). What
+  torch's SDPA itself picks on Hopper GPUs, and much faster there than ``flash``
   (FlashAttention-2), so a CP block on ``flash`` is slower than the one-GPU SDPA it replaces.
   ``auto``'s first choice on NVIDIA GPUs, but only after a probe: two key blocks merged by
   log-sum-exp and differentiated with the merged output and lse must give the math kernel's
@@ -400,7 +401,8 @@ KERNELS: dict[str, BlockKernel] = {
 
 def auto_order(q: Tensor) -> tuple[str, ...]:
     """The kernels ``auto`` tries, fastest first; each one's ``unsupported`` has the last word
-    (``cudnn`` declines on ROCm, with dropout, or when its probe fails)."""
+    (``cudnn`` declines on ROCm, and on NVIDIA for any input or setting its kernel or probe
+    cannot serve)."""
     return ("cudnn", "flash", "efficient") if q.is_cuda else ("cpu_flash",)
 
 

@@ -325,6 +325,15 @@ def modules_case() -> dict:
     return out
 
 
+def _error_message(fn) -> str:  # noqa: ANN001
+    """What ``fn()`` raised ("" when it did not): the probe reports whatever upstream raises."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return ""
+
+
 def unseeded_tracker_case() -> dict:
     """Weights built before anyone seeds Megatron's CUDA RNG tracker: upstream's own GPU init
     (``_initialize_affine_weight_gpu``, run here on a CPU tensor) raises, as it does for the
@@ -342,25 +351,18 @@ def unseeded_tracker_case() -> dict:
         layers._initialize_affine_weight_gpu(weight, torch.nn.init.normal_, 0)
         return weight
 
-    def message(fn) -> str:  # noqa: ANN001
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the probe reports whatever upstream raises
-            return str(exc)
-        return ""
-
-    out = {"unseeded_upstream_init": message(init)}
+    out = {"unseeded_upstream_init": _error_message(init)}
     with te_style_init():
         torch.manual_seed(3)
         got = init()
     torch.manual_seed(3)
     out["unseeded_te_init_is_default_generator"] = torch.equal(got, torch.randn(4, 3))
-    out["unseeded_fork_restored"] = "fork" not in vars(tracker) and message(init) != ""
-    out.update(_unseeded_native_linears(message))
+    out["unseeded_fork_restored"] = "fork" not in vars(tracker) and _error_message(init) != ""
+    out.update(_unseeded_native_linears())
     return out
 
 
-def _unseeded_native_linears(message) -> dict:  # noqa: ANN001
+def _unseeded_native_linears() -> dict:
     """The native linears themselves on the GPU init path (``use_cpu_initialization=False``;
     ``torch.cuda.current_device`` answers "cpu" so the weights land on this CPU), tracker
     unseeded: upstream's local linear raises, the three native ones build."""
@@ -387,7 +389,7 @@ def _unseeded_native_linears(message) -> dict:  # noqa: ANN001
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
     try:
-        return {f"unseeded_build_{name}": message(build) for name, build in builds.items()}
+        return {f"unseeded_build_{name}": _error_message(build) for name, build in builds.items()}
     finally:
         torch.cuda.current_device = real
 
