@@ -30,6 +30,7 @@ Needs no network; takes well under two minutes on H100/H200.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,7 +44,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel  # noqa: E402
+from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
+    BlockKernel,
+    pick_kernel,
+)
+from megatron_rocm.runtime.backend._cp_ring import bhsd  # noqa: E402
 from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
     context_parallel_attention,
     zigzag_shard,
@@ -169,31 +174,65 @@ def bench_length(
     cases = [
         (comm, kernel) for comm in comms for kernel in (kernels if comm != "a2a" else ["auto"])
     ]
-    for comm, kernel_name in cases:
+    for comm, spec in cases:
+        kernel_name, _, variant = spec.partition(":")
         os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
+        q, k, v = (bhsd(x) for x in cp_leaves)
+        kernel = None if comm == "a2a" else pick_kernel(q, k, v, 0.0)
+        with grouped_heads(kernel, q, k, expanded=variant == "expanded") as kv_heads:
+            name = "sdpa" if kernel is None else kernel.name
+            label = f"cp{cp}_{comm}_{name}" + ("_expanded" if variant == "expanded" else "")
+            record = {"case": label, "L": length, "kernel": name, "kv_heads": kv_heads}
+            yield _timed_cp_case(
+                record, comm, cp_leaves, local["g"], expected, single_ms, scale, iters, device,
+                ops,
+            )  # fmt: skip
 
-        def run(comm: str = comm, cp_leaves: list = cp_leaves) -> torch.Tensor:
-            return context_parallel_attention(
-                *cp_leaves, cp_group=None, causal=True, softmax_scale=scale, comm_type=comm
-            )
 
-        err = (run().detach().float() - expected).abs().max()
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        dist.barrier()
+@contextlib.contextmanager
+def grouped_heads(
+    kernel: BlockKernel | None, q: torch.Tensor, k: torch.Tensor, *, expanded: bool
+) -> Iterator[str | None]:
+    """How ``kernel`` takes grouped kv heads in this case: "native" or "expanded" (None for
+    a2a, which runs SDPA). ``expanded`` makes it expand them for the case (``cudnn:expanded``:
+    what cuDNN blocks did before their grouped-head probe)."""
+    if kernel is None:
+        yield None
+        return
+    if expanded:
+        kernel.native_gqa = lambda q, k: False  # an instance attribute shadows the method
+    try:
+        yield "native" if kernel.native_gqa(q, k) else "expanded"
+    finally:
+        kernel.__dict__.pop("native_gqa", None)
 
-        def step(run: Callable[[], torch.Tensor] = run) -> None:
-            run().backward(local["g"])
 
-        ms = slowest(timed(step, iters, device), device)
-        kernel = "sdpa" if comm == "a2a" else pick_kernel(*cp_leaves, 0.0).name
-        record = {"case": f"cp{cp}_{comm}_{kernel}", "L": length, "ms": round(ms, 3),
-                  "tflops_per_gpu": round(causal_flops(length) / cp / ms / 1e9, 2),
-                  "speedup": round(single_ms / ms, 3), "max_abs_err": float(f"{err.item():.3g}"),
-                  "kernel": kernel}  # fmt: skip
-        if ops:  # every rank profiles (the ring needs its peer); rank 0's ops are reported
-            record["top_ops"] = top_ops(step, device, ops)
-        yield record
+def _timed_cp_case(
+    record: dict, comm: str, cp_leaves: list, grad: torch.Tensor, expected: torch.Tensor,
+    single_ms: float, scale: float, iters: int, device: torch.device, ops: int,
+) -> dict:  # fmt: skip
+    """``record`` with one CP case's time, its error against the one-GPU output, its ops."""
+    cp = dist.get_world_size()
+
+    def run() -> torch.Tensor:
+        return context_parallel_attention(
+            *cp_leaves, cp_group=None, causal=True, softmax_scale=scale, comm_type=comm
+        )
+
+    err = (run().detach().float() - expected).abs().max()
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    dist.barrier()
+
+    def step() -> None:
+        run().backward(grad)
+
+    ms = slowest(timed(step, iters, device), device)
+    record.update(ms=round(ms, 3), tflops_per_gpu=round(causal_flops(record["L"]) / cp / ms / 1e9, 2),
+                  speedup=round(single_ms / ms, 3), max_abs_err=float(f"{err.item():.3g}"))  # fmt: skip
+    if ops:  # every rank profiles (the ring needs its peer); rank 0's ops are reported
+        record["top_ops"] = top_ops(step, device, ops)
+    return record
 
 
 def main() -> int:

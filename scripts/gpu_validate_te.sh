@@ -39,7 +39,8 @@
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
 #            with the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's and with
 #            --cp-comm-type a2a
-#            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS)
+#            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS; CP_RUNS picks
+#            from cp1-half cp1 cp2 cp2-flash cp2-a2a, default all)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
@@ -250,9 +251,9 @@ stage_packedcp() {
      tests/runtime/backend/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
   log "packed/cp gpu tests: $(tail -1 "$OUT/packedcp-gpu-tests.txt")"
   (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-     scripts/bench_cp_attention.py --kernels auto,flash --ops 12 --json "$OUT/bench-cp-kernels.jsonl" \
-     > "$OUT/bench-cp-kernels.txt" 2>&1)
-  log "cp bench (auto's and flash blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
+     scripts/bench_cp_attention.py --kernels auto,cudnn:expanded,flash --ops 12 \
+     --json "$OUT/bench-cp-kernels.jsonl" > "$OUT/bench-cp-kernels.txt" 2>&1)
+  log "cp bench (auto's, cuDNN's with expanded kv heads, flash blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
   timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
     --json "$OUT/smoke-packedcp-$NEWEST.json" > "$OUT/smoke-packedcp-$NEWEST.log" 2>&1
   log "smoke cp2 / cp2_packed $NEWEST: exit $? $(tail -1 "$OUT/smoke-packedcp-$NEWEST.log")"
@@ -276,15 +277,21 @@ stage_cpscale() {
   local tag="$size-$((L / 1024))k" half=$((L / 2))
   local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"
   long="$long --global-batch-size 8"
-  train "cpscale-$tag-cp1-half-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$half" -- ${CP_FLAGS:-}
-  train "cpscale-$tag-cp1-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$L" -- ${CP_FLAGS:-}
-  train "cpscale-$tag-cp2-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
-    -- ${CP_FLAGS:-}
-  MEGATRON_ROCM_CP_KERNEL=flash train "cpscale-$tag-cp2-flash-$NEWEST" "$W/p-$NEWEST" $long \
-    --nproc 2 --cp 2 --seq-length "$L" -- ${CP_FLAGS:-}
-  train "cpscale-$tag-cp2-a2a-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
-    -- --cp-comm-type a2a ${CP_FLAGS:-}
-  for n in cp1-half cp1 cp2 cp2-flash cp2-a2a; do
+  local runs=(${CP_RUNS:-cp1-half cp1 cp2 cp2-flash cp2-a2a}) n
+  for n in "${runs[@]}"; do
+    case $n in
+      cp1-half) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$half" \
+                  -- ${CP_FLAGS:-} ;;
+      cp1) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$L" \
+             -- ${CP_FLAGS:-} ;;
+      cp2) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
+             -- ${CP_FLAGS:-} ;;
+      cp2-flash) MEGATRON_ROCM_CP_KERNEL=flash train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long \
+                   --nproc 2 --cp 2 --seq-length "$L" -- ${CP_FLAGS:-} ;;
+      cp2-a2a) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 \
+                 --seq-length "$L" -- --cp-comm-type a2a ${CP_FLAGS:-} ;;
+      *) log "cpscale: unknown run $n (CP_RUNS: cp1-half cp1 cp2 cp2-flash cp2-a2a)"; continue ;;
+    esac
     log "cpscale-$tag-$n: $(cat "$OUT/cpscale-$tag-$n-$NEWEST.json")"
   done
 }

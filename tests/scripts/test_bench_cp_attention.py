@@ -9,21 +9,24 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp_attention.py"
 
 
-def test_every_case_reports_its_costliest_ops(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "cp.jsonl"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(SCRIPT), "--cpu", "--lengths", "128", "--comm", "p2p,all_gather,a2a", "--iters", "1",
-        "--ops", "5", "--json", str(out),
+        str(SCRIPT), "--cpu", "--iters", "1", "--json", str(out), *args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_every_case_reports_its_costliest_ops(tmp_path: Path) -> None:
+    records = _bench(tmp_path, "--lengths", "128", "--comm", "p2p,all_gather,a2a", "--ops", "5")
     cases = [r["case"] for r in records]
     assert cases == ["sdpa_1gpu", "cp2_p2p_cpu_flash", "cp2_all_gather_cpu_flash", "cp2_a2a_sdpa"]
     for record in records:
@@ -35,3 +38,34 @@ def test_every_case_reports_its_costliest_ops(tmp_path: Path) -> None:
         assert any("scaled_dot_product" in name for name, _, _ in ops), ops
     for record in records[1:]:
         assert record["max_abs_err"] < 1e-5  # fp32 on the CPU: the CP result is the 1-rank one
+
+
+def test_each_case_says_how_its_blocks_took_the_grouped_kv_heads(tmp_path: Path) -> None:
+    """``KERNEL:expanded`` makes the blocks expand them; no CPU kernel takes them grouped."""
+    records = _bench(
+        tmp_path, "--lengths", "64", "--comm", "p2p,a2a", "--kernels", "math,math:expanded"
+    )
+    got = [(r["case"], r["kernel"], r["kv_heads"]) for r in records[1:]]
+    assert got == [
+        ("cp2_p2p_math", "math", "expanded"),
+        ("cp2_p2p_math_expanded", "math", "expanded"),
+        ("cp2_a2a_sdpa", "sdpa", None),
+    ]
+    assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
+
+
+def test_grouped_heads_forces_expansion_for_one_case_only() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cp_attention", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from megatron_rocm.runtime.backend._cp_block_attention import KERNELS
+
+    flash = KERNELS["flash"]  # takes grouped heads natively off ROCm
+    q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 2, 2, 8)
+    with bench.grouped_heads(flash, q, k, expanded=False) as kv_heads:
+        assert kv_heads == "native"
+    with bench.grouped_heads(flash, q, k, expanded=True) as kv_heads:
+        assert kv_heads == "expanded" and flash._heads(q, k, k)[0].shape[1] == 4
+    assert flash.native_gqa(q, k) and "native_gqa" not in vars(flash)

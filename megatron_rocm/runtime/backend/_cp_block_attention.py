@@ -89,7 +89,8 @@ class BlockKernel:
         """Why this kernel cannot run these inputs (None when it can)."""
         raise NotImplementedError
 
-    def native_gqa(self) -> bool:
+    def native_gqa(self, q: Tensor, k: Tensor) -> bool:
+        """Whether the kernel takes ``k``/``v`` with fewer heads than ``q`` as they are."""
         return False
 
     def _fwd(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, p: float):  # noqa: ANN202
@@ -99,7 +100,7 @@ class BlockKernel:
         raise NotImplementedError
 
     def _heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if k.shape[1] == q.shape[1] or self.native_gqa():
+        if k.shape[1] == q.shape[1] or self.native_gqa(q, k):
             return k, v
         repeat = q.shape[1] // k.shape[1]
         return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -159,7 +160,7 @@ class FlashKernel(BlockKernel):
             return "flash attention needs sm80 or newer"
         return None
 
-    def native_gqa(self) -> bool:
+    def native_gqa(self, q: Tensor, k: Tensor) -> bool:
         # ROCm's flash kernels of several torch releases reject grouped heads.
         return not is_hip()
 
@@ -231,6 +232,22 @@ class CudnnKernel(BlockKernel):
             return "cuDNN SDPA is disabled (torch.backends.cuda.enable_cudnn_sdp)"
         return _cudnn_probe(q.device, q.dtype, q.shape[-1])
 
+    def native_gqa(self, q: Tensor, k: Tensor) -> bool:
+        """Grouped kv heads as they are, if the probe says cuDNN handles them; else expanded.
+
+        Expanding copies K/V ``heads / kv heads`` times per block and sums dK/dV back: for a
+        Llama's 3:1 grouping that is ~3x the K/V traffic of every block, forward and backward.
+        """
+        group_size = q.shape[1] // k.shape[1]
+        reason = _cudnn_probe(q.device, q.dtype, q.shape[-1], group_size)
+        if reason is not None:
+            log_fallback_once(
+                f"cp-cudnn-gqa:{reason}",
+                f"cuDNN context-parallel blocks expand grouped kv heads ({group_size} query "
+                f"heads each): grouped heads {reason}",
+            )
+        return reason is None
+
     def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
             aten._scaled_dot_product_cudnn_attention(
@@ -258,52 +275,60 @@ def deterministic_algorithms_required() -> bool:
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _cudnn_probe(device: torch.device, dtype: torch.dtype, dim: int) -> str | None:
+@functools.lru_cache(maxsize=32)
+def _cudnn_probe(
+    device: torch.device, dtype: torch.dtype, dim: int, group_size: int = 1
+) -> str | None:
     """None when cuDNN's kernel can serve a CP block, else why not.
 
     64 queries against 128 keys in two blocks (the causal diagonal, then 64 keys all visible),
     merged by log-sum-exp and differentiated with the merged output and lse, as the ring does:
-    output and gradients must match fp64 math over all the keys.
+    output and gradients must match fp64 math over all the keys. ``group_size`` > 1 gives the
+    kernel ``group_size`` query heads per kv head as they are (GQA without expanding).
     """
     try:
         # The first CP call may come under no_grad or inference_mode (evaluation, inference):
         # the probe's reference needs autograd either way.
         with torch.inference_mode(False), torch.enable_grad():
-            return _cudnn_probe_errors(device, dtype, dim)
+            return _cudnn_probe_errors(device, dtype, dim, group_size)
     except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
         return f"failed its probe ({type(exc).__name__}: {exc})"[:300]
 
 
-def _cudnn_probe_errors(device: torch.device, dtype: torch.dtype, dim: int) -> str | None:
+def _cudnn_probe_errors(
+    device: torch.device, dtype: torch.dtype, dim: int, group_size: int
+) -> str | None:
     """``_cudnn_probe``'s body: None, or how cuDNN's merged blocks differ from fp64 math."""
     gen = torch.Generator(device=device).manual_seed(0)
+    kv_heads = 2
 
-    def rand(keys: int) -> Tensor:
-        return torch.randn(1, 2, keys, dim, device=device, generator=gen, dtype=dtype)
+    def rand(tokens: int, heads: int = kv_heads) -> Tensor:
+        return torch.randn(1, heads, tokens, dim, device=device, generator=gen, dtype=dtype)
 
-    q, keys, values, do = rand(64), rand(128), rand(128), rand(64)
+    q_heads = kv_heads * group_size
+    q, keys, values, do = rand(64, q_heads), rand(128), rand(128), rand(64, q_heads)
     scale, kernel = dim**-0.5, KERNELS["cudnn"]
     blocks = [(slice(0, 64), True), (slice(64, 128), False)]
     merger, states = SoftmaxMerger(q, dim), []
     for i, (cols, causal) in enumerate(blocks):
         kb, vb = keys[:, :, cols], values[:, :, cols]
-        out, lse, state = kernel.forward(q, kb, vb, causal=causal, scale=scale, dropout_p=0.0)
+        out, lse, state = kernel._fwd(q, kb, vb, causal, scale, 0.0)
         merger.add(slice(None), out, lse, first=i == 0)
         states.append(state)
     out = merger.out.to(dtype)
     grads = [
-        kernel.backward(
-            do, q, keys[:, :, cols], values[:, :, cols], out, merger.lse, state,
-            causal=causal, scale=scale, dropout_p=0.0,
+        kernel._bwd(
+            do, q, keys[:, :, cols], values[:, :, cols], out, merger.lse, state, causal, scale,
+            0.0,
         )
         for (cols, causal), state in zip(blocks, states)
     ]  # fmt: skip
     square = torch.ones(64, 64, dtype=torch.bool, device=device)
     visible = torch.cat([square.tril(), square], dim=1)  # the diagonal block, then all visible
     qf, kf, vf = (x.double().requires_grad_() for x in (q, keys, values))
-    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    reference = torch.softmax(scores, -1) @ vf
+    kx, vx = (x.repeat_interleave(group_size, dim=1) for x in (kf, vf))
+    scores = (qf @ kx.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    reference = torch.softmax(scores, -1) @ vx
     reference.backward(do.double())
     got = {
         "out": out,
@@ -314,6 +339,8 @@ def _cudnn_probe_errors(device: torch.device, dtype: torch.dtype, dim: int) -> s
     want = {"out": reference, "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     for name, value in got.items():
+        if value.shape != want[name].shape:
+            return f"its probe gave {name} of shape {tuple(value.shape)}, not {tuple(want[name].shape)}"
         err = (value.double() - want[name]).abs().max().item()
         if not err <= tol * (1 + want[name].abs().max().item()):
             return f"its probe differs from fp64 math ({name}: max abs error {err:.3g})"

@@ -115,7 +115,10 @@ class RingAttention(torch.autograd.Function):
             states.append(state)
             if pending is not None:
                 kv = tuple(pending.wait())
-        output = merger.out.to(query.dtype).permute(2, 0, 1, 3).reshape(s, b, -1)
+        # One copy casts the fp32 merge to the input dtype and lays it out as [s, b, heads, d].
+        output = query.new_empty(s, b, heads, value.shape[-1])
+        bhsd(output).copy_(merger.out)
+        output = output.view(s, b, -1)
         ctx.save_for_backward(query, key, value, output, merger.lse)
         ctx.args = (group, causal, scale, dropout_p, kernel, states)
         return output
@@ -130,7 +133,7 @@ class RingAttention(torch.autograd.Function):
         q, half = bhsd(query), s // 2
         out = bhsd(output.view(s, b, heads, value_dim))
         dout = bhsd(grad_output.reshape(s, b, heads, value_dim))
-        dq = torch.zeros(query.shape, dtype=accumulation_dtype(query.dtype), device=query.device)
+        dq = torch.empty(query.shape, dtype=accumulation_dtype(query.dtype), device=query.device)
         kv = (key, value)
         grads = pending_grads = None
         for step in range(ring.size):
@@ -141,16 +144,19 @@ class RingAttention(torch.autograd.Function):
                 dout[:, :, rows], qi, ki, vi, out[:, :, rows], lse[:, :, rows], states[step],
                 causal=plan == DIAGONAL, scale=scale, dropout_p=dropout_p,
             )  # fmt: skip
-            bhsd(dq)[:, :, rows] += dqi
-            if step == 0:
+            if step == 0:  # the local block covers every query and key row: copy, not add
+                bhsd(dq).copy_(dqi)
                 grads = tuple(
-                    torch.zeros(t.shape, dtype=accumulation_dtype(t.dtype), device=t.device)
+                    torch.empty(t.shape, dtype=accumulation_dtype(t.dtype), device=t.device)
                     for t in kv
                 )
+                bhsd(grads[0]).copy_(dki)
+                bhsd(grads[1]).copy_(dvi)
             else:  # the accumulator of these keys' owner, from the previous rank
+                bhsd(dq)[:, :, rows] += dqi
                 grads = tuple(pending_grads.wait())
-            bhsd(grads[0])[:, :, kv_rows] += dki
-            bhsd(grads[1])[:, :, kv_rows] += dvi
+                bhsd(grads[0])[:, :, kv_rows] += dki
+                bhsd(grads[1])[:, :, kv_rows] += dvi
             if ring.size > 1:  # hop on; after the last step it lands at the keys' owner
                 pending_grads = ring.exchange(grads)
             if pending_kv is not None:

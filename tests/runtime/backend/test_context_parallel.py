@@ -274,10 +274,82 @@ def test_the_cudnn_probe_runs_under_no_grad_and_inference_mode(
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("no plan")
 
-    monkeypatch.setattr(blocks.KERNELS["math"], "forward", broken)
+    monkeypatch.setattr(blocks.KERNELS["math"], "_fwd", broken)
     with getattr(torch, mode)():
         reason = probe(torch.device("cpu"), torch.float32, 8)
     assert reason == "failed its probe (RuntimeError: no plan)"
+
+
+class _GroupedMath(blocks.MathKernel):
+    """A stand-in for a kernel that takes grouped kv heads as they are: the math kernel on
+    heads it expands itself. ``interleave=False`` maps query head i to kv head i % kv heads
+    (not Megatron's i // group size); ``sum_back=False`` returns dK/dV per query head."""
+
+    def __init__(self, *, interleave: bool = True, sum_back: bool = True) -> None:
+        self.interleave, self.sum_back = interleave, sum_back
+
+    def _expand(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        g = q.shape[1] // x.shape[1]
+        return x.repeat_interleave(g, dim=1) if self.interleave else x.repeat(1, g, 1, 1)
+
+    def _fold(self, grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        if not self.sum_back:
+            return grad
+        split = (kv_heads, -1) if self.interleave else (-1, kv_heads)
+        return grad.unflatten(1, split).sum(2 if self.interleave else 1)
+
+    def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
+        return super()._fwd(q, self._expand(q, k), self._expand(q, v), causal, scale, p)
+
+    def _bwd(self, do, q, k, v, out, lse, state, causal, scale, p):  # noqa: ANN001, ANN202
+        ke, ve = self._expand(q, k), self._expand(q, v)
+        dq, dk, dv = super()._bwd(do, q, ke, ve, out, lse, state, causal, scale, p)
+        return dq, self._fold(dk, k.shape[1]), self._fold(dv, v.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "reason"),
+    [
+        (blocks.MathKernel(), "failed its probe"),  # no grouped heads: shapes do not broadcast
+        (_GroupedMath(), None),
+        (_GroupedMath(interleave=False), "differs from fp64 math (out"),
+        (_GroupedMath(sum_back=False), "gave dk of shape (1, 6, 128, 8), not (1, 2, 128, 8)"),
+    ],
+)
+def test_the_cudnn_probe_checks_grouped_kv_heads(
+    monkeypatch: pytest.MonkeyPatch, stand_in: blocks.BlockKernel, reason: str | None
+) -> None:
+    """cuDNN blocks take grouped kv heads unexpanded only if the probe, given 3 query heads per
+    kv head, gets Megatron's grouping (query head i reads kv head i // 3) and dK/dV per kv head."""
+    monkeypatch.setitem(blocks.KERNELS, "cudnn", stand_in)
+    got = blocks._cudnn_probe.__wrapped__(torch.device("cpu"), torch.float32, 8, 3)
+    assert got is None if reason is None else reason in got
+    assert blocks._cudnn_probe.__wrapped__(torch.device("cpu"), torch.float32, 8, 1) is None
+
+
+@pytest.mark.parametrize("grouped_ok", [True, False])
+def test_cudnn_blocks_expand_kv_heads_only_when_the_grouped_probe_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, grouped_ok: bool
+) -> None:
+    asked = []
+
+    def probe(device, dtype, dim, group_size=1):  # noqa: ANN001, ANN202
+        asked.append(group_size)
+        return None if grouped_ok or group_size == 1 else "failed its probe (RuntimeError: x)"
+
+    monkeypatch.setattr(blocks, "_cudnn_probe", probe)
+    monkeypatch.setattr(blocks, "log_fallback_once", lambda key, message: logging.getLogger(
+        "megatron_rocm.runtime.kernels").warning(message))  # fmt: skip
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with caplog.at_level(logging.WARNING, logger="megatron_rocm.runtime.kernels"):
+        ke, ve = blocks.KERNELS["cudnn"]._heads(q, k, v)
+    assert asked == [3]
+    assert (ke is k and ve is v) == grouped_ok
+    if grouped_ok:
+        assert not caplog.text
+    else:
+        assert ke.shape[1] == 6 and torch.equal(ke[:, 3:6], k[:, 1:2].expand(1, 3, 4, 8))
+        assert "expand grouped kv heads (3 query heads each): grouped heads failed" in caplog.text
 
 
 @pytest.mark.parametrize(
