@@ -144,3 +144,38 @@ def test_training_hides_megatron_chatter_but_not_errors(capsys) -> None:
     assert "bucket" not in out.out and "DistributedDataParallelConfig" not in out.err
     assert "DEPRECATED" not in out.err and "a real error" in out.err
     assert logging.getLogger("megatron").level == logging.NOTSET  # restored
+
+
+@pytest.mark.slow
+def test_a_world_whose_port_was_taken_starts_again_on_another(monkeypatch) -> None:
+    """free_port() cannot reserve its port: when another process binds it first, rank 0's store
+    fails with EADDRINUSE and the world starts again on a new port (the GPU box's
+    collectives.nccl failed so once, with two smoke runs side by side)."""
+    import socket
+
+    from megatron_rocm.envtools.smoke import world
+
+    squatter = socket.socket()
+    squatter.bind(("", 0))
+    squatter.listen()
+    taken, real_free_port, handed = squatter.getsockname()[1], world.free_port, []
+
+    def first_taken() -> int:
+        handed.append(real_free_port() if handed else taken)
+        return handed[-1]
+
+    monkeypatch.setattr(world, "free_port", first_taken)
+    monkeypatch.setattr(world, "GRACE_S", 2.0)  # rank 1 waits on the squatter until killed
+    try:
+        assert "all_reduce" in run_world(2, "gloo", "collectives", timeout=120)
+    finally:
+        squatter.close()
+    assert handed[0] == taken and len(handed) == 2
+
+
+def test_port_was_taken_reads_the_store_error() -> None:
+    from megatron_rocm.envtools.smoke.world import port_was_taken
+
+    assert port_was_taken("DistNetworkError: ... code: -98, name: EADDRINUSE, message: address")
+    assert port_was_taken("OSError: [Errno 98] Address already in use")
+    assert not port_was_taken("RuntimeError: NCCL error: unhandled system error")

@@ -8,14 +8,12 @@ or hangs is reported with its own output instead of a bare timeout.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
-from megatron_rocm.envtools.smoke.world import free_port, rank_env
+from megatron_rocm.envtools.smoke.world import start_world, tail
 
 MAX_WORLD = 8
 
@@ -24,49 +22,22 @@ def run_world(
     world: int, backend: str, test: str, tree: Path | None = None, timeout: float = 180.0
 ) -> str:
     """Run ``test`` on ``world`` ranks; return rank 0's detail or raise with the first failure."""
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="megatron-rocm-smoke-") as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_rocm.envtools.smoke._worker",
-            "--backend",
-            backend,
-            "--out",
-            out,
-            "--tests",
-            test,
-        ] + (["--tree", str(tree)] if tree else [])
-        procs = [
-            subprocess.Popen(
-                cmd,
-                env=rank_env(r, world, port, {}),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(world)
-        ]
-        deadline = time.monotonic() + timeout
-        logs, timed_out = [], False
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                for q in procs:
-                    q.kill()
-                logs.append(p.communicate()[0])
+        cmd = [sys.executable, "-m", "megatron_rocm.envtools.smoke._worker"]
+        cmd += ["--backend", backend, "--out", out, "--tests", test]
+        cmd += ["--tree", str(tree)] if tree else []
+        logs = [Path(out, f"rank{r}.log") for r in range(world)]
+        timed_out = start_world(cmd, world, {}, logs, timeout)
         results = {}
         for r in range(world):
             f = Path(out, f"rank{r}.json")
             if f.is_file():
                 results[r] = json.loads(f.read_text())[test]
+        tails = [tail(log, 3) for log in logs]
     for r in range(world):
         if r not in results:
-            tail = " | ".join((logs[r] if r < len(logs) else "").strip().splitlines()[-3:])
             why = f"timed out after {timeout:.0f}s" if timed_out else "died"
-            raise CheckFailed(f"rank {r} {why} without a result: {tail or 'no output'}")
+            raise CheckFailed(f"rank {r} {why} without a result: {tails[r]}")
         ok, detail = results[r]
         if not ok:
             raise CheckFailed(f"rank {r}: {detail}")

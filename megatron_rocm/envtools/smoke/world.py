@@ -23,6 +23,7 @@ from megatron_rocm.envtools.smoke.engine import Job
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the folder holding megatron_rocm/
 GRACE_S = 20.0  # once one rank has exited, how long the others may take to follow
+RENDEZVOUS_TRIES = 3  # worlds started afresh when rank 0 finds its port taken
 # upstream's --deterministic-mode environment (megatron/training/determinism.py)
 DETERMINISM_ENV = {
     "NCCL_ALGO": "Ring",
@@ -70,13 +71,64 @@ def rank_env(rank: int, world: int, port: int, extra: dict[str, str | None]) -> 
     return env
 
 
-def _tail(log: Path, lines: int = 4) -> str:
+def tail(log: Path, lines: int = 4) -> str:
+    """The last useful lines of a rank's log, on one line."""
     try:
         text = log.read_text(errors="replace").strip().splitlines()
     except OSError:
         return "no output"
     useful = [t for t in text if t.strip() and not t.startswith(("  warnings.warn", "W1", "I1"))]
     return " | ".join(useful[-lines:]) or "no output"
+
+
+def port_was_taken(output: str) -> bool:
+    """Rank 0's store could not listen on its port: ``free_port`` finds a port free, it cannot
+    reserve it, and another process (a concurrent smoke run, NCCL's own sockets) bound it
+    before the store did. The world is then started again on a new port."""
+    return "EADDRINUSE" in output or "address already in use" in output.lower()
+
+
+def start_world(
+    cmd: list[str], world: int, extra_env: dict[str, str | None], logs: list[Path], timeout: float
+) -> bool:
+    """Run ``cmd`` as ranks 0..world-1 on a free port, each writing to its log, until all exit.
+
+    Once one rank has exited the others get ``GRACE_S`` to follow (a rank whose peer died
+    waits on it forever), then they are killed, as all are at ``timeout``. Started again, up to
+    ``RENDEZVOUS_TRIES`` times, while the port turns out taken. True when it timed out.
+    """
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        port, procs = free_port(), []
+        for r, path in enumerate(logs):
+            with path.open("w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=rank_env(r, world, port, extra_env), stdout=log, stderr=log
+                    )
+                )
+        timed_out = _wait_for_ranks(procs, time.monotonic() + timeout)
+        taken = port_was_taken(logs[0].read_text(errors="replace"))
+        if not (taken and attempt < RENDEZVOUS_TRIES):
+            return timed_out
+    return timed_out
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
+    first_exit, timed_out = None, False
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_exit is None and any(p.poll() is not None for p in procs):
+            first_exit = now
+        if now > deadline or (first_exit is not None and now - first_exit > GRACE_S):
+            timed_out = now > deadline
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+    return timed_out
 
 
 def _one_world(
@@ -89,32 +141,13 @@ def _one_world(
         cmd = [sys.executable, "-m", "megatron_rocm.envtools.smoke._train_worker"]
         cmd += ["--jobs", str(jobs_file), "--out", tmp, "--backend", backend]
         cmd += ["--tree", str(tree)] if tree else []
-        port, procs, logs = free_port(), [], []
-        for r in range(world):
-            logs.append(Path(tmp, f"rank{r}.log"))
-            with logs[-1].open("w") as log:
-                procs.append(
-                    subprocess.Popen(cmd, env=rank_env(r, world, port, env), stdout=log, stderr=log)
-                )
-        deadline, first_exit, timed_out = time.monotonic() + timeout, None, False
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if first_exit is None and any(p.poll() is not None for p in procs):
-                first_exit = now
-            if now > deadline or (first_exit is not None and now - first_exit > GRACE_S):
-                timed_out = now > deadline
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.2)
-        for p in procs:
-            p.wait()
+        logs = [Path(tmp, f"rank{r}.log") for r in range(world)]
+        timed_out = start_world(cmd, world, env, logs, timeout)
         per_rank = []
         for r in range(world):
             f = Path(tmp, f"rank{r}.json")
             per_rank.append(json.loads(f.read_text()) if f.is_file() else [])
-        return _merge(jobs, per_rank, [_tail(log) for log in logs], timed_out, timeout)
+        return _merge(jobs, per_rank, [tail(log) for log in logs], timed_out, timeout)
 
 
 def _merge(
