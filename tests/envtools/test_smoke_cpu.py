@@ -4,6 +4,7 @@ with a reason (never pass), and collectives catch a corrupted all_reduce over gl
 from __future__ import annotations
 
 import json
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -173,9 +174,54 @@ def test_a_world_whose_port_was_taken_starts_again_on_another(monkeypatch) -> No
     assert handed[0] == taken and len(handed) == 2
 
 
+LIBUV_STORE = (
+    "torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+    "network address. port: 57125, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+    "address already in use"
+)
+SOCKET_STORE = (
+    "The server socket has failed to listen on any local network address. The server socket "
+    "has failed to bind to [::]:29500 (errno: 98 - Address already in use). The server socket "
+    "has failed to bind to 0.0.0.0:29500 (errno: 98 - Address already in use)."
+)
+BIND_WARNING = (
+    "[W] The server socket has failed to bind to [::]:29500 (errno: 98 - Address already in use)."
+)
+
+
 def test_port_was_taken_reads_the_store_error() -> None:
     from megatron_rocm.envtools.smoke.world import port_was_taken
 
-    assert port_was_taken("DistNetworkError: ... code: -98, name: EADDRINUSE, message: address")
-    assert port_was_taken("OSError: [Errno 98] Address already in use")
+    assert port_was_taken(LIBUV_STORE) and port_was_taken(SOCKET_STORE)
+    assert not port_was_taken(BIND_WARNING)  # IPv6 taken, IPv4 bound: the store works
     assert not port_was_taken("RuntimeError: NCCL error: unhandled system error")
+
+
+@pytest.mark.parametrize(
+    ("rank0", "starts"),
+    [
+        ("print(STORE); raise SystemExit(1)", 3),  # the port was taken: start again, 3 tries
+        ("print(STORE)", 1),  # the same words, but rank 0 succeeded: the world is done
+        ("raise SystemExit(1)", 1),  # failed for another reason: no second start
+    ],
+)
+def test_only_a_rank_0_that_failed_on_its_port_starts_the_world_again(
+    tmp_path: Path, rank0: str, starts: int
+) -> None:
+    """Every start removes the ranks' result files, so no attempt is judged by an earlier one."""
+    from megatron_rocm.envtools.smoke.world import start_world
+
+    counter, result = tmp_path / "starts", tmp_path / "rank0.json"
+    script = (
+        f"import os; from pathlib import Path; STORE = {LIBUV_STORE!r}\n"
+        "if os.environ['RANK'] == '0':\n"
+        f"    assert not Path({str(result)!r}).exists()\n"
+        f"    open({str(counter)!r}, 'a').write('x')\n"
+        f"    Path({str(result)!r}).write_text('{{}}')\n"
+        f"    {rank0}\n"
+    )
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    cmd = [sys.executable, "-c", script]
+    assert start_world(cmd, 2, {}, logs, timeout=60, results=[result]) is False
+    assert counter.read_text() == "x" * starts
+    assert "AssertionError" not in logs[0].read_text() + logs[1].read_text()

@@ -27,7 +27,8 @@ def run_world(
         cmd += ["--backend", backend, "--out", out, "--tests", test]
         cmd += ["--tree", str(tree)] if tree else []
         logs = [Path(out, f"rank{r}.log") for r in range(world)]
-        timed_out = start_world(cmd, world, {}, logs, timeout)
+        outputs = [Path(out, f"rank{r}.json") for r in range(world)]
+        timed_out = start_world(cmd, world, {}, logs, timeout, outputs)
         results = {}
         for r in range(world):
             f = Path(out, f"rank{r}.json")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,31 +85,47 @@ def tail(log: Path, lines: int = 4) -> str:
 def port_was_taken(output: str) -> bool:
     """Rank 0's store could not listen on its port: ``free_port`` finds a port free, it cannot
     reserve it, and another process (a concurrent smoke run, NCCL's own sockets) bound it
-    before the store did. The world is then started again on a new port."""
-    return "EADDRINUSE" in output or "address already in use" in output.lower()
+    before the store did. torch's store says so in one error, with either of its socket
+    layers; a mere bind warning on one address family is not it."""
+    text = output.lower()
+    return "failed to listen on any local network address" in text and (
+        "eaddrinuse" in text or "address already in use" in text
+    )
 
 
 def start_world(
-    cmd: list[str], world: int, extra_env: dict[str, str | None], logs: list[Path], timeout: float
+    cmd: list[str],
+    world: int,
+    extra_env: dict[str, str | None],
+    logs: list[Path],
+    timeout: float,
+    results: Sequence[Path] = (),
 ) -> bool:
     """Run ``cmd`` as ranks 0..world-1 on a free port, each writing to its log, until all exit.
 
     Once one rank has exited the others get ``GRACE_S`` to follow (a rank whose peer died
-    waits on it forever), then they are killed, as all are at ``timeout``. Started again, up to
-    ``RENDEZVOUS_TRIES`` times, while the port turns out taken. True when it timed out.
+    waits on it forever), then they are killed, as all are at ``timeout``. When rank 0 failed
+    because its port was taken, the world starts again on a new port, up to
+    ``RENDEZVOUS_TRIES`` times; ``results`` (the ranks' result files) are removed before each
+    start, so no attempt is judged by an earlier one's files. True when it timed out.
     """
     for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        for path in results:
+            path.unlink(missing_ok=True)
         port, procs = free_port(), []
-        for r, path in enumerate(logs):
-            with path.open("w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=rank_env(r, world, port, extra_env), stdout=log, stderr=log
-                    )
-                )
-        timed_out = _wait_for_ranks(procs, time.monotonic() + timeout)
-        taken = port_was_taken(logs[0].read_text(errors="replace"))
-        if not (taken and attempt < RENDEZVOUS_TRIES):
+        try:
+            for r, path in enumerate(logs):
+                with path.open("w") as log:
+                    env = rank_env(r, world, port, extra_env)
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+            timed_out = _wait_for_ranks(procs, time.monotonic() + timeout)
+        finally:  # an interrupt, or a rank that could not start, leaves no rank behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        retry = procs[0].returncode != 0 and port_was_taken(logs[0].read_text(errors="replace"))
+        if not (retry and attempt < RENDEZVOUS_TRIES):
             return timed_out
     return timed_out
 
@@ -121,13 +138,8 @@ def _wait_for_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
             first_exit = now
         if now > deadline or (first_exit is not None and now - first_exit > GRACE_S):
             timed_out = now > deadline
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
             break
         time.sleep(0.2)
-    for p in procs:
-        p.wait()
     return timed_out
 
 
@@ -142,7 +154,8 @@ def _one_world(
         cmd += ["--jobs", str(jobs_file), "--out", tmp, "--backend", backend]
         cmd += ["--tree", str(tree)] if tree else []
         logs = [Path(tmp, f"rank{r}.log") for r in range(world)]
-        timed_out = start_world(cmd, world, env, logs, timeout)
+        outputs = [Path(tmp, f"rank{r}.json") for r in range(world)]
+        timed_out = start_world(cmd, world, env, logs, timeout, outputs)
         per_rank = []
         for r in range(world):
             f = Path(tmp, f"rank{r}.json")
