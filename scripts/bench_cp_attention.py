@@ -176,6 +176,8 @@ def bench_length(
     ]
     for comm, spec in cases:
         kernel_name, _, variant = spec.partition(":")
+        if variant not in ("", "expanded"):
+            raise SystemExit(f"--kernels {spec}: the only variant is KERNEL:expanded")
         os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
         q, k, v = (bhsd(x) for x in cp_leaves)

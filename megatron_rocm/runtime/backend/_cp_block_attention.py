@@ -101,6 +101,8 @@ class BlockKernel:
         raise NotImplementedError
 
     def _heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads")
         if k.shape[1] == q.shape[1] or self.native_gqa(q, k):
             return k, v
         repeat = q.shape[1] // k.shape[1]
@@ -304,7 +306,9 @@ def _cudnn_probe_errors(
     kv_heads = 2
 
     def rand(tokens: int, heads: int = kv_heads) -> Tensor:
-        return torch.randn(1, heads, tokens, dim, device=device, generator=gen, dtype=dtype)
+        # [s, b, heads, d] seen as [b, heads, s, d]: the layout the ring hands its blocks
+        x = torch.randn(tokens, 1, heads, dim, device=device, generator=gen, dtype=dtype)
+        return x.permute(1, 2, 0, 3)
 
     q_heads = kv_heads * group_size
     q, keys, values, do = rand(64, q_heads), rand(128), rand(128), rand(64, q_heads)

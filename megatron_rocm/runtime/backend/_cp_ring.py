@@ -115,10 +115,10 @@ class RingAttention(torch.autograd.Function):
             states.append(state)
             if pending is not None:
                 kv = tuple(pending.wait())
-        # One copy casts the fp32 merge to the input dtype and lays it out as [s, b, heads, d].
-        output = query.new_empty(s, b, heads, value.shape[-1])
-        bhsd(output).copy_(merger.out)
-        output = output.view(s, b, -1)
+        # One copy casts the fp32 merge to the input dtype and lays it out as [s, b, heads * d]
+        # (a tensor of its own, not a view: Megatron may free an output's storage in place).
+        output = query.new_empty(s, b, heads * value.shape[-1])
+        bhsd(output.view(s, b, heads, -1)).copy_(merger.out)
         ctx.save_for_backward(query, key, value, output, merger.lse)
         ctx.args = (group, causal, scale, dropout_p, kernel, states)
         return output
@@ -145,6 +145,7 @@ class RingAttention(torch.autograd.Function):
                 causal=plan == DIAGONAL, scale=scale, dropout_p=dropout_p,
             )  # fmt: skip
             if step == 0:  # the local block covers every query and key row: copy, not add
+                assert rows == kv_rows == slice(None), plan
                 bhsd(dq).copy_(dqi)
                 grads = tuple(
                     torch.empty(t.shape, dtype=accumulation_dtype(t.dtype), device=t.device)

@@ -327,6 +327,12 @@ def test_the_cudnn_probe_checks_grouped_kv_heads(
     assert blocks._cudnn_probe.__wrapped__(torch.device("cpu"), torch.float32, 8, 1) is None
 
 
+def test_query_heads_that_do_not_group_over_the_kv_heads_are_refused() -> None:
+    q, k = torch.randn(1, 6, 4, 8), torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="6 query heads do not group over 4 kv heads"):
+        blocks.KERNELS["cudnn"]._heads(q, k, k)
+
+
 @pytest.mark.parametrize("grouped_ok", [True, False])
 def test_cudnn_blocks_expand_kv_heads_only_when_the_grouped_probe_fails(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, grouped_ok: bool
@@ -547,6 +553,34 @@ def test_gpu_auto_takes_cudnn_blocks_even_when_first_called_without_grad(
     with getattr(torch, mode)():  # evaluation or inference may make the first CP call
         assert blocks.pick_kernel(q, k, v, 0.0).name == "cudnn"
     assert blocks.pick_kernel(q, k, v, 0.1).name == "flash"  # cuDNN blocks take no dropout
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_blocks_with_grouped_heads_match_the_expanded_ones() -> None:
+    """Where the grouped-head probe passes, a causal cuDNN block fed 8 query heads over 2 kv
+    heads as they are gives the outputs and gradients of the same block on expanded heads."""
+    if not torch.cuda.is_available() or torch.version.hip:
+        pytest.skip("needs an NVIDIA GPU (cuDNN attention)")
+    cudnn = blocks.KERNELS["cudnn"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(1, 8, 256, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+             for _ in range(2))  # fmt: skip
+    k, v = (torch.randn(1, 2, 256, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in range(2))  # fmt: skip
+    reason = blocks._cudnn_probe(q.device, q.dtype, 64, 4)
+    if reason is not None:
+        pytest.skip(f"this build's cuDNN op does not take grouped heads: {reason}")
+    assert cudnn.native_gqa(q, k)
+    runs = {}
+    for grouped in (True, False):
+        kk, vv = (k, v) if grouped else (k.repeat_interleave(4, 1), v.repeat_interleave(4, 1))
+        out, lse, state = cudnn._fwd(q, kk, vv, True, 0.125, 0.0)
+        dq, dk, dv = cudnn._bwd(do, q, kk, vv, out, lse, state, True, 0.125, 0.0)
+        if not grouped:
+            dk, dv = (g.unflatten(1, (2, 4)).sum(2) for g in (dk, dv))
+        runs[grouped] = (out, dq, dk, dv)
+    for got, want in zip(runs[True], runs[False]):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
