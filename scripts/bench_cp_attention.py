@@ -17,7 +17,11 @@ One JSON line per case, with the device named:
 * ``tflops_per_gpu``: causal attention FLOPs (forward ``2 * 2 * b * h * L^2 * d / 2``,
   backward 2.5x forward) / number of GPUs / time. Near-linear CP keeps this close to the
   single-GPU figure; ``speedup`` = single-GPU ms / CP ms (cp is ideal);
-* ``max_abs_err``: CP output vs the single-GPU output on the same data (bf16 rounding only).
+* ``max_abs_err``: CP output vs the single-GPU output on the same data (bf16 rounding only);
+* ``kv_heads``: how the ring's or all_gather's block kernel took the grouped kv heads,
+  ``native`` (as they are) or ``expanded`` (copied per query head first). ``KERNEL:expanded``
+  in ``--kernels`` (e.g. ``cudnn:expanded``) makes that kernel expand them for the case: what
+  grouping natively saves.
 
 ``--ops N`` adds each case's N costliest ops (``top_ops``: name, ms and calls per forward +
 backward; GPU kernel time on a GPU, CPU time on the CPU) from ``torch.profiler``: where the
