@@ -180,8 +180,6 @@ def bench_length(
     ]
     for comm, spec in cases:
         kernel_name, _, variant = spec.partition(":")
-        if variant not in ("", "expanded"):
-            raise SystemExit(f"--kernels {spec}: the only variant is KERNEL:expanded")
         os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
         q, k, v = (bhsd(x) for x in cp_leaves)
@@ -255,6 +253,9 @@ def main() -> int:
     )
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
+    for spec in args.kernels.split(","):  # before any set-up: a typo must not cost a run
+        if spec.partition(":")[2] not in ("", "expanded"):
+            parser.error(f"--kernels {spec}: the only variant is KERNEL:expanded")
 
     if args.cpu:
         dist.init_process_group("gloo")

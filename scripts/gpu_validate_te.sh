@@ -277,21 +277,19 @@ stage_cpscale() {
   local tag="$size-$((L / 1024))k" half=$((L / 2))
   local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"
   long="$long --global-batch-size 8"
-  local runs=(${CP_RUNS:-cp1-half cp1 cp2 cp2-flash cp2-a2a}) n
+  local runs=(${CP_RUNS:-cp1-half cp1 cp2 cp2-flash cp2-a2a}) n args extra kernel
   for n in "${runs[@]}"; do
+    args="--nproc 2 --cp 2 --seq-length $L" extra="" kernel=${MEGATRON_ROCM_CP_KERNEL:-auto}
     case $n in
-      cp1-half) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$half" \
-                  -- ${CP_FLAGS:-} ;;
-      cp1) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length "$L" \
-             -- ${CP_FLAGS:-} ;;
-      cp2) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 --seq-length "$L" \
-             -- ${CP_FLAGS:-} ;;
-      cp2-flash) MEGATRON_ROCM_CP_KERNEL=flash train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long \
-                   --nproc 2 --cp 2 --seq-length "$L" -- ${CP_FLAGS:-} ;;
-      cp2-a2a) train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long --nproc 2 --cp 2 \
-                 --seq-length "$L" -- --cp-comm-type a2a ${CP_FLAGS:-} ;;
+      cp1-half) args="--nproc 1 --seq-length $half" ;;
+      cp1) args="--nproc 1 --seq-length $L" ;;
+      cp2) ;;
+      cp2-flash) kernel=flash ;;
+      cp2-a2a) extra="--cp-comm-type a2a" ;;
       *) log "cpscale: unknown run $n (CP_RUNS: cp1-half cp1 cp2 cp2-flash cp2-a2a)"; continue ;;
     esac
+    MEGATRON_ROCM_CP_KERNEL=$kernel train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long $args \
+      -- $extra ${CP_FLAGS:-}
     log "cpscale-$tag-$n: $(cat "$OUT/cpscale-$tag-$n-$NEWEST.json")"
   done
 }

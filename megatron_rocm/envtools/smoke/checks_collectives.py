@@ -29,11 +29,7 @@ def run_world(
         logs = [Path(out, f"rank{r}.log") for r in range(world)]
         outputs = [Path(out, f"rank{r}.json") for r in range(world)]
         timed_out = start_world(cmd, world, {}, logs, timeout, outputs)
-        results = {}
-        for r in range(world):
-            f = Path(out, f"rank{r}.json")
-            if f.is_file():
-                results[r] = json.loads(f.read_text())[test]
+        results = {r: json.loads(f.read_text())[test] for r, f in enumerate(outputs) if f.is_file()}
         tails = [tail(log, 3) for log in logs]
     for r in range(world):
         if r not in results:

@@ -156,10 +156,7 @@ def _one_world(
         logs = [Path(tmp, f"rank{r}.log") for r in range(world)]
         outputs = [Path(tmp, f"rank{r}.json") for r in range(world)]
         timed_out = start_world(cmd, world, env, logs, timeout, outputs)
-        per_rank = []
-        for r in range(world):
-            f = Path(tmp, f"rank{r}.json")
-            per_rank.append(json.loads(f.read_text()) if f.is_file() else [])
+        per_rank = [json.loads(f.read_text()) if f.is_file() else [] for f in outputs]
         return _merge(jobs, per_rank, [tail(log) for log in logs], timed_out, timeout)
 
 
