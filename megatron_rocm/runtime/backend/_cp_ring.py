@@ -9,7 +9,9 @@ local diagonal or half a block (``ring_step_plan``), so masked blocks are never 
 Backward repeats the ring for K/V and sends a second ring the other way round the work: the
 fp32 dK/dV accumulator of rank ``j``'s keys travels with them, each rank adds its block's
 contribution and passes it on, and after ``cp`` hops it arrives back at ``j``. Its transfer
-overlaps the next block's backward. Nothing of size ``s x s`` is stored or sent.
+overlaps the next block's backward, except the last hop's, which nothing is left to overlap:
+that one is sent finished, in the inputs' dtype (``_final``). Nothing of size ``s x s`` is
+stored or sent.
 """
 
 from __future__ import annotations
@@ -159,13 +161,26 @@ class RingAttention(torch.autograd.Function):
                 bhsd(grads[0])[:, :, kv_rows] += dki
                 bhsd(grads[1])[:, :, kv_rows] += dvi
             if ring.size > 1:  # hop on; after the last step it lands at the keys' owner
-                pending_grads = ring.exchange(grads)
+                pending_grads = ring.exchange(
+                    _final(grads, (key.dtype, value.dtype)) if pending_kv is None else grads
+                )
             if pending_kv is not None:
                 kv = tuple(pending_kv.wait())
+        dq = dq.to(query.dtype)  # while the last hop is in flight
         dk, dv = pending_grads.wait() if ring.size > 1 else grads
         return (
-            dq.to(query.dtype),
+            dq,
             dk.to(key.dtype),
             dv.to(value.dtype),
             None, None, None, None, None,
         )  # fmt: skip
+
+
+def _final(grads: tuple[Tensor, ...], dtypes: tuple[torch.dtype, ...]) -> tuple[Tensor, ...]:
+    """The finished dK/dV sums in the inputs' dtypes, for their last hop.
+
+    Every contribution has been added by then, and the owner would round the fp32 sum to the
+    input dtype on arrival anyway: rounding before the hop gives the same bits and, in bf16,
+    halves the one transfer that no block's backward overlaps.
+    """
+    return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))

@@ -115,6 +115,44 @@ def parity_case(
     return {"members": members, **{n: t.float().cpu() for n, t in result.items()}}
 
 
+def ring_hop_case(*, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+    """The ring's backward, recording the dtypes of every hop of the dK/dV sums; then again with
+    the last hop sent in fp32 as the earlier ones (``_final`` made a no-op). Both dK/dV."""
+    from megatron_rocm.runtime.backend import _cp_ring
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    local = {n: shard(t, cp, rank).to(device) for n, t in tensors.items()}
+    exchange, hops = _cp_ring.Ring.exchange, []
+
+    def recording(ring: Any, sent: tuple[torch.Tensor, ...]) -> Any:
+        hops.append([str(t.dtype) for t in sent])
+        return exchange(ring, sent)
+
+    def grads() -> list[torch.Tensor]:
+        leaves = [local[n].to(dtype).requires_grad_() for n in "qkv"]
+        out = context_parallel_attention(
+            *leaves, cp_group=None, causal=True, softmax_scale=None, comm_type="p2p"
+        )
+        hops.clear()  # the backward's hops only
+        out.backward(local["grad"].to(dtype))
+        return [t.grad.cpu() for t in leaves[1:]]
+
+    _cp_ring.Ring.exchange = recording
+    try:
+        sent_final = grads()
+        hop_dtypes = list(hops)
+        final = _cp_ring._final
+        _cp_ring._final = lambda grads, dtypes: grads
+        try:
+            sent_fp32 = grads()
+        finally:
+            _cp_ring._final = final
+    finally:
+        _cp_ring.Ring.exchange = exchange
+    return {"hops": hop_dtypes, "final": sent_final, "fp32": sent_fp32}
+
+
 def dropout_case(
     *, comm_type: str, p: float, kernel: str, dtype: torch.dtype, shape: tuple[int, ...], eps: float
 ) -> dict[str, float]:
