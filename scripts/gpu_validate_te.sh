@@ -34,6 +34,9 @@
 #            120 s), bench_cp_attention with auto's blocks (cuDNN on NVIDIA) and flash's, SDPA's
 #            backends forced and each case's costliest ops, smoke's parallel.cp2 /
 #            parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
+#   moebench upstream's expert modules on the newest ref, SequentialMLP vs TEGroupedMLP on the
+#            native backend (scripts/bench_moe_experts.py, MOE_EXPERTS default 8 64), and the
+#            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
 #   mimo2    upstream's MIMO tests (tests/unit_tests/models/mimo), unpatched vs patched newest
 #            ref, 2 ranks
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
@@ -44,7 +47,7 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
-#   1 GPU:  setup train units profile bench trace kernels smoke mla
+#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
 set -u
 OUT=$1; shift
@@ -261,6 +264,15 @@ stage_packedcp() {
      --nproc-per-node 2 -m pytest -q -p no:cacheprovider tests/unit_tests/test_sequence_packing.py \
      > "$OUT/sequence-packing-tests.txt" 2>&1)
   log "upstream test_sequence_packing.py, 2 ranks: $(tail -1 "$OUT/sequence-packing-tests.txt")"
+}
+
+stage_moebench() {
+  local experts=${MOE_EXPERTS:-8 64}
+  (cd "$HERE" && $PY scripts/bench_moe_experts.py "$W/p-$NEWEST" --experts $experts \
+     --json "$OUT/moe-experts.jsonl" > "$OUT/moe-experts.out" 2>&1)
+  (cd "$HERE" && $PY scripts/bench_grouped_gemm.py --experts $experts \
+     > "$OUT/grouped-gemm.jsonl" 2> "$OUT/grouped-gemm.err")
+  log "moebench: $(grep -c . "$OUT/moe-experts.jsonl" 2>/dev/null || echo 0) module records, $(grep -c '"ms"' "$OUT/grouped-gemm.jsonl") GEMM records"
 }
 
 stage_cpscale() {

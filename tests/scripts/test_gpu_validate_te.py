@@ -117,3 +117,13 @@ def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> No
     assert trees == ["u-main", "p-main"]  # unpatched first, then patched, in one run
     assert compare.split()[1:2] == ["scripts/upstream_unit_tests.py"] and " compare " in compare
     assert option(compare, "--md").endswith("/mimo-compare.md")
+
+
+def test_moebench_times_upstreams_modules_and_the_bare_gemms_on_the_same_experts(
+    tmp_path: Path,
+) -> None:
+    modules, gemms = run_stage(tmp_path, "moebench", MOE_EXPERTS="8 32")
+    assert modules.split()[1:3] == ["scripts/bench_moe_experts.py", str(tmp_path / "work/p-main")]
+    assert " --experts 8 32 " in f"{modules} " and option(modules, "--json").endswith(".jsonl")
+    assert gemms.split()[1] == "scripts/bench_grouped_gemm.py"
+    assert " --experts 8 32" in gemms
