@@ -34,6 +34,11 @@
 #            120 s), bench_cp_attention with auto's blocks (cuDNN on NVIDIA) and flash's, SDPA's
 #            backends forced and each case's costliest ops, smoke's parallel.cp2 /
 #            parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
+#   par4     four GPUs: the parallel layouts issue 11 names that two GPUs cannot show, small
+#            Llama at seq 16k on every ref in REFS: TP2 x CP2 (+SP) against TP=2 alone, CP=4
+#            (the ring over four ranks) against CP=1, loss by loss (scripts/compare_losses.py);
+#            on the newest ref MoE with EP=2 x DP=2, --moe-grouped-gemm and the distributed
+#            optimizer (PAR4_ITERS; PAR4_RUNS picks from cp1 tp2 tp2cp2 cp4 moe, default all)
 #   moebench upstream's expert modules on the newest ref, SequentialMLP vs TEGroupedMLP on the
 #            native backend (scripts/bench_moe_experts.py, MOE_EXPERTS default 8 64), and the
 #            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
@@ -49,6 +54,7 @@
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
 #   1 GPU:  setup train units profile bench trace kernels smoke mla moebench
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
+#   4 GPUs: setup par4
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -264,6 +270,35 @@ stage_packedcp() {
      --nproc-per-node 2 -m pytest -q -p no:cacheprovider tests/unit_tests/test_sequence_packing.py \
      > "$OUT/sequence-packing-tests.txt" 2>&1)
   log "upstream test_sequence_packing.py, 2 ranks: $(tail -1 "$OUT/sequence-packing-tests.txt")"
+}
+
+stage_par4() {
+  local long="--preset llama --iters ${PAR4_ITERS:-20} --micro-batch-size 1 --global-batch-size 8"
+  long="$long --seq-length 16384 --"
+  local flags="--no-create-attention-mask-in-dataloader"
+  local moe="--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  moe="$moe --moe-router-topk 2 --moe-grouped-gemm --use-distributed-optimizer"
+  local R n
+  for R in "${REFS[@]}"; do
+    for n in ${PAR4_RUNS:-cp1 tp2 tp2cp2 cp4 moe}; do
+      case $n in
+        cp1) train "par4-$n-$R" "$W/p-$R" --nproc 1 $long $flags ;;
+        tp2) train "par4-$n-$R" "$W/p-$R" --nproc 2 --tp 2 --sp $long $flags ;;
+        tp2cp2) train "par4-$n-$R" "$W/p-$R" --nproc 4 --tp 2 --cp 2 --sp $long $flags ;;
+        cp4) train "par4-$n-$R" "$W/p-$R" --nproc 4 --cp 4 $long $flags ;;
+        moe) [ "$R" = "$NEWEST" ] || continue
+             train "par4-$n-$R" "$W/p-$R" --preset llama --nproc 4 --iters "${PAR4_ITERS:-20}" -- $moe ;;
+        *) log "par4: unknown run $n (PAR4_RUNS: cp1 tp2 tp2cp2 cp4 moe)"; continue ;;
+      esac
+      log "par4-$n-$R: $(cat "$OUT/par4-$n-$R.json")"
+    done
+    # each CP layout against the same layout without CP: TP=2 draws other initial weights
+    for n in tp2cp2:tp2 cp4:cp1; do
+      [ -f "$OUT/par4-${n%:*}-$R.log" ] && [ -f "$OUT/par4-${n#*:}-$R.log" ] || continue
+      log "par4-${n%:*}-$R losses vs ${n#*:}: $(cd "$HERE" && $PY scripts/compare_losses.py \
+        "$OUT/par4-${n#*:}-$R.log" "$OUT/par4-${n%:*}-$R.log" 2>&1)"
+    done
+  done
 }
 
 stage_moebench() {

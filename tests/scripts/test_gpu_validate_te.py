@@ -127,3 +127,42 @@ def test_moebench_times_upstreams_modules_and_the_bare_gemms_on_the_same_experts
     assert " --experts 8 32 " in f"{modules} " and option(modules, "--json").endswith(".jsonl")
     assert gemms.split()[1] == "scripts/bench_grouped_gemm.py"
     assert " --experts 8 32" in gemms
+
+
+def test_par4_runs_each_layout_against_the_same_one_without_cp_on_every_ref(
+    tmp_path: Path,
+) -> None:
+    calls = run_stage(tmp_path, "par4", REFS="core_v0.19.0 main")
+    trains = [c for c in calls if "scripts/train_small.py" in c]
+    layouts = [
+        (option(c, "--nproc"), option(c, "--tp"), option(c, "--cp"), " --sp " in c) for c in trains
+    ]
+    per_ref = [
+        ("1", None, None, False),
+        ("2", "2", None, True),
+        ("4", "2", "2", True),
+        ("4", None, "4", False),
+    ]
+    assert layouts == per_ref * 2 + [("4", None, None, False)]  # MoE on the newest ref only
+    trees = [c.split()[2].rsplit("/", 1)[-1] for c in trains]
+    assert trees == ["p-core_v0.19.0"] * 4 + ["p-main"] * 5
+    assert all(option(c, "--seq-length") == "16384" for c in trains[:8])
+    moe = trains[-1]
+    assert "--moe-grouped-gemm" in moe and "--use-distributed-optimizer" in moe
+    assert option(moe, "--expert-model-parallel-size") == "2"
+    summary = (tmp_path / "out/summary.txt").read_text()
+    # the stand-in writes no logs, so no pair can be compared, and none is claimed
+    assert "losses vs" not in summary and "unknown run" not in summary
+
+
+def test_par4_compares_each_cp_layout_with_its_reference_log(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("cp1", "tp2", "tp2cp2", "cp4"):
+        (out / f"par4-{name}-main.log").write_text("")
+    calls = run_stage(tmp_path, "par4", PAR4_RUNS="tp2cp2")
+    compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
+    assert compares == [
+        [str(out / "par4-tp2-main.log"), str(out / "par4-tp2cp2-main.log")],
+        [str(out / "par4-cp1-main.log"), str(out / "par4-cp4-main.log")],
+    ]
