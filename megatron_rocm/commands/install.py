@@ -1,7 +1,9 @@
 """``megatron-rocm install [DIR]``: pip-install a patched tree; the installed torch stays as is.
 
 See ``megatron_rocm.envtools.installer`` for the guards (constraints pinning torch, --no-deps, NVIDIA-only
-dependencies refused, rollback on failure). ``--dry-run`` prints the plan and changes nothing.
+dependencies refused, rollback on failure). The tree's tracked ``*.egg-info`` files that the
+build rewrites are put back afterwards (``envtools.build_byproducts``), so ``export`` still
+sees a clean tree. ``--dry-run`` prints the plan and changes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 from megatron_rocm.cache import cache_dir
-from megatron_rocm.envtools import installer
+from megatron_rocm.envtools import build_byproducts, installer
 from megatron_rocm.errors import EXIT_OK
 
 
@@ -42,15 +44,27 @@ def install(
             _show_plan(p)
             print("dry run: nothing changed")
         return EXIT_OK
-    done, built = installer.execute(p, log=(lambda _line: None) if as_json else print)
+    clean = build_byproducts.clean_tracked_metadata(p.tree)
+    try:
+        done, built = installer.execute(p, log=(lambda _line: None) if as_json else print)
+    finally:  # a failed build may have rewritten them too
+        restored = build_byproducts.restore_tracked_metadata(p.tree, clean)
     if as_json:
         print(
             json.dumps(
-                {**p.to_dict(), "dry_run": False, "done": done, "built": [str(b) for b in built]},
+                {
+                    **p.to_dict(),
+                    "dry_run": False,
+                    "done": done,
+                    "built": [str(b) for b in built],
+                    "restored": restored,
+                },
                 indent=2,
             )
         )
     else:
+        if restored:
+            print(f"put back {len(restored)} tracked egg-info file(s) the build rewrote")
         print(
             f"installed {p.tree} ({'editable' if editable else 'regular'}); "
             f"torch {p.torch} untouched; next: megatron-rocm smoke {p.tree}"
