@@ -185,6 +185,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 "gemm_kernels_fwd_bwd": gemm_kernels(call),
             })  # fmt: skip
             print(json.dumps(records[-1]), flush=True)
+            if args.json:  # record by record: a later case that fails keeps the earlier ones
+                with args.json.open("a") as out:
+                    out.write(json.dumps(records[-1]) + "\n")
         del loop, grouped
     return records
 
@@ -208,10 +211,10 @@ def main() -> int:
     sys.path.insert(0, str(args.tree.resolve()))
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    init_world(args.device)
-    records = bench(args)
     if args.json:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in records))
+        args.json.write_text("")
+    init_world(args.device)
+    bench(args)
     return 0
 
 

@@ -68,6 +68,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$HERE
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 train() {  # train NAME TREE ARGS... -> OUT/NAME.json (last line: train_small's summary)
   local name=$1 tree=$2; shift 2
+  rm -f "$OUT/$name.log"  # a run that fails before logging must not leave an older log to compare
   (cd "$HERE" && $PY scripts/train_small.py "$tree" --log "$OUT/$name.log" "$@" \
      > "$OUT/$name.out" 2>&1; tail -1 "$OUT/$name.out" > "$OUT/$name.json")
 }

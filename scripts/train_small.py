@@ -180,7 +180,8 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|")
 _FIELDS = {
     "elapsed_ms": re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)"),
-    "loss": re.compile(r"\blm loss:\s*([-+0-9.eEnaNiIfF]+)"),
+    # Megatron formats the loss with {:.6E}: a non-finite one reads NAN or INF
+    "loss": re.compile(r"\blm loss:\s*([-+0-9.eEnNaAiIfF]+)"),
     "megatron_tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([0-9.]+)"),
     "nan_iterations": re.compile(r"number of nan iterations:\s*(\d+)"),
 }

@@ -48,7 +48,7 @@ def install(
     try:
         done, built = installer.execute(p, log=(lambda _line: None) if as_json else print)
     finally:  # a failed build may have rewritten them too
-        restored = build_byproducts.restore_tracked_metadata(p.tree, clean)
+        restored = build_byproducts.put_back(p.tree, clean)
     if as_json:
         print(
             json.dumps(

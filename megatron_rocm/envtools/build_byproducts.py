@@ -15,6 +15,7 @@ without git, needs nothing: install never depended on git and does not start to 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from megatron_rocm.errors import SourceError
@@ -29,11 +30,17 @@ def _is_egg_info(path: str) -> bool:
     return any(part.endswith(".egg-info") for part in path.split("/")[:-1])
 
 
+def _toplevel(tree: Path) -> Path:
+    """The work tree's root as git gives it (only the newline cut: a root may end in a space)."""
+    out = gitcmd.git("rev-parse", "--show-toplevel", cwd=tree)
+    return Path(out.decode("utf-8", "surrogateescape").removesuffix("\n"))
+
+
 def clean_tracked_metadata(tree: Path) -> set[str]:
     """Tracked files inside ``*.egg-info`` folders that match the index now (empty if the tree
     is not a git checkout of its own, or git cannot read it)."""
     try:
-        if not gitcmd.is_git_repo(tree) or gitcmd.toplevel(tree) != tree.resolve():
+        if not gitcmd.is_git_repo(tree) or _toplevel(tree) != tree.resolve():
             return set()
         listed = gitcmd.git("ls-files", "-z", cwd=tree)
         tracked = {p for p in _paths(listed) if _is_egg_info(p)}
@@ -52,3 +59,17 @@ def restore_tracked_metadata(tree: Path, clean_before: set[str]) -> list[str]:
     if changed:
         gitcmd.git("checkout-index", "-f", "--", *changed, cwd=tree)
     return changed
+
+
+def put_back(tree: Path, clean_before: set[str]) -> list[str]:
+    """``restore_tracked_metadata`` for ``install``: a git failure here becomes one warning
+    line, so it neither fails an install that worked nor hides why one failed."""
+    try:
+        return restore_tracked_metadata(tree, clean_before)
+    except (gitcmd.GitError, SourceError) as e:
+        print(
+            f"megatron-rocm: warning: could not put back the egg-info files the build "
+            f"rewrote in {tree}: {e}",
+            file=sys.stderr,
+        )
+        return []

@@ -137,3 +137,27 @@ def test_a_machine_without_git_installs_as_before(
     tree = sdist_like_repo(tmp_path / "t")
     monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
     assert build_byproducts.clean_tracked_metadata(tree) == set()
+
+
+def test_a_root_ending_in_a_space_is_still_its_own_checkout(tmp_path: Path) -> None:
+    tree = sdist_like_repo(tmp_path / "tree ")
+    clean = build_byproducts.clean_tracked_metadata(tree)
+    assert f"{META}/requires.txt" in clean
+    rewrite(tree, f"{META}/requires.txt")
+    assert build_byproducts.restore_tracked_metadata(tree, clean) == [f"{META}/requires.txt"]
+
+
+def test_a_failure_to_put_them_back_is_one_warning_not_the_installs_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    tree = sdist_like_repo(tmp_path / "t")
+    clean = build_byproducts.clean_tracked_metadata(tree)
+    rewrite(tree, f"{META}/requires.txt")
+
+    def broken(*args: str, **kw: object) -> bytes:
+        raise build_byproducts.gitcmd.GitError("git checkout-index failed: index.lock exists")
+
+    monkeypatch.setattr(build_byproducts.gitcmd, "git", broken)
+    assert build_byproducts.put_back(tree, clean) == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not put back" in err[0] and "index.lock" in err[0]

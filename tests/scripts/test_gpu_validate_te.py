@@ -43,6 +43,9 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
     fake.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "kernel=${{MEGATRON_ROCM_CP_KERNEL:-auto}} $*" >> {calls}\n'
+        # with FAKE_LOGS=1 a training run writes the log it was given, as train_small.py does
+        'if [ "${FAKE_LOGS:-0}" = 1 ]; then prev=; for a in "$@"; do\n'
+        '  [ "$prev" = --log ] && : > "$a"; prev=$a; done; fi\n'
         "echo '{\"ok\": true}'\n"
     )
     fake.chmod(0o755)
@@ -151,18 +154,26 @@ def test_par4_runs_each_layout_against_the_same_one_without_cp_on_every_ref(
     assert "--moe-grouped-gemm" in moe and "--use-distributed-optimizer" in moe
     assert option(moe, "--expert-model-parallel-size") == "2"
     summary = (tmp_path / "out/summary.txt").read_text()
-    # the stand-in writes no logs, so no pair can be compared, and none is claimed
+    # the stand-in writes no logs here, so no pair can be compared, and none is claimed
     assert "losses vs" not in summary and "unknown run" not in summary
 
 
 def test_par4_compares_each_cp_layout_with_its_reference_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    for name in ("cp1", "tp2", "tp2cp2", "cp4"):
-        (out / f"par4-{name}-main.log").write_text("")
-    calls = run_stage(tmp_path, "par4", PAR4_RUNS="tp2cp2")
+    calls = run_stage(tmp_path, "par4", PAR4_RUNS="cp1 tp2 tp2cp2 cp4", FAKE_LOGS="1")
     compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
     assert compares == [
         [str(out / "par4-tp2-main.log"), str(out / "par4-tp2cp2-main.log")],
         [str(out / "par4-cp1-main.log"), str(out / "par4-cp4-main.log")],
     ]
+
+
+def test_a_run_that_writes_no_log_is_not_compared_with_an_older_one(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("cp1", "tp2", "tp2cp2", "cp4"):  # an earlier session's logs in the same OUT
+        (out / f"par4-{name}-main.log").write_text("old")
+    calls = run_stage(tmp_path, "par4", PAR4_RUNS="tp2cp2")  # this run fails before logging
+    compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
+    assert [str(out / "par4-tp2cp2-main.log")] not in [c[1:] for c in compares]
+    assert not (out / "par4-tp2cp2-main.log").exists()

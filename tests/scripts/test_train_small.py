@@ -4,6 +4,7 @@ failed run reports. The log lines are written here in Megatron's format, not cop
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -59,6 +60,13 @@ def test_flat_or_nan_loss_is_a_failure(ts) -> None:
     assert any("did not decrease" in p for p in flat)
     _, nan = summarize(ts, [iteration(i, "nan", 100.0, nan=1) for i in range(1, 9)])
     assert nan == ["loss is not finite"]
+
+
+@pytest.mark.parametrize("shown", [format(float("nan"), ".6E"), format(float("-inf"), ".6E")])
+def test_non_finite_losses_as_megatron_prints_them_are_read(ts, shown: str) -> None:
+    assert shown in ("NAN", "-INF")  # {:.6E}, Megatron's format for the loss
+    records, _ = ts.parse_log([iteration(1, shown, 100.0)])
+    assert records[0].loss is not None and not math.isfinite(records[0].loss)
 
 
 def test_last_exception_reads_megatron_list_tracebacks(ts) -> None:

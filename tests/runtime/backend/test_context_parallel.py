@@ -506,18 +506,22 @@ def test_dropout_backward_replays_the_forward_mask(worlds, comm_type: str, kerne
     assert result["numeric"] == pytest.approx(result["analytic"], rel=1e-6, abs=1e-8)
 
 
-def test_the_rings_last_hop_is_sent_finished_in_the_input_dtype(worlds) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("cp", "dtype", "shape"),
+    [(4, torch.bfloat16, GQA), (2, torch.float16, VALUE_DIM), (2, torch.float32, GQA)],
+)
+def test_the_rings_last_hop_is_sent_finished_in_the_input_dtype(worlds, cp, dtype, shape) -> None:  # noqa: ANN001
     """The dK/dV sums hop in fp32 while blocks still add to them; the last hop, which no block's
-    backward overlaps, carries the finished sums in bf16: half the bytes, the same bits the
-    owner got by rounding the fp32 sums itself."""
-    tensors = _inputs(GQA, torch.bfloat16)
-    bf16, fp32 = ["torch.bfloat16"] * 2, ["torch.float32"] * 2
+    backward overlaps, carries the finished sums in the inputs' dtype: half the bytes in bf16
+    or fp16, the same bits the owner got by rounding the fp32 sums itself."""
+    tensors = _inputs(shape, dtype)
+    low, fp32 = [str(dtype)] * 2, ["torch.float32"] * 2
     # per step: K/V on to the next rank, then the sums; the last step sends no K/V
-    expected = [bf16, fp32] * 3 + [bf16]
-    for result in worlds(4).run("ring_hop_case", tensors=tensors, dtype=torch.bfloat16):
+    expected = [low, fp32] * (cp - 1) + [low]
+    for result in worlds(cp).run("ring_hop_case", tensors=tensors, dtype=dtype):
         assert result["hops"] == expected
         for name, sent, reference in zip("kv", result["final"], result["fp32"]):
-            assert sent.dtype == torch.bfloat16
+            assert sent.dtype == dtype
             assert torch.equal(sent, reference), f"d{name} differs"
 
 
