@@ -1,10 +1,10 @@
 """Attention TFLOP/s of context-parallel attention vs single-GPU SDPA at the same total length.
 
     torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
-        [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--json FILE]
+        [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--json FILE]
 
-Llama-ish shapes: batch 1, 32 query heads, 8 kv groups, head dim 128, bf16, causal, forward +
-backward. Per total length L, every rank first times single-GPU SDPA over all L tokens
+Llama-ish shapes: batch 1, 32 query heads, 8 kv groups (``--heads Q/KV``: 64/8 is
+Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L, every rank first times single-GPU SDPA over all L tokens
 (``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
 ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
 zigzag layout, for each comm type and block kernel (``--kernels``: values of
@@ -14,6 +14,7 @@ build has them): a CP block kernel slower than the backend SDPA picks makes CP l
 One JSON line per case, with the device named:
 
 * ``ms``: median wall time of forward + backward (the slowest rank's, for CP);
+* ``gflop``: the causal attention's FLOPs at this length and ``heads`` (all GPUs together);
 * ``tflops_per_gpu``: causal attention FLOPs (forward ``2 * 2 * b * h * L^2 * d / 2``,
   backward 2.5x forward) / number of GPUs / time. Near-linear CP keeps this close to the
   single-GPU figure; ``speedup`` = single-GPU ms / CP ms (cp is ideal);
@@ -62,8 +63,8 @@ from megatron_rocm.runtime.kernels.attention import sdpa_attention  # noqa: E402
 HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
 
 
-def causal_flops(length: int) -> float:
-    forward = 4 * BATCH * HEADS * length * length * DIM / 2
+def causal_flops(length: int, heads: int) -> float:
+    forward = 4 * BATCH * heads * length * length * DIM / 2
     return forward * 3.5
 
 
@@ -137,7 +138,7 @@ def _forced_sdpa_backends(
             yield {"case": f"sdpa_1gpu_{label}", "L": length, "error": str(exc)[:160]}
             continue
         yield {"case": f"sdpa_1gpu_{label}", "L": length, "ms": round(ms, 3),
-               "tflops_per_gpu": round(causal_flops(length) / ms / 1e9, 2)}  # fmt: skip
+               "tflops_per_gpu": round(causal_flops(length, leaves[0].shape[2]) / ms / 1e9, 2)}  # fmt: skip
 
 
 def bench_length(
@@ -148,17 +149,19 @@ def bench_length(
     dtype: torch.dtype,
     kernels: list[str],
     ops: int = 0,
+    heads: int = HEADS,
+    groups: int = GROUPS,
 ) -> Iterator[dict]:
     """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     scale = DIM**-0.5
     gen = torch.Generator(device=device).manual_seed(length)
-    shapes = {"q": HEADS, "k": GROUPS, "v": GROUPS}
+    shapes = {"q": heads, "k": groups, "v": groups}
     full = {
         n: torch.randn(length, BATCH, h, DIM, generator=gen, device=device, dtype=dtype)
         for n, h in shapes.items()
     }
-    full["g"] = torch.randn(length, BATCH, HEADS * DIM, generator=gen, device=device, dtype=dtype)
+    full["g"] = torch.randn(length, BATCH, heads * DIM, generator=gen, device=device, dtype=dtype)
     leaves = [full[n].clone().requires_grad_() for n in "qkv"]
     single_out = sdpa_attention(*leaves, None, "causal", scale).detach()
 
@@ -167,7 +170,7 @@ def bench_length(
 
     single_ms = timed(single_step, iters, device)
     single = {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
-              "tflops_per_gpu": round(causal_flops(length) / single_ms / 1e9, 2)}  # fmt: skip
+              "tflops_per_gpu": round(causal_flops(length, heads) / single_ms / 1e9, 2)}  # fmt: skip
     if ops:
         single["top_ops"] = top_ops(single_step, device, ops)
     yield single
@@ -232,11 +235,23 @@ def _timed_cp_case(
         run().backward(grad)
 
     ms = slowest(timed(step, iters, device), device)
-    record.update(ms=round(ms, 3), tflops_per_gpu=round(causal_flops(record["L"]) / cp / ms / 1e9, 2),
+    flops = causal_flops(record["L"], cp_leaves[0].shape[2])
+    record.update(ms=round(ms, 3), tflops_per_gpu=round(flops / cp / ms / 1e9, 2),
                   speedup=round(single_ms / ms, 3), max_abs_err=float(f"{err.item():.3g}"))  # fmt: skip
     if ops:  # every rank profiles (the ring needs its peer); rank 0's ops are reported
         record["top_ops"] = top_ops(step, device, ops)
     return record
+
+
+def _heads(text: str) -> tuple[int, int]:
+    """``Q/KV`` -> (query heads, kv heads); the query heads must group over the kv heads."""
+    try:
+        heads, groups = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not Q/KV, e.g. 64/8") from None
+    if heads < 1 or groups < 1 or heads % groups:
+        raise argparse.ArgumentTypeError(f"{heads} query heads do not group over {groups} kv heads")
+    return heads, groups
 
 
 def main() -> int:
@@ -250,6 +265,12 @@ def main() -> int:
     parser.add_argument("--json", help="also append the JSON lines to this file (rank 0)")
     parser.add_argument(
         "--ops", type=int, default=0, help="add each case's N costliest ops (torch.profiler)"
+    )
+    parser.add_argument(
+        "--heads",
+        type=_heads,
+        default=(HEADS, GROUPS),
+        help=f"query/kv heads (default {HEADS}/{GROUPS}; Llama-2-70B's layer: 64/8)",
     )
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
@@ -278,8 +299,12 @@ def main() -> int:
 
     comms, kernels = args.comm.split(","), args.kernels.split(",")
     for length in lengths:
-        for record in bench_length(length, comms, args.iters, device, dtype, kernels, args.ops):
-            emit(record)
+        cases = bench_length(
+            length, comms, args.iters, device, dtype, kernels, args.ops, *args.heads
+        )
+        for record in cases:
+            gflop = round(causal_flops(length, args.heads[0]) / 1e9, 3)
+            emit({**record, "heads": "/".join(map(str, args.heads)), "gflop": gflop})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if sink:

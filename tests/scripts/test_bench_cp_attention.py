@@ -73,3 +73,20 @@ def test_grouped_heads_forces_expansion_for_one_case_only(monkeypatch: pytest.Mo
     with bench.grouped_heads(flash, q, k, expanded=True) as kv_heads:
         assert kv_heads == "expanded" and flash._heads(q, k, k)[0].shape[1] == 4
     assert flash.native_gqa(q, k) and "native_gqa" not in vars(flash)
+
+
+def test_heads_set_the_shape_and_the_flop_count(tmp_path: Path) -> None:
+    """``--heads 8/2``: every case runs with that shape and says so; TFLOP/s count 8 heads."""
+    records = _bench(tmp_path, "--lengths", "64", "--comm", "p2p", "--heads", "8/2")
+    assert {r["heads"] for r in records} == {"8/2"}
+    flops = 3.5 * 4 * 1 * 8 * 64 * 64 * 128 / 2  # forward 4bhL^2d/2 (causal), backward 2.5x
+    assert {r["gflop"] for r in records} == {round(flops / 1e9, 3)}
+    assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
+
+
+@pytest.mark.parametrize("heads", ["6/4", "64", "0/8"])
+def test_heads_that_do_not_group_are_refused_before_any_set_up(heads: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--heads", heads], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--heads" in done.stderr and "Traceback" not in done.stderr
