@@ -30,23 +30,22 @@ def _is_egg_info(path: str) -> bool:
     return any(part.endswith(".egg-info") for part in path.split("/")[:-1])
 
 
-def _toplevel(tree: Path) -> Path:
-    """The work tree's root as git gives it (only the newline cut: a root may end in a space)."""
-    out = gitcmd.git("rev-parse", "--show-toplevel", cwd=tree)
-    return Path(out.decode("utf-8", "surrogateescape").removesuffix("\n"))
+def _modified(tree: Path) -> set[str]:
+    """Tracked files whose work-tree copy differs from the index."""
+    return _paths(gitcmd.git("diff", "--name-only", "-z", cwd=tree))
 
 
 def clean_tracked_metadata(tree: Path) -> set[str]:
     """Tracked files inside ``*.egg-info`` folders that match the index now (empty if the tree
     is not a git checkout of its own, or git cannot read it)."""
     try:
-        if not gitcmd.is_git_repo(tree) or _toplevel(tree) != tree.resolve():
+        if not gitcmd.is_work_tree_root(tree):
             return set()
         listed = gitcmd.git("ls-files", "-z", cwd=tree)
         tracked = {p for p in _paths(listed) if _is_egg_info(p)}
         if not tracked:
             return set()
-        return tracked - _paths(gitcmd.git("diff", "--name-only", "-z", cwd=tree))
+        return tracked - _modified(tree)
     except (gitcmd.GitError, SourceError):  # no git, or a repository git cannot read
         return set()
 
@@ -55,7 +54,7 @@ def restore_tracked_metadata(tree: Path, clean_before: set[str]) -> list[str]:
     """Restore, from the index, the files of ``clean_before`` that are modified now."""
     if not clean_before:
         return []
-    changed = sorted(clean_before & _paths(gitcmd.git("diff", "--name-only", "-z", cwd=tree)))
+    changed = sorted(clean_before & _modified(tree))
     if changed:
         gitcmd.git("checkout-index", "-f", "--", *changed, cwd=tree)
     return changed

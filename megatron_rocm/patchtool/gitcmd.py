@@ -205,12 +205,21 @@ def git_dir(repo: str | Path) -> Path:
 
 
 def toplevel(repo: str | Path) -> Path | None:
-    """The work tree root containing ``repo``, or None for a bare repository."""
+    """The work tree root containing ``repo``, or None for a bare repository.
+
+    Only git's newline is cut (not ``git_text``'s strip): a root may end in a space."""
     try:
-        out = git_text("rev-parse", "--show-toplevel", cwd=repo)
+        out = git("rev-parse", "--show-toplevel", cwd=repo)
     except GitError:
         return None
+    out = out.decode("utf-8", errors="surrogateescape").removesuffix("\n")
     return Path(out) if out else None
+
+
+def is_work_tree_root(path: str | Path) -> bool:
+    """Whether ``path`` is the root of a git work tree (not a folder inside one, not bare)."""
+    top = toplevel(path) if is_git_repo(path) else None
+    return top is not None and top.resolve() == Path(path).resolve()
 
 
 def git_path(repo: str | Path, name: str) -> Path:

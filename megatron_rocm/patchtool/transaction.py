@@ -210,16 +210,11 @@ def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path) -> Outcome:
     return Outcome(ref, plan, name, tip, "created", commits)
 
 
-def _is_fork_root(path: Path) -> bool:
-    top = gitcmd.toplevel(path) if gitcmd.is_git_repo(path) else None
-    return top is not None and top.resolve() == path.resolve()
-
-
 def _existing(req: Request, guard: interrupts.Guard) -> Outcome:
     repo = req.dest
     if not repo.is_dir():
         raise UsageError(f"destination {repo} exists and is not a folder")
-    if not _is_fork_root(repo):
+    if not gitcmd.is_work_tree_root(repo):
         raise UsageError(
             f"destination {repo} exists and is not a git clone of Megatron-LM; "
             "choose another --dest"

@@ -136,3 +136,15 @@ def test_plain_git_sees_the_pinned_config_values():
         check=True,
     ).stdout.strip()
     assert out == "never"
+
+
+def test_a_work_tree_root_is_told_apart_from_a_folder_inside_it(tmp_path: Path) -> None:
+    """``apply`` (an existing fork) and ``install`` (egg-info) both ask; a root ending in a space
+    is still its own root: only git's newline is cut from its answer."""
+    root = tmp_path / "fork "
+    (root / "inside").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    assert gitcmd.toplevel(root) == root.resolve()
+    assert gitcmd.is_work_tree_root(root)
+    assert not gitcmd.is_work_tree_root(root / "inside")
+    assert not gitcmd.is_work_tree_root(tmp_path / "plain")
