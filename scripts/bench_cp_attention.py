@@ -4,7 +4,8 @@
         [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--json FILE]
 
 Llama-ish shapes: batch 1, 32 query heads, 8 kv groups (``--heads Q/KV``: 64/8 is
-Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L, every rank first times single-GPU SDPA over all L tokens
+Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L,
+every rank first times single-GPU SDPA over all L tokens
 (``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
 ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
 zigzag layout, for each comm type and block kernel (``--kernels``: values of
@@ -137,8 +138,9 @@ def _forced_sdpa_backends(
         except RuntimeError as exc:  # the backend cannot take these inputs on this build
             yield {"case": f"sdpa_1gpu_{label}", "L": length, "error": str(exc)[:160]}
             continue
+        flops = causal_flops(length, leaves[0].shape[2])
         yield {"case": f"sdpa_1gpu_{label}", "L": length, "ms": round(ms, 3),
-               "tflops_per_gpu": round(causal_flops(length, leaves[0].shape[2]) / ms / 1e9, 2)}  # fmt: skip
+               "tflops_per_gpu": round(flops / ms / 1e9, 2)}  # fmt: skip
 
 
 def bench_length(
@@ -169,8 +171,9 @@ def bench_length(
         sdpa_attention(*x, None, "causal", scale).backward(full["g"])
 
     single_ms = timed(single_step, iters, device)
+    flops = causal_flops(length, heads)
     single = {"case": "sdpa_1gpu", "L": length, "ms": round(single_ms, 3),
-              "tflops_per_gpu": round(causal_flops(length, heads) / single_ms / 1e9, 2)}  # fmt: skip
+              "tflops_per_gpu": round(flops / single_ms / 1e9, 2)}  # fmt: skip
     if ops:
         single["top_ops"] = top_ops(single_step, device, ops)
     yield single
