@@ -265,9 +265,30 @@ class CudnnKernel(BlockKernel):
         cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = state
         # attn_bias None: an undefined tensor (an empty one would be taken for a 1-D bias)
         return aten._scaled_dot_product_cudnn_attention_backward(
-            do.contiguous(), q, k, v, out.contiguous(), lse.reshape(lse_shape).contiguous(),
-            seed, offset, None, cum_q, cum_k, max_q, max_k, p, causal, scale=scale,
+            laid_out_like(do, q), q, k, v, laid_out_like(out, q),
+            lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k,
+            p, causal, scale=scale,
         )  # fmt: skip
+
+
+def laid_out_like(x: Tensor, query: Tensor) -> Tensor:
+    """``x`` (the output or its gradient, shaped like ``query``) with the query's strides.
+
+    torch caches cuDNN's backward graph by the q/k/v layouts alone, yet bakes the output's and
+    its gradient's strides into it: a later call with the same q/k/v but other strides for those
+    two would reuse a wrong plan. One rule for every call keeps the cache right: they always
+    have the query's strides, which is also what torch's own SDPA gives them (its forward
+    allocates the output like the query). The CP schemes hand over ``[s, b, heads, d]`` views,
+    as the query is, so this copies nothing there; the probe's merged fp32 output is copied.
+    """
+    if _addressing(x) == _addressing(query):
+        return x
+    return torch.empty_strided(query.shape, query.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _addressing(x: Tensor) -> list[tuple[int, int]]:
+    """(size, stride) of every dim but those of size 1, whose strides address nothing."""
+    return [(n, st) for n, st in zip(x.shape, x.stride(), strict=True) if n > 1]
 
 
 def deterministic_algorithms_required() -> bool:
