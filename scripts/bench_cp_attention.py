@@ -1,7 +1,8 @@
 """Attention TFLOP/s of context-parallel attention vs single-GPU SDPA at the same total length.
 
     torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
-        [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--json FILE]
+        [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--a2a-stages 1,2,4]
+        [--json FILE]
 
 Llama-ish shapes: batch 1, 32 query heads, 8 kv groups (``--heads Q/KV``: 64/8 is
 Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L,
@@ -9,7 +10,9 @@ every rank first times single-GPU SDPA over all L tokens
 (``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
 ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
 zigzag layout, for each comm type and block kernel (``--kernels``: values of
-``MEGATRON_ROCM_CP_KERNEL``; a2a runs SDPA whatever it says). The single-GPU SDPA is also timed
+``MEGATRON_ROCM_CP_KERNEL``), and for a2a each count of head groups it pipelines
+(``--a2a-stages``: values of ``MEGATRON_ROCM_CP_A2A_STAGES``; ``default`` leaves it unset; a
+case named ``..._sN`` asked for N, and ``stages`` says how many ran). The single-GPU SDPA is also timed
 with its flash and cuDNN backends forced (``sdpa_1gpu_flash``, ``sdpa_1gpu_cudnn``, where the
 build has them): a CP block kernel slower than the backend SDPA picks makes CP look sub-linear.
 One JSON line per case, with the device named:
@@ -20,7 +23,7 @@ One JSON line per case, with the device named:
   backward 2.5x forward) / number of GPUs / time. Near-linear CP keeps this close to the
   single-GPU figure; ``speedup`` = single-GPU ms / CP ms (cp is ideal);
 * ``max_abs_err``: CP output vs the single-GPU output on the same data (bf16 rounding only);
-* ``kv_heads``: how the ring's or all_gather's block kernel took the grouped kv heads,
+* ``kv_heads``: how the CP case's block kernel took the grouped kv heads,
   ``native`` (as they are) or ``expanded`` (copied per query head first). ``KERNEL:expanded``
   in ``--kernels`` (e.g. ``cudnn:expanded``) makes that kernel expand them for the case: what
   grouping natively saves.
@@ -50,6 +53,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_rocm.runtime.backend import _cp_a2a  # noqa: E402
 from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
     BlockKernel,
     pick_kernel,
@@ -153,6 +157,7 @@ def bench_length(
     ops: int = 0,
     heads: int = HEADS,
     groups: int = GROUPS,
+    a2a_stages: tuple[str, ...] = ("default",),
 ) -> Iterator[dict]:
     """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -182,34 +187,40 @@ def bench_length(
     local = {n: zigzag_shard(t, cp, rank) for n, t in full.items()}
     expected = zigzag_shard(single_out, cp, rank).float()
     cases = [
-        (comm, kernel) for comm in comms for kernel in (kernels if comm != "a2a" else ["auto"])
+        (comm, kernel, stages)
+        for comm in comms
+        for kernel in kernels
+        for stages in (a2a_stages if comm == "a2a" else ["default"])
     ]
-    for comm, spec in cases:
+    for comm, spec, stages in cases:
         kernel_name, _, variant = spec.partition(":")
         os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
+        os.environ.pop(_cp_a2a.STAGES_ENV, None)
+        if stages != "default":
+            os.environ[_cp_a2a.STAGES_ENV] = stages
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
         q, k, v = (bhsd(x) for x in cp_leaves)
-        kernel = None if comm == "a2a" else pick_kernel(q, k, v, 0.0)
+        kernel = pick_kernel(q, k, v, 0.0)
         with grouped_heads(kernel, q, k, expanded=variant == "expanded") as kv_heads:
-            name = "sdpa" if kernel is None else kernel.name
-            label = f"cp{cp}_{comm}_{name}" + ("_expanded" if variant == "expanded" else "")
-            record = {"case": label, "L": length, "kernel": name, "kv_heads": kv_heads}
+            label = f"cp{cp}_{comm}_{kernel.name}" + ("_expanded" if variant == "expanded" else "")
+            label += "" if stages == "default" else f"_s{stages}"
+            record = {"case": label, "L": length, "kernel": kernel.name, "kv_heads": kv_heads}
+            if comm == "a2a":
+                record["stages"] = _cp_a2a.stage_count(heads, groups, cp)
             yield _timed_cp_case(
                 record, comm, cp_leaves, local["g"], expected, single_ms, scale, iters, device,
                 ops,
             )  # fmt: skip
+    os.environ.pop(_cp_a2a.STAGES_ENV, None)
 
 
 @contextlib.contextmanager
 def grouped_heads(
-    kernel: BlockKernel | None, q: torch.Tensor, k: torch.Tensor, *, expanded: bool
-) -> Iterator[str | None]:
-    """How ``kernel`` takes grouped kv heads in this case: "native" or "expanded" (None for
-    a2a, which runs SDPA). ``expanded`` makes it expand them for the case (``cudnn:expanded``:
-    what cuDNN blocks did before their grouped-head probe)."""
-    if kernel is None:
-        yield None
-        return
+    kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor, *, expanded: bool
+) -> Iterator[str]:
+    """How ``kernel`` takes grouped kv heads in this case: "native" or "expanded".
+    ``expanded`` makes it expand them for the case (``cudnn:expanded``: what cuDNN blocks did
+    before their grouped-head probe)."""
     if expanded:
         kernel.native_gqa = lambda q, k: False  # an instance attribute shadows the method
     try:
@@ -257,6 +268,15 @@ def _heads(text: str) -> tuple[int, int]:
     return heads, groups
 
 
+def _stages(text: str) -> tuple[str, ...]:
+    """``1,2,default`` -> the a2a head-group counts to time (positive whole numbers)."""
+    values = tuple(v.strip() for v in text.split(","))
+    bad = [v for v in values if v != "default" and not (v.isdigit() and int(v) >= 1)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not 'default' or a whole number >= 1")
+    return values
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="8192,16384,32768")
@@ -274,6 +294,13 @@ def main() -> int:
         type=_heads,
         default=(HEADS, GROUPS),
         help=f"query/kv heads (default {HEADS}/{GROUPS}; Llama-2-70B's layer: 64/8)",
+    )
+    parser.add_argument(
+        "--a2a-stages",
+        type=_stages,
+        default=("default",),
+        help="head groups a2a pipelines, per case (MEGATRON_ROCM_CP_A2A_STAGES values; "
+        "'default' leaves it unset)",
     )
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
@@ -303,8 +330,9 @@ def main() -> int:
     comms, kernels = args.comm.split(","), args.kernels.split(",")
     for length in lengths:
         cases = bench_length(
-            length, comms, args.iters, device, dtype, kernels, args.ops, *args.heads
-        )
+            length, comms, args.iters, device, dtype, kernels, args.ops, *args.heads,
+            a2a_stages=args.a2a_stages,
+        )  # fmt: skip
         for record in cases:
             gflop = round(causal_flops(length, args.heads[0]) / 1e9, 3)
             emit({**record, "heads": "/".join(map(str, args.heads)), "gflop": gflop})

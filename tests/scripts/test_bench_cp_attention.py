@@ -28,7 +28,9 @@ def _bench(tmp_path: Path, *args: str) -> list[dict]:
 def test_every_case_reports_its_costliest_ops(tmp_path: Path) -> None:
     records = _bench(tmp_path, "--lengths", "128", "--comm", "p2p,all_gather,a2a", "--ops", "5")
     cases = [r["case"] for r in records]
-    assert cases == ["sdpa_1gpu", "cp2_p2p_cpu_flash", "cp2_all_gather_cpu_flash", "cp2_a2a_sdpa"]
+    assert cases == [
+        "sdpa_1gpu", "cp2_p2p_cpu_flash", "cp2_all_gather_cpu_flash", "cp2_a2a_cpu_flash"
+    ]  # fmt: skip
     for record in records:
         ops = record["top_ops"]
         assert 1 <= len(ops) <= 5, record
@@ -49,7 +51,8 @@ def test_each_case_says_how_its_blocks_took_the_grouped_kv_heads(tmp_path: Path)
     assert got == [
         ("cp2_p2p_math", "math", "expanded"),
         ("cp2_p2p_math_expanded", "math", "expanded"),
-        ("cp2_a2a_sdpa", "sdpa", None),
+        ("cp2_a2a_math", "math", "expanded"),
+        ("cp2_a2a_math_expanded", "math", "expanded"),
     ]
     assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
 
@@ -84,9 +87,23 @@ def test_heads_set_the_shape_and_the_flop_count(tmp_path: Path) -> None:
     assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
 
 
-@pytest.mark.parametrize("heads", ["6/4", "64", "0/8"])
-def test_heads_that_do_not_group_are_refused_before_any_set_up(heads: str) -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--heads", heads], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and "--heads" in done.stderr and "Traceback" not in done.stderr
+def test_a2a_cases_per_head_group_count(tmp_path: Path) -> None:
+    """``--a2a-stages``: one a2a case per count asked for, each saying how many groups ran
+    (8/4 heads over two ranks: two kv heads each, so at most two; one by default)."""
+    records = _bench(
+        tmp_path, "--lengths", "64", "--comm", "a2a", "--heads", "8/4", "--a2a-stages",
+        "1,4,default",
+    )  # fmt: skip
+    got = [(r["case"], r["stages"]) for r in records[1:]]
+    assert got == [("cp2_a2a_cpu_flash_s1", 1), ("cp2_a2a_cpu_flash_s4", 2),
+                   ("cp2_a2a_cpu_flash", 1)]  # fmt: skip
+    assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
+
+
+@pytest.mark.parametrize(
+    "args", [["--heads", "6/4"], ["--heads", "64"], ["--heads", "0/8"], ["--a2a-stages", "0"]]
+)
+def test_bad_shapes_and_stage_counts_are_refused_before_any_set_up(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 2 and args[0] in done.stderr and "Traceback" not in done.stderr

@@ -1,72 +1,65 @@
 """Ulysses attention (``cp_comm_type="a2a"``): trade the sequence split for a head split.
 
-An all-to-all turns each rank's ``[s/cp, b, heads, d]`` into ``[s, b, heads/cp, d]``: the
-whole sequence for a slice of the heads. Attention is then ordinary local SDPA (flash or
-memory-efficient kernels, causal on the global order restored from the zigzag layout,
-dropout as usual), and a second all-to-all returns the output to the sequence split. The
-all-to-alls are autograd functions whose backward is the opposite all-to-all.
+Every rank holds ``[s/cp, b, heads, d]``; an exchange gives each rank the whole sequence for
+``heads/cp`` of the heads, attention runs on it as on one GPU (causal on the global order,
+dropout as usual), and a second exchange returns each rank's tokens with all heads.
 
-Needs the query heads divisible by the CP size; grouped kv heads that are not are expanded
-(``repeat_interleave``) to the query heads first.
+* **No reordering copies.** Megatron's zigzag layout gives rank ``r`` chunks ``r`` and
+  ``2cp-1-r`` of the sequence (``_cp_layout``). Each chunk arrives by its own receive straight
+  into its place in a whole-sequence buffer, and the output's chunks leave from their place in
+  the kernel's output, so nothing is concatenated or permuted into global order and back. What
+  is left is packing the heads bound for each peer (one copy per input) and unpacking the heads
+  that come back (one per output), moved as 8-byte words (``copy_wide``).
+* **Head groups, for slow links.** ``MEGATRON_ROCM_CP_A2A_STAGES=N`` cuts the rank's heads
+  into N groups (whole kv heads each, so a query head stays with its kv head; lowered to the
+  largest count that splits them evenly). Every group's exchange is posted at once and group
+  ``n``'s attention starts as soon as its own has arrived, while later groups' are in flight;
+  its output leaves while group ``n + 1`` is computed, and backward does the same. Only the
+  first group's inputs and the last group's output then wait on the links. The default is one
+  group: on NVLink (2 x H200, Llama-2-70B's 64/8 heads at 16k) the exchanges take a tenth of the
+  attention's time, and two or four groups measured no faster (docs/results.md, fifteenth
+  session); links several times slower, as between some AMD GPUs, are what groups are for.
+
+Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
+probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
+and log-sum-exp for a backward of our own. Needs the query heads divisible by the CP size;
+grouped kv heads that are not are expanded (``repeat_interleave``) to the query heads first.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_rocm.runtime.backend._cp_layout import global_to_rank_major, rank_major_to_global
-from megatron_rocm.runtime.kernels._runtime import is_hip
+from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
+from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
+from megatron_rocm.runtime.backend._cp_ring import bhsd
 
 Tensor = torch.Tensor
 
-
-def _seq_to_heads(x: Tensor, group: Any, reorder: bool) -> Tensor:
-    """``[s_local, b, h, d]`` -> ``[s, b, h / cp, d]`` (global order when ``reorder``)."""
-    size = dist.get_world_size(group)
-    s, b, h, d = x.shape
-    send = x.reshape(s, b, size, h // size, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, my heads
-    full = recv.view(size * s, b, h // size, d)
-    return rank_major_to_global(full, size) if reorder else full
+STAGES_ENV = "MEGATRON_ROCM_CP_A2A_STAGES"
+DEFAULT_STAGES = 1
 
 
-def _heads_to_seq(y: Tensor, group: Any, reorder: bool) -> Tensor:
-    """Inverse of ``_seq_to_heads``: ``[s, b, h / cp, d]`` -> ``[s_local, b, h, d]``."""
-    size = dist.get_world_size(group)
-    if reorder:
-        y = global_to_rank_major(y, size)
-    s_all, b, hl, d = y.shape
-    send = y.reshape(size, s_all // size, b, hl, d).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: my tokens, rank j's heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(s_all // size, b, size * hl, d)
+def requested_stages() -> int:
+    """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (``DEFAULT_STAGES`` if unset)."""
+    text = os.environ.get(STAGES_ENV, "").strip()
+    if not text:
+        return DEFAULT_STAGES
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{STAGES_ENV}={text!r} is not a positive whole number of head groups")
+    return int(text)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Any, reorder: bool) -> Tensor:  # noqa: ANN001
-        ctx.args = (group, reorder)
-        return _seq_to_heads(x, group, reorder)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        return _heads_to_seq(grad, *ctx.args), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: Tensor, group: Any, reorder: bool) -> Tensor:  # noqa: ANN001
-        ctx.args = (group, reorder)
-        return _heads_to_seq(y, group, reorder)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        return _seq_to_heads(grad, *ctx.args), None, None
+def stage_count(heads: int, groups: int, cp_size: int) -> int:
+    """Head groups to pipeline: the requested count, lowered until it splits the kv heads each
+    rank gets (all query heads when the kv heads do not split over the ranks: expanded)."""
+    kv_heads = heads if groups % cp_size else groups
+    return math.gcd(requested_stages(), kv_heads // cp_size)
 
 
 def a2a_unsupported(heads: int, groups: int, cp_size: int) -> str | None:
@@ -78,6 +71,209 @@ def a2a_unsupported(heads: int, groups: int, cp_size: int) -> str | None:
     return None
 
 
+def sbhd(x: Tensor) -> Tensor:
+    """A kernel's ``[b, heads, s, d]`` -> ``[s, b, heads, d]``, contiguous (a copy only if the
+    kernel laid it out otherwise: cuDNN and flash keep the query's layout, which is this)."""
+    return packed(x.permute(2, 0, 1, 3))
+
+
+def copy_wide(dst: Tensor, src: Tensor) -> Tensor:
+    """``dst.copy_(src)``, moving 8-byte words where both layouts allow it.
+
+    The packing and unpacking copies here read or write permuted views, for which torch's
+    copy kernel computes an offset per element and moves 2 bytes at a time in bf16. Seen as
+    int64 words, the same bytes take a quarter of the elements: packing one peer's 64 MB of
+    query heads (64/8 heads, 16k, cp 2) took 84 us as bf16 and 38 us as words on an H200.
+    Bits are copied, never converted.
+    """
+    if dst.dtype == src.dtype and _widens(dst) and _widens(src):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+        return dst
+    return dst.copy_(src)
+
+
+def _widens(x: Tensor) -> bool:
+    """Whether ``x`` can be seen as int64 words: its innermost dim contiguous and every offset
+    and stride a whole number of words."""
+    size = x.element_size()
+    if size >= 8 or x.dim() == 0 or x.stride(-1) != 1 or (x.shape[-1] * size) % 8:
+        return False
+    offsets = (x.storage_offset(), *x.stride()[:-1])
+    return all(o * size % 8 == 0 for o in offsets) and x.data_ptr() % 8 == 0
+
+
+def packed(x: Tensor) -> Tensor:
+    """A contiguous copy of ``x`` (``copy_wide``)."""
+    return (
+        x
+        if x.is_contiguous()
+        else copy_wide(torch.empty_like(x, memory_format=torch.contiguous_format), x)
+    )
+
+
+class Shards:
+    """Where each rank of the CP group keeps its tokens in the whole sequence.
+
+    Causal: Megatron's zigzag, two pieces per rank (chunks ``j`` and ``2cp-1-j``). Without a mask
+    the order of keys does not matter, so each rank's tokens are one piece at slot ``j``.
+    """
+
+    def __init__(self, group: Any, local_tokens: int, causal: bool) -> None:
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.pieces = 2 if causal else 1
+        self.piece_len = local_tokens // self.pieces
+        self.peers = [(j, global_rank(group, j)) for j in range(self.size) if j != self.rank]
+
+    def of_rank(self, whole: Tensor, j: int, dim: int = 0) -> Tensor:
+        """Rank ``j``'s pieces of a whole sequence along ``dim``: a ``[pieces, piece_len, ...]``
+        view (each piece contiguous when ``whole`` is and ``dim`` is its outermost)."""
+        slots = self.size * self.pieces
+        chunks = whole.unflatten(dim, (slots, self.piece_len))
+        # zigzag: slots j and 2cp-1-j, one step of 2cp-1-2j apart (>= 1 for every rank)
+        picks = slice(j, j + 1) if self.pieces == 1 else slice(j, slots - j, slots - 1 - 2 * j)
+        return chunks[(slice(None),) * dim + (picks,)]
+
+    def by_head(self, local: Tensor, stages: int) -> Tensor:
+        """``[s_local, b, heads, d]`` as ``[pieces, piece_len, b, cp, stages, heads', d]``: the
+        heads of rank ``j``'s stage ``n`` at ``[:, :, :, j, n]`` (a view, for any strides)."""
+        pieces = local.unflatten(0, (self.pieces, self.piece_len))  # [pieces, len, b, heads, d]
+        return pieces.unflatten(3, (self.size, stages, -1))
+
+    def scatter(
+        self, tensors: tuple[Tensor, ...], stages: int
+    ) -> tuple[list[Tensor], list[Pending]]:
+        """Post the exchange of every stage: each local ``[s_local, b, heads, d]`` becomes a
+        ``[stages, s, b, heads / cp / stages, d]`` whole-sequence buffer for this rank's heads.
+
+        Returns the buffers and, per stage, the pending transfer to wait for before reading
+        that stage. The rank's own tokens are copied in place at once.
+        """
+        wholes, packs = [], []
+        for x in tensors:
+            parts = self.by_head(x, stages)  # [pieces, len, b, cp, stages, h, d]
+            per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
+            whole = x.new_empty(stages, self.size * self.pieces * self.piece_len,
+                                *per_rank.shape[-3:])  # fmt: skip
+            copy_wide(self.of_rank(whole, self.rank, dim=1), per_rank[self.rank])
+            wholes.append(whole)
+            packs.append({j: packed(per_rank[j]) for j, _ in self.peers})
+        pending = []
+        for n in range(stages):
+            sends, receives = [], []
+            for j, peer in self.peers:
+                for whole, out in zip(wholes, packs, strict=True):
+                    for i in range(self.pieces):
+                        sends.append((out[j][n, i], peer))
+                        receives.append((self.of_rank(whole[n], j)[i], peer))
+            pending.append(post(sends, receives, self.group))
+        return wholes, pending
+
+
+class Gather:
+    """The way back: per-stage ``[s, b, heads', d]`` results -> ``[s_local, b, heads * d]``.
+
+    ``post`` sends a stage's result as soon as it is computed (each peer's tokens straight from
+    their place in it) and keeps the rank's own; ``finish`` waits and unpacks the peers' heads.
+    """
+
+    def __init__(
+        self, shards: Shards, stages: int, shapes: list[tuple[int, int]], like: Tensor
+    ) -> None:
+        self.shards = shards
+        s, b = shards.pieces * shards.piece_len, like.shape[1]
+        self.outputs = [like.new_empty(s, b, heads * dim) for heads, dim in shapes]
+        self._parts = [
+            shards.by_head(out.unflatten(2, (heads, dim)), stages)
+            for out, (heads, dim) in zip(self.outputs, shapes, strict=True)
+        ]
+        piece = (shards.pieces, shards.piece_len, b)
+        self._received = {
+            j: [like.new_empty(stages, *piece, h // shards.size // stages, d) for h, d in shapes]
+            for j, _ in shards.peers
+        }
+        self._pending: list[Pending] = []
+
+    def post(self, n: int, results: tuple[Tensor, ...]) -> None:
+        shards = self.shards
+        sends, receives = [], []
+        for part, result in zip(self._parts, results, strict=True):
+            copy_wide(part[:, :, :, shards.rank, n], shards.of_rank(result, shards.rank))
+        for j, peer in shards.peers:
+            for t, result in enumerate(results):
+                for i in range(shards.pieces):
+                    sends.append((shards.of_rank(result, j)[i], peer))
+                    receives.append((self._received[j][t][n, i], peer))
+        self._pending.append(post(sends, receives, shards.group))
+
+    def finish(self) -> list[Tensor]:
+        for pending in self._pending:
+            pending.wait()
+        for j, _ in self.shards.peers:
+            for part, received in zip(self._parts, self._received[j], strict=True):
+                copy_wide(part[:, :, :, j], received.permute(1, 2, 3, 0, 4, 5))
+        return self.outputs
+
+
+class UlyssesAttention(torch.autograd.Function):
+    """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]``; see the module docstring."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        group: Any,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        kernel: BlockKernel,
+        stages: int,
+    ):
+        shards = Shards(group, query.shape[0], causal)
+        wholes, pending = shards.scatter((query, key, value), stages)
+        gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query)
+        outs, lses, states = [], [], []
+        for n in range(stages):
+            pending[n].wait()
+            q, k, v = (bhsd(whole[n]) for whole in wholes)
+            out, lse, state = kernel.forward(
+                q, k, v, causal=causal, scale=scale, dropout_p=dropout_p
+            )
+            gather.post(n, (sbhd(out),))
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        (output,) = gather.finish()
+        ctx.save_for_backward(*wholes, *outs, *lses)
+        shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
+        ctx.args = (group, causal, scale, dropout_p, kernel, stages, states, shapes)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
+        group, causal, scale, dropout_p, kernel, stages, states, shapes = ctx.args
+        saved = ctx.saved_tensors
+        wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages :]
+        shards = Shards(group, grad_output.shape[0], causal)
+        douts_shape = (shapes[0][0], shapes[2][1])  # query heads, value head dim
+        (douts,), pending = shards.scatter((grad_output.unflatten(2, douts_shape),), stages)
+        gather = Gather(shards, stages, shapes, grad_output)
+        for n in range(stages):
+            pending[n].wait()
+            q, k, v = (bhsd(whole[n]) for whole in wholes)
+            grads = kernel.backward(
+                bhsd(douts[n]), q, k, v, outs[n], lses[n], states[n],
+                causal=causal, scale=scale, dropout_p=dropout_p,
+            )  # fmt: skip
+            gather.post(n, tuple(sbhd(g) for g in grads))
+        dq, dk, dv = (
+            out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def a2a_attention(
     query: Tensor,
     key: Tensor,
@@ -87,24 +283,15 @@ def a2a_attention(
     causal: bool,
     scale: float,
     dropout_p: float,
+    kernel: BlockKernel,
 ) -> Tensor:
-    """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` through two all-to-alls."""
+    """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` over head-split exchanges."""
     size = dist.get_world_size(group)
     heads, groups = query.shape[2], key.shape[2]
+    stages = stage_count(heads, groups, size)
     if groups % size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-        groups = heads
-    q, k, v = (_SeqToHeads.apply(t, group, causal).permute(1, 2, 0, 3) for t in (query, key, value))
-    extra = {}
-    if groups != heads:
-        if is_hip():  # ROCm's flash/efficient kernels reject grouped heads in several releases
-            k = k.repeat_interleave(heads // groups, dim=1)
-            v = v.repeat_interleave(heads // groups, dim=1)
-        else:
-            extra["enable_gqa"] = True
-    out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, **extra
+    return UlyssesAttention.apply(
+        query, key, value, group, causal, scale, dropout_p, kernel, stages
     )
-    out = _HeadsToSeq.apply(out.permute(2, 0, 1, 3), group, causal)
-    return out.reshape(out.shape[0], out.shape[1], -1)

@@ -27,28 +27,9 @@ from megatron_rocm.runtime.backend._cp_block_attention import (
     accumulation_dtype,
 )
 from megatron_rocm.runtime.backend._cp_layout import DIAGONAL, KV_FRONT, Q_BACK, ring_step_plan
+from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 
 Tensor = torch.Tensor
-
-
-def _global_rank(group: Any, rank: int) -> int:
-    if group is None:
-        return rank
-    get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
-    return get(group, rank)
-
-
-class _Pending:
-    """Receive buffers of a posted exchange; ``wait`` returns them once they have arrived."""
-
-    def __init__(self, works: list[Any], received: list[Tensor], keep: tuple[Tensor, ...]) -> None:
-        self._works, self._received, self._keep = works, received, keep
-
-    def wait(self) -> list[Tensor]:
-        for work in self._works:
-            work.wait()
-        self._keep = ()  # the sent tensors may be freed now
-        return self._received
 
 
 class Ring:
@@ -58,15 +39,13 @@ class Ring:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.next = _global_rank(group, (self.rank + 1) % self.size)
-        self.prev = _global_rank(group, (self.rank - 1) % self.size)
+        self.next = global_rank(group, (self.rank + 1) % self.size)
+        self.prev = global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, tensors: tuple[Tensor, ...]) -> _Pending:
+    def exchange(self, tensors: tuple[Tensor, ...]) -> Pending:
         """Post: send ``tensors`` to the next rank, receive the same shapes from the previous."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
-        return _Pending(dist.batch_isend_irecv(ops), received, tensors)
+        sends = [(t, self.next) for t in tensors]
+        return post(sends, [(torch.empty_like(t), self.prev) for t in tensors], self.group)
 
 
 def bhsd(x: Tensor) -> Tensor:

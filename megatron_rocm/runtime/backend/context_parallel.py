@@ -9,7 +9,8 @@ whole sequence for the local queries, forward and backward, over ``torch.distrib
 * ``p2p`` (upstream's default): a ring; K/V blocks hop rank to rank while the previous block
   is computed; per-block SDPA kernels with log-sum-exp merging (``_cp_ring``).
 * ``all_gather``: gather K/V, four large local kernel calls (``_cp_all_gather``).
-* ``a2a``: Ulysses; all-to-all heads <-> sequence and plain SDPA (``_cp_a2a``).
+* ``a2a``: Ulysses; heads <-> sequence exchanges pipelined with the block kernels over head
+  groups (``_cp_a2a``).
 
 ``a2a+p2p`` (hierarchical, needs upstream's hierarchical CP groups) is not implemented.
 
@@ -109,9 +110,11 @@ def context_parallel_attention(
         reason = a2a_unsupported(query.shape[2], key.shape[2], dist.get_world_size(cp_group))
         if reason:
             raise ValueError(f"--cp-comm-type a2a: {reason}; use p2p or all_gather")
-        return a2a_attention(
-            query, key, value, group=cp_group, causal=causal, scale=scale, dropout_p=dropout_p
-        )
     kernel = pick_kernel(query, key, value, dropout_p)
+    if comm_type == "a2a":
+        return a2a_attention(
+            query, key, value, group=cp_group, causal=causal, scale=scale, dropout_p=dropout_p,
+            kernel=kernel,
+        )  # fmt: skip
     impl = RingAttention if comm_type == "p2p" else AllGatherAttention
     return impl.apply(query, key, value, cp_group, causal, scale, dropout_p, kernel)

@@ -91,9 +91,18 @@ def parity_case(
     partition: list[list[int]] | None = None,
     layout: str = "zigzag",
     fused: bool = False,
+    a2a_stages: int | None = None,
 ) -> dict[str, Any]:
-    """Run CP attention on this rank's shard of the full q/k/v; return output and grads."""
+    """Run CP attention on this rank's shard of the full q/k/v; return output and grads, and
+    how many batches of transfers a2a posted (``posts``: one per head group and direction)."""
+    from megatron_rocm.runtime.backend import _cp_a2a
+
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
+    os.environ.pop(_cp_a2a.STAGES_ENV, None)
+    if a2a_stages is not None:
+        os.environ[_cp_a2a.STAGES_ENV] = str(a2a_stages)
+    posted, post = [], _cp_a2a.post
+    _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
     group, members = _group(partition)
     cp, cp_rank = len(members), members.index(dist.get_rank())
     split = shard if layout == "zigzag" else contiguous_split
@@ -105,14 +114,19 @@ def parity_case(
         inputs = fused_leaf.split(heads, dim=2)
     else:
         inputs = leaves = [local[n].to(dtype).requires_grad_() for n in "qkv"]
-    out = context_parallel_attention(
-        *inputs, cp_group=group, causal=causal, softmax_scale=scale, comm_type=comm_type
-    )
-    out.backward(local["grad"].to(dtype))
+    try:
+        out = context_parallel_attention(
+            *inputs, cp_group=group, causal=causal, softmax_scale=scale, comm_type=comm_type
+        )
+        out.backward(local["grad"].to(dtype))
+    finally:
+        _cp_a2a.post = post
+        os.environ.pop(_cp_a2a.STAGES_ENV, None)
     grads = fused_leaf.grad.split(heads, dim=2) if fused else [t.grad for t in leaves]
     result = {"out": out.detach()}
     result.update({f"d{n}": grad for n, grad in zip("qkv", grads)})
-    return {"members": members, **{n: t.float().cpu() for n, t in result.items()}}
+    tensors = {n: t.float().cpu() for n, t in result.items()}
+    return {"members": members, "posts": len(posted), **tensors}
 
 
 def ring_hop_case(*, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:

@@ -375,6 +375,36 @@ def test_an_explicit_kernel_that_cannot_run_fails_loudly(
         blocks.pick_kernel(*_qkv(), dropout_p)
 
 
+def test_cudnn_backward_gets_output_and_gradient_with_the_querys_strides() -> None:
+    """torch caches cuDNN's backward plan by q/k/v layouts but bakes in the output's and its
+    gradient's strides: they must always follow the query, copied only when they differ."""
+    query = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)  # [s, b, h, d] seen as [b, h, s, d]
+    same = torch.randn(6, 1, 4, 8).permute(1, 2, 0, 3)
+    assert blocks.laid_out_like(same, query) is same
+    other = torch.randn(1, 4, 6, 8)  # contiguous [b, h, s, d]: another layout
+    moved = blocks.laid_out_like(other, query)
+    assert moved.stride() == query.stride() and torch.equal(moved, other)
+    rows = query[:, :, 3:]  # a block of query rows keeps the whole query's strides
+    moved = blocks.laid_out_like(other[:, :, 3:].contiguous(), rows)
+    assert moved.stride() == rows.stride() and torch.equal(moved, other[:, :, 3:])
+
+
+def test_copy_wide_moves_the_same_bits_as_words_where_the_layout_allows() -> None:
+    from megatron_rocm.runtime.backend import _cp_a2a
+
+    bits = torch.randint(-(2**15), 2**15, (4, 2, 6, 8), dtype=torch.int16)
+    src = bits.view(torch.bfloat16).permute(2, 0, 1, 3)  # NaN payloads and all
+    assert _cp_a2a._widens(src)
+    dst = torch.empty(src.shape, dtype=torch.bfloat16)
+    _cp_a2a.copy_wide(dst, src)
+    assert torch.equal(dst.view(torch.int16), src.contiguous().view(torch.int16))
+    odd = torch.randn(3, 5, dtype=torch.bfloat16)  # 10-byte rows: no whole words
+    shifted = torch.randn(17, dtype=torch.bfloat16)[1:].view(4, 4)  # 2 bytes off a word
+    for x in (odd, shifted, odd.double()):
+        assert not _cp_a2a._widens(x)
+        assert torch.equal(_cp_a2a.copy_wide(torch.empty_like(x), x), x)
+
+
 # --- parity across processes ---------------------------------------------------------------
 
 
@@ -411,7 +441,8 @@ def _reference(tensors: dict[str, torch.Tensor], causal: bool, scale: float | No
 
 def _assert_parity(world: World, shape, dtype=torch.float32, *, causal: bool = True,  # noqa: ANN001
                    scale: float | None = None, tol: float | None = None, layout: str = "zigzag",
-                   **case) -> None:  # fmt: skip
+                   **case) -> list[dict]:  # fmt: skip
+    """Every rank's result, once outputs and gradients matched the reference."""
     tensors = _inputs(shape, dtype)
     results = world.run(
         "parity_case",
@@ -438,6 +469,7 @@ def _assert_parity(world: World, shape, dtype=torch.float32, *, causal: bool = T
                 rtol=atol,
                 msg=lambda m, n=name, g=members: f"{n} (CP group {g}): {m}",
             )
+    return results
 
 
 @pytest.mark.parametrize("comm_type", COMM)
@@ -478,6 +510,37 @@ def test_strided_cp_subgroups(worlds, comm_type: str) -> None:  # noqa: ANN001
     """CP groups {0, 2} and {1, 3}, as Megatron builds them next to TP=2: ring peers are
     global ranks, not group ranks."""
     _assert_parity(worlds(4), GQA, comm_type=comm_type, partition=[[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize(
+    ("cp", "shape", "stages", "used"),
+    [
+        (2, (16, 2, 8, 4, 8, 8), None, 1),  # the default: one group
+        (2, (16, 2, 8, 4, 8, 8), 2, 2),
+        (2, (16, 1, 8, 8, 8, 8), 4, 4),
+        (2, (16, 1, 8, 8, 8, 6), 3, 1),  # 4 kv heads per rank do not split in 3: one group
+        (2, (16, 1, 8, 4, 8, 8), 4, 2),  # 2 kv heads per rank: at most two groups
+        (4, (32, 1, 16, 8, 8, 8), 2, 2),
+        (4, (32, 1, 8, 2, 8, 8), 2, 2),  # kv heads expanded to the 8 query heads first
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_a2a_pipelines_head_groups(worlds, cp, shape, stages, used, causal) -> None:  # noqa: ANN001
+    """Each head group is exchanged and computed on its own (one batch of transfers per group
+    and direction, forward and backward) and the result is still exact attention."""
+    results = _assert_parity(worlds(cp), shape, causal=causal, comm_type="a2a", a2a_stages=stages)
+    assert {r["posts"] for r in results} == {4 * used}
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a2a_stages_must_be_a_positive_whole_number(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from megatron_rocm.runtime.backend import _cp_a2a
+
+    monkeypatch.setenv(_cp_a2a.STAGES_ENV, value)
+    with pytest.raises(ValueError, match=f"MEGATRON_ROCM_CP_A2A_STAGES={value!r} is not a pos"):
+        _cp_a2a.stage_count(8, 8, 2)
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
