@@ -48,7 +48,8 @@
 #            with the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's and with
 #            --cp-comm-type a2a
 #            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS; CP_RUNS picks
-#            from cp1-half cp1 cp2 cp2-flash cp2-a2a, default all)
+#            from cp1-half cp1 cp2 cp2-flash cp2-a2a, default all; a one-GPU run NAME@N runs on
+#            GPU N alone, e.g. cp1-half@1: the pair is as fast as its slower GPU)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
@@ -325,8 +326,10 @@ stage_cpscale() {
   local tag="$size-$((L / 1024))k" half=$((L / 2))
   local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"
   long="$long --global-batch-size 8"
-  local runs=(${CP_RUNS:-cp1-half cp1 cp2 cp2-flash cp2-a2a}) n args extra kernel
-  for n in "${runs[@]}"; do
+  local runs=(${CP_RUNS:-cp1-half cp1 cp2 cp2-flash cp2-a2a}) run n gpu name args extra kernel
+  for run in "${runs[@]}"; do
+    n=${run%@*} gpu="" name=$run
+    [[ $run == *@* ]] && gpu=${run#*@} name="$n-gpu$gpu"
     args="--nproc 2 --cp 2 --seq-length $L" extra="" kernel=${MEGATRON_ROCM_CP_KERNEL:-auto}
     case $n in
       cp1-half) args="--nproc 1 --seq-length $half" ;;
@@ -336,9 +339,13 @@ stage_cpscale() {
       cp2-a2a) extra="--cp-comm-type a2a" ;;
       *) log "cpscale: unknown run $n (CP_RUNS: cp1-half cp1 cp2 cp2-flash cp2-a2a)"; continue ;;
     esac
-    MEGATRON_ROCM_CP_KERNEL=$kernel train "cpscale-$tag-$n-$NEWEST" "$W/p-$NEWEST" $long $args \
-      -- $extra ${CP_FLAGS:-}
-    log "cpscale-$tag-$n: $(cat "$OUT/cpscale-$tag-$n-$NEWEST.json")"
+    if [[ -n $gpu && ( $args != "--nproc 1 "* || ! $gpu =~ ^[0-9]+$ ) ]]; then
+      log "cpscale: $run: only a one-GPU run takes @GPU, a GPU number"; continue
+    fi
+    (if [ -n "$gpu" ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
+     MEGATRON_ROCM_CP_KERNEL=$kernel train "cpscale-$tag-$name-$NEWEST" "$W/p-$NEWEST" $long \
+       $args -- $extra ${CP_FLAGS:-})
+    log "cpscale-$tag-$name: $(cat "$OUT/cpscale-$tag-$name-$NEWEST.json")"
   done
 }
 

@@ -43,13 +43,18 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
     fake.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "kernel=${{MEGATRON_ROCM_CP_KERNEL:-auto}} $*" >> {calls}\n'
+        f'echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {calls}.gpus\n'
         # with FAKE_LOGS=1 a training run writes the log it was given, as train_small.py does
         'if [ "${FAKE_LOGS:-0}" = 1 ]; then prev=; for a in "$@"; do\n'
         '  [ "$prev" = --log ] && : > "$a"; prev=$a; done; fi\n'
         "echo '{\"ok\": true}'\n"
     )
     fake.chmod(0o755)
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("CP_")}
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("CP_") and k != "CUDA_VISIBLE_DEVICES"
+    }
     full_env = {
         **inherited,
         "PYTHON": str(fake),
@@ -108,6 +113,23 @@ def test_cpscale_defaults_to_the_small_model_at_16k_with_upstreams_flags(tmp_pat
     assert all(option(c, "--preset-size") == "small" for c in calls)
     assert all(c.endswith("--") for c in calls[:4])  # nothing added for pretrain_gpt.py
     assert calls[4].endswith(" -- --cp-comm-type a2a")
+
+
+def test_cpscale_runs_a_one_gpu_run_on_the_gpu_named_after_the_at(tmp_path: Path) -> None:
+    """``cp1-half@1`` times CP=1 on GPU 1 alone: a pair runs at its slower GPU's pace, so the
+    one-GPU reference is timed on each GPU of the pair. A CP=2 run or a non-number is refused."""
+    calls = run_stage(tmp_path, "cpscale", CP_RUNS="cp1-half cp1-half@1 cp2@1 cp1@x cp2-a2a")
+    assert [(option(c, "--nproc"), option(c, "--log")) for c in calls] == [
+        ("1", str(tmp_path / "out/cpscale-small-16k-cp1-half-main.log")),
+        ("1", str(tmp_path / "out/cpscale-small-16k-cp1-half-gpu1-main.log")),
+        ("2", str(tmp_path / "out/cpscale-small-16k-cp2-a2a-main.log")),
+    ]
+    # the other runs see the GPUs the stage was given (here: no CUDA_VISIBLE_DEVICES at all)
+    assert (tmp_path / "calls.txt.gpus").read_text().split() == ["unset", "1", "unset"]
+    summary = (tmp_path / "out/summary.txt").read_text()
+    assert "cpscale-small-16k-cp1-half-gpu1: " in summary
+    assert "cpscale: cp2@1: only a one-GPU run takes @GPU" in summary
+    assert "cpscale: cp1@x: only a one-GPU run takes @GPU" in summary
 
 
 def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> None:
