@@ -543,7 +543,7 @@ def test_a2a_stages_must_be_a_positive_whole_number(
         _cp_a2a.stage_count(8, 8, 2)
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", COMM)
 def test_cp1_groups(worlds, comm_type: str) -> None:  # noqa: ANN001
     _assert_parity(worlds(4), GQA, comm_type=comm_type, partition=[[0], [1], [2], [3]])
 
