@@ -271,7 +271,7 @@ def _heads(text: str) -> tuple[int, int]:
 def _stages(text: str) -> tuple[str, ...]:
     """``1,2,default`` -> the a2a head-group counts to time (positive whole numbers)."""
     values = tuple(v.strip() for v in text.split(","))
-    bad = [v for v in values if v != "default" and not (v.isdigit() and int(v) >= 1)]
+    bad = [v for v in values if v != "default" and _cp_a2a.parse_stage_count(v) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not 'default' or a whole number >= 1")
     return values

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
+from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
 
@@ -45,14 +46,21 @@ STAGES_ENV = "MEGATRON_ROCM_CP_A2A_STAGES"
 DEFAULT_STAGES = 1
 
 
+def parse_stage_count(text: str) -> int | None:
+    """A count of head groups written as text: a positive whole number, else None."""
+    text = text.strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
 def requested_stages() -> int:
     """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (``DEFAULT_STAGES`` if unset)."""
     text = os.environ.get(STAGES_ENV, "").strip()
     if not text:
         return DEFAULT_STAGES
-    if not text.isdigit() or int(text) < 1:
+    count = parse_stage_count(text)
+    if count is None:
         raise ValueError(f"{STAGES_ENV}={text!r} is not a positive whole number of head groups")
-    return int(text)
+    return count
 
 
 def stage_count(heads: int, groups: int, cp_size: int) -> int:
@@ -128,10 +136,12 @@ class Shards:
     def of_rank(self, whole: Tensor, j: int, dim: int = 0) -> Tensor:
         """Rank ``j``'s pieces of a whole sequence along ``dim``: a ``[pieces, piece_len, ...]``
         view (each piece contiguous when ``whole`` is and ``dim`` is its outermost)."""
-        slots = self.size * self.pieces
-        chunks = whole.unflatten(dim, (slots, self.piece_len))
-        # zigzag: slots j and 2cp-1-j, one step of 2cp-1-2j apart (>= 1 for every rank)
-        picks = slice(j, j + 1) if self.pieces == 1 else slice(j, slots - j, slots - 1 - 2 * j)
+        chunks = whole.unflatten(dim, (self.size * self.pieces, self.piece_len))
+        if self.pieces == 1:
+            picks = slice(j, j + 1)
+        else:  # Megatron's two chunks of rank j, one step apart (the step is >= 1 for every j)
+            first, last = zigzag_chunk_ids(self.size, j)
+            picks = slice(first, last + 1, last - first)
         return chunks[(slice(None),) * dim + (picks,)]
 
     def by_head(self, local: Tensor, stages: int) -> Tensor:
