@@ -49,7 +49,9 @@
 #            --cp-comm-type a2a
 #            (CP_LENGTH default 16384, CP_SIZE small or 0.85b, CP_ITERS, CP_FLAGS; CP_RUNS picks
 #            from cp1-half cp1 cp2 cp2-flash cp2-a2a, default all; a one-GPU run NAME@N runs on
-#            GPU N alone, e.g. cp1-half@1: the pair is as fast as its slower GPU)
+#            GPU N alone, e.g. cp1-half@1: the pair is as fast as its slower GPU; NAME@0+1 runs
+#            it on GPUs 0 and 1 at once, one process each, as the pair's GPUs run beside each
+#            other under CP=2)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
@@ -339,13 +341,20 @@ stage_cpscale() {
       cp2-a2a) extra="--cp-comm-type a2a" ;;
       *) log "cpscale: unknown run $n (CP_RUNS: cp1-half cp1 cp2 cp2-flash cp2-a2a)"; continue ;;
     esac
-    if [[ -n $gpu && ( $args != "--nproc 1 "* || ! $gpu =~ ^[0-9]+$ ) ]]; then
-      log "cpscale: $run: only a one-GPU run takes @GPU, a GPU number"; continue
+    if [[ -n $gpu && ( $args != "--nproc 1 "* || ! $gpu =~ ^[0-9]+(\+[0-9]+)*$ ) ]]; then
+      log "cpscale: $run: only a one-GPU run takes @GPU or @GPU+GPU..., GPU numbers"; continue
     fi
-    (if [ -n "$gpu" ]; then export CUDA_VISIBLE_DEVICES=$gpu; fi
-     MEGATRON_ROCM_CP_KERNEL=$kernel train "cpscale-$tag-$name-$NEWEST" "$W/p-$NEWEST" $long \
-       $args -- $extra ${CP_FLAGS:-})
-    log "cpscale-$tag-$name: $(cat "$OUT/cpscale-$tag-$name-$NEWEST.json")"
+    local gpus=(${gpu//+/ }) names=() pids=() one
+    if [ ${#gpus[@]} -le 1 ]; then names=("$name"); else
+      for one in "${gpus[@]}"; do names+=("$n-gpu$one-beside-${gpu//+/-}"); done
+    fi
+    for i in "${!names[@]}"; do  # several GPUs: one process each, all at once
+      (if [ -n "$gpu" ]; then export CUDA_VISIBLE_DEVICES=${gpus[$i]}; fi
+       MEGATRON_ROCM_CP_KERNEL=$kernel train "cpscale-$tag-${names[$i]}-$NEWEST" "$W/p-$NEWEST" \
+         $long $args -- $extra ${CP_FLAGS:-}) & pids+=($!)
+    done
+    wait "${pids[@]}"
+    for one in "${names[@]}"; do log "cpscale-$tag-$one: $(cat "$OUT/cpscale-$tag-$one-$NEWEST.json")"; done
   done
 }
 

@@ -1,6 +1,7 @@
 """Where one profiled training iteration spends its time, from a torch profiler trace.
 
     python scripts/trace_summary.py TRACE.json[.gz] [--gaps 15] [--top 30]
+    python scripts/trace_summary.py RANK0.json.gz --against RANK1.json.gz [--top 30]
 
 Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler`` (or any
 ``torch.profiler`` run) writes and prints:
@@ -8,7 +9,13 @@ Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler``
 * the span of GPU work, the time some kernel was running (busy) and the idle rest;
 * GPU time per kernel family (GEMM, attention, Triton, norms, elementwise, copies, NCCL, ...);
 * the longest idle gaps, each with the Python frames (Megatron's and ours) that launched the
-  kernel ending the gap: idle time is CPU time the GPU waited for (syncs, launch overhead).
+  kernel ending the gap: idle time is CPU time the GPU waited for (syncs, launch overhead);
+* communication no compute kernel runs beside (exposed), per collective, and how much compute
+  ran beside communication (where both share the GPU's SMs and memory).
+
+``--against`` compares two ranks of one iteration: in a step that ends in a collective every
+rank waits for the slowest, so the kernels one rank spends longer on say where the step's
+imbalance comes from, and each rank's exposed communication says how long it waited.
 
 A full-depth model's op table (``scripts/profile_step.py --ops``) says what each kernel costs;
 this says what the *iteration* costs beyond its kernels, which is where the step time that
@@ -72,6 +79,98 @@ def busy_union(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[floa
     return busy, gaps
 
 
+def gpu_kernels(events: list[dict]) -> list[dict]:
+    """The trace's GPU events (kernels, copies, memsets), in start order."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    kernels.sort(key=lambda e: e["ts"])
+    return kernels
+
+
+def _span(e: dict) -> tuple[float, float]:
+    return e["ts"], e["ts"] + e.get("dur", 0)
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping stretches covering ``spans``."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _covered(start: float, end: float, cover: list[tuple[float, float]]) -> float:
+    """How much of ``[start, end)`` the sorted stretches ``cover`` cover."""
+    i = max(bisect.bisect_right(cover, (start, float("inf"))) - 1, 0)
+    total = 0.0
+    while i < len(cover) and cover[i][0] < end:
+        total += max(0.0, min(end, cover[i][1]) - max(start, cover[i][0]))
+        i += 1
+    return total
+
+
+def collective(name: str) -> str:
+    """A communication kernel's collective: ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``
+    -> ``ReduceScatter``; p2p batches are ``SendRecv``."""
+    m = re.search(r"(?:nccl|rccl)\w*?Kernel_([A-Za-z]+)", name, re.I)
+    return m.group(1) if m else name[:40]
+
+
+def exposure(kernels: list[dict]) -> dict[str, float]:
+    """Microseconds: compute (time some non-communication kernel runs), compute beside
+    communication, and per collective the time it runs with no compute beside it."""
+    comm = [e for e in kernels if family(e["name"]) == "nccl"]
+    compute = _merged([_span(e) for e in kernels if family(e["name"]) != "nccl"])
+    comm_cover = _merged([_span(e) for e in comm])
+    out: dict[str, float] = defaultdict(float)
+    out["compute"] = sum(end - start for start, end in compute)
+    out["compute beside communication"] = sum(_covered(s, e, comm_cover) for s, e in compute)
+    # a collective's stretches, less the compute beside them (two kernels of one collective
+    # running at once count once)
+    by_collective: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in comm:
+        by_collective[collective(e["name"])].append(_span(e))
+    for name, spans in by_collective.items():
+        out[f"exposed {name}"] = sum(
+            (end - start) - _covered(start, end, compute) for start, end in _merged(spans)
+        )
+    return dict(out)
+
+
+def compare(ours: list[dict], theirs: list[dict], top: int) -> str:
+    """Two ranks' iterations side by side: families, exposure, and the kernels whose total
+    time differs most (same name on both ranks)."""
+    lines = ["| family | this rank ms | other rank ms | other - this |", "|---|---|---|---|"]
+    fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])
+    for side, kernels in enumerate((ours, theirs)):
+        for e in kernels:
+            fams[family(e["name"])][side] += e.get("dur", 0)
+            names[e["name"]][side] += e.get("dur", 0)
+            names[e["name"]][side + 2] += 1
+    for fam, (a, b) in sorted(fams.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])):
+        lines.append(f"| {fam} | {a / 1e3:.1f} | {b / 1e3:.1f} | {(b - a) / 1e3:+.1f} |")
+    lines += ["", "| | this rank ms | other rank ms | other - this |", "|---|---|---|---|"]
+    mine, other = exposure(ours), exposure(theirs)
+    for key in sorted(set(mine) | set(other)):
+        a, b = mine.get(key, 0.0), other.get(key, 0.0)
+        lines.append(f"| {key} | {a / 1e3:.1f} | {b / 1e3:.1f} | {(b - a) / 1e3:+.1f} |")
+    lines += [
+        "",
+        "| kernel | this rank ms (calls) | other rank ms (calls) | other - this |",
+        "|---|---|---|---|",
+    ]
+    for name, (a, b, na, nb) in sorted(names.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[
+        :top
+    ]:
+        lines.append(
+            f"| {name[:80]} | {a / 1e3:.2f} ({na}) | {b / 1e3:.2f} ({nb}) | {(b - a) / 1e3:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:
     """Our and Megatron's Python frames around the launch of ``kernel`` (innermost first)."""
     corr = kernel.get("args", {}).get("correlation")
@@ -99,11 +198,10 @@ def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:
 
 
 def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    kernels = gpu_kernels(events)
     if not kernels:
         return "no GPU events in this trace"
-    kernels.sort(key=lambda e: e["ts"])
-    spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels]
+    spans = [_span(e) for e in kernels]
     span = max(end for _, end in spans) - spans[0][0]
     busy, gaps = busy_union(spans)
     lines = [
@@ -132,6 +230,8 @@ def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
         nxt = kernels[bisect.bisect_left(starts, gap_end)]
         where = launching_frames(events, nxt)
         lines.append(f"| {(gap_end - gap_start) / 1e3:.2f} | {nxt['name'][:50]} | {where} |")
+    lines += ["", "| communication and compute | ms |", "|---|---|"]
+    lines += [f"| {key} | {us / 1e3:.1f} |" for key, us in sorted(exposure(kernels).items())]
     return "\n".join(lines)
 
 
@@ -140,13 +240,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--gaps", type=int, default=15, help="idle gaps to list")
     ap.add_argument("--top", type=int, default=30, help="kernels to list")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="TRACE",
+        help="another rank's trace of the same iteration: compare the two instead",
+    )
     args = ap.parse_args(argv)
-    try:
-        events = load(args.trace)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"trace_summary: cannot read {args.trace}: {exc}", file=sys.stderr)
-        return 1
-    print(summarise(events, args.gaps, args.top))
+    traces = [args.trace] + ([args.against] if args.against else [])
+    loaded = []
+    for path in traces:
+        try:
+            loaded.append(load(path))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"trace_summary: cannot read {path}: {exc}", file=sys.stderr)
+            return 1
+    if args.against:
+        ours, theirs = (gpu_kernels(events) for events in loaded)
+        if not ours or not theirs:
+            print("trace_summary: a trace has no GPU events to compare", file=sys.stderr)
+            return 1
+        print(compare(ours, theirs, args.top))
+    else:
+        print(summarise(loaded[0], args.gaps, args.top))
     return 0
 
 

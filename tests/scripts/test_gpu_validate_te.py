@@ -44,6 +44,13 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
         "#!/usr/bin/env bash\n"
         f'echo "kernel=${{MEGATRON_ROCM_CP_KERNEL:-auto}} $*" >> {calls}\n'
         f'echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {calls}.gpus\n'
+        # with FAKE_MEET=N a run on a named GPU waits (up to 20 s) until N such runs have
+        # started, and records whether they met: runs launched one after another never do
+        'if [ -n "${FAKE_MEET:-}" ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then\n'
+        f"  touch {calls}.meet.$$; met=alone\n"
+        f'  for _ in $(seq 200); do [ $(ls {calls}.meet.* | wc -l) -ge "$FAKE_MEET" ] && '
+        "{ met=met; break; }; sleep 0.1; done\n"
+        f"  echo $met >> {calls}.met; fi\n"
         # with FAKE_LOGS=1 a training run writes the log it was given, as train_small.py does
         'if [ "${FAKE_LOGS:-0}" = 1 ]; then prev=; for a in "$@"; do\n'
         '  [ "$prev" = --log ] && : > "$a"; prev=$a; done; fi\n'
@@ -130,6 +137,29 @@ def test_cpscale_runs_a_one_gpu_run_on_the_gpu_named_after_the_at(tmp_path: Path
     assert "cpscale-small-16k-cp1-half-gpu1: " in summary
     assert "cpscale: cp2@1: only a one-GPU run takes @GPU" in summary
     assert "cpscale: cp1@x: only a one-GPU run takes @GPU" in summary
+
+
+def test_cpscale_runs_a_one_gpu_run_on_several_gpus_at_once(tmp_path: Path) -> None:
+    """``cp1-half@0+1``: one process per GPU, both running before either is waited for (as
+    the pair's GPUs run beside each other under CP=2), each with a log and a summary line."""
+    calls = run_stage(
+        tmp_path, "cpscale", CP_RUNS="cp1-half@0+1 cp2@0+1 cp1@0+x cp2-a2a", FAKE_MEET="2"
+    )
+    assert (tmp_path / "calls.txt.met").read_text().split() == ["met", "met"]
+    logs = sorted(option(c, "--log") for c in calls[:2])
+    assert logs == [
+        str(tmp_path / "out/cpscale-small-16k-cp1-half-gpu0-beside-0-1-main.log"),
+        str(tmp_path / "out/cpscale-small-16k-cp1-half-gpu1-beside-0-1-main.log"),
+    ]
+    assert all(option(c, "--nproc") == "1" for c in calls[:2])
+    assert option(calls[2], "--nproc") == "2" and len(calls) == 3
+    gpus = (tmp_path / "calls.txt.gpus").read_text().split()
+    assert sorted(gpus[:2]) == ["0", "1"] and gpus[2] == "unset"
+    summary = (tmp_path / "out/summary.txt").read_text()
+    assert "cpscale-small-16k-cp1-half-gpu0-beside-0-1: " in summary
+    assert "cpscale-small-16k-cp1-half-gpu1-beside-0-1: " in summary
+    assert "cpscale: cp2@0+1: only a one-GPU run takes @GPU" in summary
+    assert "cpscale: cp1@0+x: only a one-GPU run takes @GPU" in summary
 
 
 def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> None:

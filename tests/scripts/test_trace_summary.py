@@ -70,3 +70,63 @@ def test_unreadable_trace_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None
 def test_family_of_real_kernel_names(kernel: str, expected: str) -> None:
     """cuDNN's attention kernels carry "sm90" and "wgmma" too: they are attention, not GEMM."""
     assert trace_summary.family(kernel) == expected
+
+
+def _kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def _rank_trace(path: Path, gemm_us: float) -> Path:
+    """A step: a GEMM, an exchange that waits, then a reduce-scatter beside the next GEMM
+    (milliseconds, as the trace's microseconds)."""
+    ms = 1000
+    events = [
+        _kernel("nvjet_sm90_gemm", 0, gemm_us),
+        _kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100 * ms, 100 * ms),
+        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150 * ms, 150 * ms),
+        _kernel("nvjet_sm90_gemm", 250 * ms, 50 * ms),
+    ]
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    return path
+
+
+def test_exposed_communication_is_what_no_compute_runs_beside() -> None:
+    kernels = trace_summary.gpu_kernels(json.loads(json.dumps([
+        _kernel("nvjet_sm90_gemm", 0, 100),
+        _kernel("ncclDevKernel_SendRecv(x)", 100, 100),
+        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150, 150),
+        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 160, 20),  # inside the other
+        _kernel("nvjet_sm90_gemm", 250, 50),
+    ])))  # fmt: skip
+    got = trace_summary.exposure(kernels)
+    assert got == {
+        "compute": 150.0,
+        "compute beside communication": 50.0,
+        "exposed SendRecv": 100.0,  # 100-200: nothing beside it
+        "exposed ReduceScatter": 100.0,  # 150-300 less the GEMM at 250-300
+    }
+
+
+def test_two_ranks_compared_name_the_kernel_that_took_longer(tmp_path: Path, capsys) -> None:
+    fast = _rank_trace(tmp_path / "rank-0.json.gz", gemm_us=100_000)
+    slow = _rank_trace(tmp_path / "rank-1.json.gz", gemm_us=130_000)
+    assert trace_summary.main([str(fast), "--against", str(slow)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| gemm | 150.0 | 180.0 | +30.0 |" in out
+    kernels = out[
+        out.index("| kernel | this rank ms (calls) | other rank ms (calls) | other - this |") + 2 :
+    ]
+    assert kernels[0] == "| nvjet_sm90_gemm | 150.00 (2) | 180.00 (2) | +30.00 |"
+    # the slower rank's longer GEMM runs beside the exchange: less of it is exposed there
+    assert "| exposed SendRecv | 100.0 | 70.0 | -30.0 |" in out
+    assert "| exposed ReduceScatter | 100.0 | 100.0 | +0.0 |" in out
+
+
+def test_a_second_trace_without_kernels_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
+    fast = _rank_trace(tmp_path / "rank-0.json.gz", gemm_us=100_000)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": []}))
+    assert trace_summary.main([str(fast), "--against", str(empty)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["trace_summary: a trace has no GPU events to compare"]
