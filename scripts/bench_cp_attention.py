@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
         [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--a2a-stages 1,2,4]
-        [--json FILE]
+        [--a2a-transports process-group,copy-engine] [--json FILE]
 
 Llama-ish shapes: batch 1, 32 query heads, 8 kv groups (``--heads Q/KV``: 64/8 is
 Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L,
@@ -12,7 +12,10 @@ ranks together time ``context_parallel_attention`` with L / cp tokens each, in M
 zigzag layout, for each comm type and block kernel (``--kernels``: values of
 ``MEGATRON_ROCM_CP_KERNEL``), and for a2a each count of head groups it pipelines
 (``--a2a-stages``: values of ``MEGATRON_ROCM_CP_A2A_STAGES``; ``default`` leaves it unset; a
-case named ``..._sN`` asked for N, and ``stages`` says how many ran). The single-GPU SDPA is also timed
+case named ``..._sN`` asked for N, and ``stages`` says how many ran) and each way of
+exchanging (``--a2a-transports``: values of ``MEGATRON_ROCM_CP_A2A_TRANSPORT``; a case named
+``..._process-group`` or ``..._copy-engine`` asked for it, and ``transport`` says which ran).
+The single-GPU SDPA is also timed
 with its flash and cuDNN backends forced (``sdpa_1gpu_flash``, ``sdpa_1gpu_cudnn``, where the
 build has them): a CP block kernel slower than the backend SDPA picks makes CP look sub-linear.
 One JSON line per case, with the device named:
@@ -53,7 +56,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.runtime.backend import _cp_a2a  # noqa: E402
+from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine  # noqa: E402
 from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
     BlockKernel,
     pick_kernel,
@@ -158,6 +161,7 @@ def bench_length(
     heads: int = HEADS,
     groups: int = GROUPS,
     a2a_stages: tuple[str, ...] = ("default",),
+    a2a_transports: tuple[str, ...] = ("auto",),
 ) -> Iterator[dict]:
     """Single-GPU SDPA, then CP attention per comm type, all at ``length`` tokens in total."""
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -187,31 +191,40 @@ def bench_length(
     local = {n: zigzag_shard(t, cp, rank) for n, t in full.items()}
     expected = zigzag_shard(single_out, cp, rank).float()
     cases = [
-        (comm, kernel, stages)
+        (comm, kernel, stages, transport)
         for comm in comms
         for kernel in kernels
         for stages in (a2a_stages if comm == "a2a" else ["default"])
+        for transport in (a2a_transports if comm == "a2a" else ["auto"])
     ]
-    for comm, spec, stages in cases:
+    for comm, spec, stages, transport in cases:
         kernel_name, _, variant = spec.partition(":")
         os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel_name
         os.environ.pop(_cp_a2a.STAGES_ENV, None)
         if stages != "default":
             os.environ[_cp_a2a.STAGES_ENV] = stages
+        os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
+        _cp_copy_engine._links.clear()  # the transport is decided once per group
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
         q, k, v = (bhsd(x) for x in cp_leaves)
         kernel = pick_kernel(q, k, v, 0.0)
         with grouped_heads(kernel, q, k, expanded=variant == "expanded") as kv_heads:
             label = f"cp{cp}_{comm}_{kernel.name}" + ("_expanded" if variant == "expanded" else "")
             label += "" if stages == "default" else f"_s{stages}"
+            label += "" if transport == "auto" else f"_{transport}"
             record = {"case": label, "L": length, "kernel": kernel.name, "kv_heads": kv_heads}
             if comm == "a2a":
                 record["stages"] = _cp_a2a.stage_count(heads, groups, cp)
-            yield _timed_cp_case(
+            record = _timed_cp_case(
                 record, comm, cp_leaves, local["g"], expected, single_ms, scale, iters, device,
                 ops,
             )  # fmt: skip
+            if comm == "a2a":
+                used = any(link is not None for link in _cp_copy_engine._links.values())
+                record["transport"] = "copy-engine" if used else "process-group"
+            yield record
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
+    os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
 
 
 @contextlib.contextmanager
@@ -277,6 +290,17 @@ def _stages(text: str) -> tuple[str, ...]:
     return values
 
 
+def _transports(text: str) -> tuple[str, ...]:
+    """``process-group,copy-engine`` -> the a2a transports to time."""
+    values = tuple(v.strip() for v in text.split(","))
+    bad = [v for v in values if v not in _cp_copy_engine.TRANSPORTS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad)}: not one of {', '.join(_cp_copy_engine.TRANSPORTS)}"
+        )
+    return values
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="8192,16384,32768")
@@ -301,6 +325,12 @@ def main() -> int:
         default=("default",),
         help="head groups a2a pipelines, per case (MEGATRON_ROCM_CP_A2A_STAGES values; "
         "'default' leaves it unset)",
+    )
+    parser.add_argument(
+        "--a2a-transports",
+        type=_transports,
+        default=("auto",),
+        help="how a2a exchanges, per case (MEGATRON_ROCM_CP_A2A_TRANSPORT values)",
     )
     parser.add_argument("--cpu", action="store_true", help="gloo + tiny lengths: checks the script")
     args = parser.parse_args()
@@ -331,7 +361,7 @@ def main() -> int:
     for length in lengths:
         cases = bench_length(
             length, comms, args.iters, device, dtype, kernels, args.ops, *args.heads,
-            a2a_stages=args.a2a_stages,
+            a2a_stages=args.a2a_stages, a2a_transports=args.a2a_transports,
         )  # fmt: skip
         for record in cases:
             gflop = round(causal_flops(length, args.heads[0]) / 1e9, 3)

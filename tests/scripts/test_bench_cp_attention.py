@@ -100,8 +100,27 @@ def test_a2a_cases_per_head_group_count(tmp_path: Path) -> None:
     assert all(r["max_abs_err"] < 1e-5 for r in records[1:])
 
 
+def test_a2a_cases_per_transport_say_which_ran(tmp_path: Path) -> None:
+    """``--a2a-transports``: one a2a case per transport asked for; on gloo (the CPU) ``auto``
+    exchanges through the process group, and the case says so."""
+    records = _bench(
+        tmp_path, "--lengths", "64", "--comm", "a2a", "--heads", "8/4", "--a2a-transports",
+        "auto,process-group",
+    )  # fmt: skip
+    got = [(r["case"], r["transport"]) for r in records[1:]]
+    assert got == [("cp2_a2a_cpu_flash", "process-group"),
+                   ("cp2_a2a_cpu_flash_process-group", "process-group")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "args", [["--heads", "6/4"], ["--heads", "64"], ["--heads", "0/8"], ["--a2a-stages", "0"]]
+    "args",
+    [
+        ["--heads", "6/4"],
+        ["--heads", "64"],
+        ["--heads", "0/8"],
+        ["--a2a-stages", "0"],
+        ["--a2a-transports", "nccl"],
+    ],
 )
 def test_bad_shapes_and_stage_counts_are_refused_before_any_set_up(args: list[str]) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True,

@@ -20,6 +20,12 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   attention's time, and two or four groups measured no faster (docs/results.md, fifteenth
   session); links several times slower, as between some AMD GPUs, are what groups are for.
 
+* **Copy engines within a host.** Where every rank of the group is on one host (CUDA), the
+  exchanges are copies through symmetric memory on the GPUs' copy engines instead of NCCL
+  kernels (``_cp_copy_engine``; ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` to choose): each rank packs
+  the heads bound for a peer into its outbox, which the peer pulls from, and pushes a peer's
+  results straight into the peer's inbox. The layout of every piece is the same either way.
+
 Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
 probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
 and log-sum-exp for a backward of our own. Needs the query heads divisible by the CP size;
@@ -36,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
+from megatron_rocm.runtime.backend._cp_copy_engine import Arrival, CopyEngineLink, Layout, link_for
 from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
@@ -151,15 +158,17 @@ class Shards:
         return pieces.unflatten(3, (self.size, stages, -1))
 
     def scatter(
-        self, tensors: tuple[Tensor, ...], stages: int
-    ) -> tuple[list[Tensor], list[Pending]]:
+        self, tensors: tuple[Tensor, ...], stages: int, link: CopyEngineLink | None = None
+    ) -> tuple[list[Tensor], list[Pending | Arrival]]:
         """Post the exchange of every stage: each local ``[s_local, b, heads, d]`` becomes a
         ``[stages, s, b, heads / cp / stages, d]`` whole-sequence buffer for this rank's heads.
 
         Returns the buffers and, per stage, the pending transfer to wait for before reading
-        that stage. The rank's own tokens are copied in place at once.
+        that stage. The rank's own tokens are copied in place at once. Without a ``link`` the
+        peers' pieces come by the process group's point-to-point; with one, each peer's are
+        pulled from its outbox by a copy engine.
         """
-        wholes, packs = [], []
+        wholes, per_ranks = [], []
         for x in tensors:
             parts = self.by_head(x, stages)  # [pieces, len, b, cp, stages, h, d]
             per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
@@ -167,7 +176,10 @@ class Shards:
                                 *per_rank.shape[-3:])  # fmt: skip
             copy_wide(self.of_rank(whole, self.rank, dim=1), per_rank[self.rank])
             wholes.append(whole)
-            packs.append({j: packed(per_rank[j]) for j, _ in self.peers})
+            per_ranks.append(per_rank)
+        if link is not None:
+            return wholes, self._pull(wholes, per_ranks, stages, link)
+        packs = [{j: packed(per_rank[j]) for j, _ in self.peers} for per_rank in per_ranks]
         pending = []
         for n in range(stages):
             sends, receives = [], []
@@ -179,18 +191,47 @@ class Shards:
             pending.append(post(sends, receives, self.group))
         return wholes, pending
 
+    def _pull(
+        self, wholes: list[Tensor], per_ranks: list[Tensor], stages: int, link: CopyEngineLink
+    ) -> list[Arrival]:
+        """Pack each peer's heads into this rank's outbox, then pull every peer's pieces for
+        this rank into ``wholes``, one batch of copies per stage."""
+        layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in per_ranks], self.size)
+        link.reserve(layout.nbytes)
+        link.open()
+        for j, _ in self.peers:
+            for box, per_rank in zip(link.outbox(layout, j), per_ranks, strict=True):
+                copy_wide(box, per_rank[j])
+        link.barrier()  # every outbox is packed
+        boxes = {j: link.peer_outbox(layout, j) for j, _ in self.peers}
+        return [
+            link.copy([
+                (self.of_rank(whole[n], j)[i], box[n, i])
+                for j, _ in self.peers
+                for whole, box in zip(wholes, boxes[j], strict=True)
+                for i in range(self.pieces)
+            ])
+            for n in range(stages)
+        ]  # fmt: skip
+
 
 class Gather:
     """The way back: per-stage ``[s, b, heads', d]`` results -> ``[s_local, b, heads * d]``.
 
     ``post`` sends a stage's result as soon as it is computed (each peer's tokens straight from
-    their place in it) and keeps the rank's own; ``finish`` waits and unpacks the peers' heads.
+    their place in it; with a copy-engine ``link``, pushed into the peer's inbox) and keeps the
+    rank's own; ``finish`` waits and unpacks the peers' heads.
     """
 
     def __init__(
-        self, shards: Shards, stages: int, shapes: list[tuple[int, int]], like: Tensor
+        self,
+        shards: Shards,
+        stages: int,
+        shapes: list[tuple[int, int]],
+        like: Tensor,
+        link: CopyEngineLink | None = None,
     ) -> None:
-        self.shards = shards
+        self.shards, self.link = shards, link
         s, b = shards.pieces * shards.piece_len, like.shape[1]
         self.outputs = [like.new_empty(s, b, heads * dim) for heads, dim in shapes]
         self._parts = [
@@ -198,17 +239,25 @@ class Gather:
             for out, (heads, dim) in zip(self.outputs, shapes, strict=True)
         ]
         piece = (shards.pieces, shards.piece_len, b)
-        self._received = {
-            j: [like.new_empty(stages, *piece, h // shards.size // stages, d) for h, d in shapes]
-            for j, _ in shards.peers
-        }
-        self._pending: list[Pending] = []
+        received = [(stages, *piece, h // shards.size // stages, d) for h, d in shapes]
+        if link is None:
+            self._received = {
+                j: [like.new_empty(shape) for shape in received] for j, _ in shards.peers
+            }
+        else:
+            self._layout = Layout([(shape, like.dtype) for shape in received], shards.size)
+            link.reserve(self._layout.nbytes)
+            self._received = {j: link.inbox(self._layout, j) for j, _ in shards.peers}
+        self._pending: list[Pending | Arrival] = []
 
     def post(self, n: int, results: tuple[Tensor, ...]) -> None:
         shards = self.shards
-        sends, receives = [], []
         for part, result in zip(self._parts, results, strict=True):
             copy_wide(part[:, :, :, shards.rank, n], shards.of_rank(result, shards.rank))
+        if self.link is not None:
+            self._push(n, results, self.link)
+            return
+        sends, receives = [], []
         for j, peer in shards.peers:
             for t, result in enumerate(results):
                 for i in range(shards.pieces):
@@ -216,7 +265,21 @@ class Gather:
                     receives.append((self._received[j][t][n, i], peer))
         self._pending.append(post(sends, receives, shards.group))
 
+    def _push(self, n: int, results: tuple[Tensor, ...], link: CopyEngineLink) -> None:
+        shards = self.shards
+        if n == 0:
+            link.barrier()  # every inbox is free: its owner has unpacked what came before
+        pairs = [
+            (box[n, i], shards.of_rank(result, j)[i])
+            for j, _ in shards.peers
+            for box, result in zip(link.peer_inbox(self._layout, j), results, strict=True)
+            for i in range(shards.pieces)
+        ]
+        self._pending.append(link.copy(pairs, keep=results))
+
     def finish(self) -> list[Tensor]:
+        if self.link is not None:
+            self._pending = [self.link.seal()]  # every rank has pushed everything
         for pending in self._pending:
             pending.wait()
         for j, _ in self.shards.peers:
@@ -240,10 +303,11 @@ class UlyssesAttention(torch.autograd.Function):
         dropout_p: float,
         kernel: BlockKernel,
         stages: int,
+        link: CopyEngineLink | None,
     ):
         shards = Shards(group, query.shape[0], causal)
-        wholes, pending = shards.scatter((query, key, value), stages)
-        gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query)
+        wholes, pending = shards.scatter((query, key, value), stages, link)
+        gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query, link)
         outs, lses, states = [], [], []
         for n in range(stages):
             pending[n].wait()
@@ -258,18 +322,18 @@ class UlyssesAttention(torch.autograd.Function):
         (output,) = gather.finish()
         ctx.save_for_backward(*wholes, *outs, *lses)
         shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
-        ctx.args = (group, causal, scale, dropout_p, kernel, stages, states, shapes)
+        ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, states, shapes)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
-        group, causal, scale, dropout_p, kernel, stages, states, shapes = ctx.args
+        group, causal, scale, dropout_p, kernel, stages, link, states, shapes = ctx.args
         saved = ctx.saved_tensors
         wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages :]
         shards = Shards(group, grad_output.shape[0], causal)
         douts_shape = (shapes[0][0], shapes[2][1])  # query heads, value head dim
-        (douts,), pending = shards.scatter((grad_output.unflatten(2, douts_shape),), stages)
-        gather = Gather(shards, stages, shapes, grad_output)
+        (douts,), pending = shards.scatter((grad_output.unflatten(2, douts_shape),), stages, link)
+        gather = Gather(shards, stages, shapes, grad_output, link)
         for n in range(stages):
             pending[n].wait()
             q, k, v = (bhsd(whole[n]) for whole in wholes)
@@ -281,7 +345,7 @@ class UlyssesAttention(torch.autograd.Function):
         dq, dk, dv = (
             out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def a2a_attention(
@@ -302,6 +366,7 @@ def a2a_attention(
     if groups % size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
+    link = link_for(group, query.device)
     return UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, stages
+        query, key, value, group, causal, scale, dropout_p, kernel, stages, link
     )

@@ -92,15 +92,20 @@ def parity_case(
     layout: str = "zigzag",
     fused: bool = False,
     a2a_stages: int | None = None,
+    a2a_transport: str | None = None,
 ) -> dict[str, Any]:
-    """Run CP attention on this rank's shard of the full q/k/v; return output and grads, and
-    how many batches of transfers a2a posted (``posts``: one per head group and direction)."""
-    from megatron_rocm.runtime.backend import _cp_a2a
+    """Run CP attention on this rank's shard of the full q/k/v; return output and grads, how
+    many batches of transfers a2a posted to the process group (``posts``: one per head group
+    and direction) and whether a2a's exchanges went by copy engines (``copy_engine``)."""
+    from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
     if a2a_stages is not None:
         os.environ[_cp_a2a.STAGES_ENV] = str(a2a_stages)
+    if a2a_transport is not None:  # decided once per group: decide again
+        os.environ[_cp_copy_engine.TRANSPORT_ENV] = a2a_transport
+        _cp_copy_engine._links.clear()
     posted, post = [], _cp_a2a.post
     _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
     group, members = _group(partition)
@@ -122,11 +127,14 @@ def parity_case(
     finally:
         _cp_a2a.post = post
         os.environ.pop(_cp_a2a.STAGES_ENV, None)
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+    cp_group = group if group is not None else dist.group.WORLD
+    copy_engine = _cp_copy_engine._links.get((cp_group.group_name, id(cp_group))) is not None
     grads = fused_leaf.grad.split(heads, dim=2) if fused else [t.grad for t in leaves]
     result = {"out": out.detach()}
     result.update({f"d{n}": grad for n, grad in zip("qkv", grads)})
     tensors = {n: t.float().cpu() for n, t in result.items()}
-    return {"members": members, "posts": len(posted), **tensors}
+    return {"members": members, "posts": len(posted), "copy_engine": copy_engine, **tensors}
 
 
 def ring_hop_case(*, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:

@@ -684,3 +684,95 @@ def test_gpu_dropout_backward_replays_the_forward_mask(
     )  # fmt: skip
     assert result["repeatable"] and result["dropped"] > 0.1
     assert result["numeric"] == pytest.approx(result["analytic"], rel=rel)
+
+
+# --- a2a's transport ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", [None, "auto", "process-group"])
+def test_a2a_on_cpu_exchanges_through_the_process_group(worlds, transport) -> None:  # noqa: ANN001
+    """gloo on the CPU: every exchange is a batch posted to the process group."""
+    results = _assert_parity(worlds(2), GQA, comm_type="a2a", a2a_transport=transport)
+    assert {(r["posts"], r["copy_engine"]) for r in results} == {(4, False)}
+
+
+def test_copy_engines_asked_for_where_they_cannot_work_fail_in_one_line(worlds) -> None:  # noqa: ANN001
+    with pytest.raises(AssertionError) as failure:  # the world's report of each rank's error
+        _assert_parity(worlds(2), GQA, comm_type="a2a", a2a_transport="copy-engine")
+    assert (
+        "ValueError: MEGATRON_ROCM_CP_A2A_TRANSPORT=copy-engine: the tensors are on cpu, not a GPU"
+    ) in str(failure.value)
+
+
+@pytest.mark.parametrize("value", ["nccl", "copy", "Auto"])
+def test_a2a_transport_must_be_one_of_the_three(monkeypatch: pytest.MonkeyPatch, value) -> None:  # noqa: ANN001
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    monkeypatch.setenv(_cp_copy_engine.TRANSPORT_ENV, value)
+    with pytest.raises(ValueError) as failure:
+        _cp_copy_engine.requested_transport()
+    assert str(failure.value) == (
+        f"MEGATRON_ROCM_CP_A2A_TRANSPORT={value!r} is not one of auto, process-group, copy-engine"
+    )
+
+
+def test_rocm_keeps_rccl_unless_copy_engines_are_asked_for() -> None:
+    """Checked before any collective: under ``auto`` a ROCm build says why at once."""
+    from megatron_rocm.runtime.backend._cp_copy_engine import why_not_copy_engines
+
+    cuda = torch.device("cuda", 0)
+    reason = why_not_copy_engines(None, cuda, on_rocm=True, auto=True)
+    assert reason == "ROCm keeps RCCL until copy engines are measured on AMD GPUs"
+    assert why_not_copy_engines(None, torch.device("cpu"), on_rocm=False, auto=False) == (
+        "the tensors are on cpu, not a GPU"
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_each_peer_has_a_segment_of_its_own_in_every_region(ranks: int) -> None:
+    """What rank a keeps for rank b (outbox) and what b finds there (peer_outbox) are the
+    same segment, and no two peers of one owner share a segment."""
+    from megatron_rocm.runtime.backend._cp_copy_engine import Layout, slot
+
+    for owner in range(ranks):
+        slots = [slot(owner, other) for other in range(ranks) if other != owner]
+        assert sorted(slots) == list(range(ranks - 1))
+    layout = Layout([((3, 5), torch.bfloat16), ((7,), torch.float32)], ranks)
+    assert layout.offsets == [0, 256]  # 30 and 28 bytes, each on its own 256-byte boundary
+    assert layout.segment == 512 and layout.nbytes == 512 * (ranks - 1)
+
+
+A2A_GPU_SHAPE = (512, 2, 8, 4, 64, 64)  # two kv heads per rank: up to two head groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["copy-engine", "process-group"])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_a2a_transports(gpu_world: World, transport: str, stages: int, causal: bool) -> None:
+    """Copy engines through symmetric memory and the process group's point-to-point give
+    the same exact attention, with one or two head groups; the case says which one ran (no
+    batch is posted to the process group on copy engines)."""
+    if transport == "copy-engine" and torch.version.hip:
+        pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
+    results = _assert_parity(
+        gpu_world, A2A_GPU_SHAPE, torch.bfloat16, causal=causal, comm_type="a2a",
+        a2a_stages=stages, a2a_transport=transport,
+    )  # fmt: skip
+    want = (0, True) if transport == "copy-engine" else (4 * stages, False)
+    assert {(r["posts"], r["copy_engine"]) for r in results} == {want}
+
+
+@pytest.mark.gpu
+def test_gpu_a2a_auto_takes_copy_engines_and_grows_its_window() -> None:
+    """Under ``auto`` on one CUDA host a2a exchanges by copy engines; a longer sequence after a
+    shorter one grows the symmetric window (a collective every rank makes at the same call)."""
+    if torch.cuda.device_count() < 2 or torch.version.hip:
+        pytest.skip("needs 2 CUDA GPUs")
+    world = World(2, backend="nccl")
+    try:
+        for shape in [(128, 1, 8, 4, 64, 64), A2A_GPU_SHAPE]:
+            results = _assert_parity(world, shape, torch.bfloat16, comm_type="a2a")
+            assert {(r["posts"], r["copy_engine"]) for r in results} == {(0, True)}
+    finally:
+        world.close()

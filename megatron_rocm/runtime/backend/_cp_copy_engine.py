@@ -1,0 +1,232 @@
+"""Ulysses' exchanges on the GPUs' copy engines, through symmetric memory, within one host.
+
+The a2a scheme moves every query, output and their gradients across the CP group, 288 MB per
+layer and micro-batch for Llama-2-70B's heads at 16k on two GPUs, and nothing can run while a
+layer's exchange is in flight. NCCL's point-to-point kernels moved 64-80 MB between two H200s
+at 238-246 GiB/s; a copy engine reading the same bytes from the peer's memory moved them at
+307-313 GiB/s, and writing them at 317-324 GiB/s, without taking SMs from the kernels beside
+it (docs/results.md, sixteenth session).
+
+So every rank of a CP group on one host maps one symmetric allocation (``torch.distributed.
+_symmetric_memory``) with two regions: an *outbox*, which the rank packs the heads bound for
+each peer into and the peers pull from, and an *inbox*, which the peers push results into.
+Transfers are plain ``copy_`` between contiguous tensors (``cudaMemcpyAsync``: a copy engine)
+on a side stream, fenced by symmetric memory's barriers:
+
+* ``open``: every rank has arrived, so every rank's earlier pulls from my outbox and its
+  unpacking of its inbox are done (both ran before its barrier, in stream order): the regions
+  may be written again;
+* ``seal``: every rank has written its outbox (or pushed into the peers' inboxes): they may be
+  read.
+
+``MEGATRON_ROCM_CP_A2A_TRANSPORT`` picks: ``auto`` (the default: copy engines on CUDA where
+every rank of the group is on this host and symmetric memory maps, the process group's
+point-to-point otherwise; ROCm keeps RCCL until this is measured on AMD GPUs),
+``process-group`` or ``copy-engine`` (an error where it cannot work).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+TRANSPORT_ENV = "MEGATRON_ROCM_CP_A2A_TRANSPORT"
+TRANSPORTS = ("auto", "process-group", "copy-engine")
+_ALIGN = 256  # bytes: every view starts on a boundary any dtype's copy kernel is happy with
+
+# by (group name, id of the group): upstream's tests destroy groups and make new ones whose
+# names can repeat; a link keeps its group alive, so its id is not reused while cached
+_links: dict[tuple[str, int], CopyEngineLink | None] = {}
+
+
+def requested_transport() -> str:
+    """The transport ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` asks for (``auto`` if unset)."""
+    text = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    if text not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={text!r} is not one of {', '.join(TRANSPORTS)}")
+    return text
+
+
+def why_not_copy_engines(group: Any, device: torch.device, on_rocm: bool, auto: bool) -> str | None:
+    """Why this group's exchanges cannot (or, under ``auto``, should not) use copy engines.
+
+    Collective over ``group`` once the local checks pass: every rank must see the same host.
+    """
+    if device.type != "cuda":
+        return f"the tensors are on {device.type}, not a GPU"
+    if auto and on_rocm:
+        return "ROCm keeps RCCL until copy engines are measured on AMD GPUs"
+    if dist.get_backend(group) != "nccl":
+        return f"the CP group's backend is {dist.get_backend(group)}, not nccl"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return f"this PyTorch has no symmetric memory ({exc})"
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        return "the CP group spans hosts"
+    return None
+
+
+def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
+    """The group's copy-engine link, or None for the process group's point-to-point.
+
+    Decided once per group (every rank of it calls this at the same point: the first a2a
+    attention), from ``MEGATRON_ROCM_CP_A2A_TRANSPORT``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, id(group))
+    if key in _links:
+        return _links[key]
+    choice = requested_transport()
+    link = None
+    if choice != "process-group":
+        reason = why_not_copy_engines(
+            group, device, torch.version.hip is not None, auto=choice == "auto"
+        )
+        if reason is None:
+            link = CopyEngineLink(group, device)
+        elif choice == "copy-engine":
+            raise ValueError(f"{TRANSPORT_ENV}=copy-engine: {reason}")
+    _links[key] = link
+    return link
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def slot(owner: int, other: int) -> int:
+    """The segment of ``owner``'s region that holds what goes to (outbox) or came from (inbox)
+    group rank ``other``: the owner's peers in rank order, the owner left out."""
+    return other if other < owner else other - 1
+
+
+class Layout:
+    """Where each tensor of one exchange sits in a region: one segment per peer (the
+    destination in an outbox, the source in an inbox, ``slot``), the tensors one after the
+    other in each, every one of the same shape on every rank."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], ranks: int) -> None:
+        self.shapes = shapes
+        self.offsets, size = [], 0
+        for shape, dtype in shapes:
+            self.offsets.append(size)
+            size += _aligned(math.prod(shape) * dtype.itemsize)
+        self.segment = size
+        self.nbytes = size * (ranks - 1)
+
+
+class CopyEngineLink:
+    """One CP group's symmetric window, side stream and barriers (see the module docstring)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._window: Tensor | None = None
+        self._handle: Any = None
+        self._region = 0  # bytes per region (outbox, then inbox)
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow both regions to ``nbytes`` (collective: every rank asks for the same sizes,
+        since every rank's exchanges have the same shapes)."""
+        if nbytes <= self._region:
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        torch.cuda.synchronize(self.device)  # nothing may still read or write the old window
+        region = _aligned(nbytes)
+        window = symm_mem.empty(2 * region, dtype=torch.uint8, device=self.device)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # a subgroup's store (newer releases may find it themselves)
+            enable(self.group.group_name)
+        handle = symm_mem.rendezvous(window, self.group.group_name)
+        self._window, self._handle, self._region = window, handle, region
+
+    def _views(self, rank: int | None, base: int, layout: Layout, index: int) -> list[Tensor]:
+        """``layout``'s tensors in segment ``index`` of the region at ``base``: of this rank's
+        window (``rank`` None) or mapped from group rank ``rank``'s."""
+        start = base + index * layout.segment
+        views = []
+        for (shape, dtype), offset in zip(layout.shapes, layout.offsets, strict=True):
+            nbytes = math.prod(shape) * dtype.itemsize
+            if rank is None:
+                assert self._window is not None
+                raw = self._window[start + offset : start + offset + nbytes]
+            else:
+                raw = self._handle.get_buffer(rank, (nbytes,), torch.uint8, start + offset)
+            views.append(raw.view(dtype).view(shape))
+        return views
+
+    def outbox(self, layout: Layout, dst: int) -> list[Tensor]:
+        """This rank's outbox views for group rank ``dst``."""
+        return self._views(None, 0, layout, slot(self.rank, dst))
+
+    def peer_outbox(self, layout: Layout, src: int) -> list[Tensor]:
+        """Group rank ``src``'s outbox views for this rank (mapped from its memory)."""
+        return self._views(src, 0, layout, slot(src, self.rank))
+
+    def inbox(self, layout: Layout, src: int) -> list[Tensor]:
+        """This rank's inbox views for what group rank ``src`` pushes."""
+        return self._views(None, self._region, layout, slot(self.rank, src))
+
+    def peer_inbox(self, layout: Layout, dst: int) -> list[Tensor]:
+        """Group rank ``dst``'s inbox views for what this rank pushes there."""
+        return self._views(dst, self._region, layout, slot(dst, self.rank))
+
+    def barrier(self) -> None:
+        """A barrier of the group on the side stream, after everything the current stream
+        has queued so far."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._handle.barrier(channel=0)
+
+    def open(self) -> None:
+        """Wait (current stream) until every rank may have its regions written again."""
+        self.barrier()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def copy(self, pairs: list[tuple[Tensor, Tensor]], keep: tuple[Tensor, ...] = ()) -> Arrival:
+        """Copy each ``(dst, src)`` on the side stream (after the current stream's work so
+        far); ``keep`` are tensors of the current stream's allocator read there."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src)
+        for t in keep:
+            t.record_stream(self.stream)
+        return self._arrival()
+
+    def seal(self) -> Arrival:
+        """A barrier (``barrier``) that the current stream can wait for: every rank has
+        written what it had queued before it."""
+        self.barrier()
+        return self._arrival()
+
+    def _arrival(self) -> Arrival:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return Arrival(event)
+
+
+class Arrival:
+    """Copies queued on the side stream; ``wait`` makes the current stream wait for them (the
+    host never waits), as a process group's ``Work.wait`` does."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def wait(self) -> list[Tensor]:
+        torch.cuda.current_stream().wait_event(self._event)
+        return []
