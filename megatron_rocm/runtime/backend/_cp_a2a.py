@@ -174,11 +174,18 @@ class Shards:
             per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
             whole = x.new_empty(stages, self.size * self.pieces * self.piece_len,
                                 *per_rank.shape[-3:])  # fmt: skip
-            copy_wide(self.of_rank(whole, self.rank, dim=1), per_rank[self.rank])
             wholes.append(whole)
             per_ranks.append(per_rank)
         if link is not None:
-            return wholes, self._pull(wholes, per_ranks, stages, link)
+            pending: list[Pending | Arrival] = list(self._pull(wholes, per_ranks, stages, link))
+        else:
+            pending = self._post(wholes, per_ranks, stages)
+        for whole, per_rank in zip(wholes, per_ranks, strict=True):  # while the peers' travel
+            copy_wide(self.of_rank(whole, self.rank, dim=1), per_rank[self.rank])
+        return wholes, pending
+
+    def _post(self, wholes: list[Tensor], per_ranks: list[Tensor], stages: int) -> list[Pending]:
+        """Pack each peer's heads and post one batch of sends and receives per stage."""
         packs = [{j: packed(per_rank[j]) for j, _ in self.peers} for per_rank in per_ranks]
         pending = []
         for n in range(stages):
@@ -189,7 +196,7 @@ class Shards:
                         sends.append((out[j][n, i], peer))
                         receives.append((self.of_rank(whole[n], j)[i], peer))
             pending.append(post(sends, receives, self.group))
-        return wholes, pending
+        return pending
 
     def _pull(
         self, wholes: list[Tensor], per_ranks: list[Tensor], stages: int, link: CopyEngineLink
@@ -198,7 +205,6 @@ class Shards:
         this rank into ``wholes``, one batch of copies per stage."""
         layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in per_ranks], self.size)
         link.reserve(layout.nbytes)
-        link.open()
         for j, _ in self.peers:
             for box, per_rank in zip(link.outbox(layout, j), per_ranks, strict=True):
                 copy_wide(box, per_rank[j])
@@ -252,23 +258,21 @@ class Gather:
 
     def post(self, n: int, results: tuple[Tensor, ...]) -> None:
         shards = self.shards
-        for part, result in zip(self._parts, results, strict=True):
-            copy_wide(part[:, :, :, shards.rank, n], shards.of_rank(result, shards.rank))
         if self.link is not None:
             self._push(n, results, self.link)
-            return
-        sends, receives = [], []
-        for j, peer in shards.peers:
-            for t, result in enumerate(results):
-                for i in range(shards.pieces):
-                    sends.append((shards.of_rank(result, j)[i], peer))
-                    receives.append((self._received[j][t][n, i], peer))
-        self._pending.append(post(sends, receives, shards.group))
+        else:
+            sends, receives = [], []
+            for j, peer in shards.peers:
+                for t, result in enumerate(results):
+                    for i in range(shards.pieces):
+                        sends.append((shards.of_rank(result, j)[i], peer))
+                        receives.append((self._received[j][t][n, i], peer))
+            self._pending.append(post(sends, receives, shards.group))
+        for part, result in zip(self._parts, results, strict=True):  # while the peers' travel
+            copy_wide(part[:, :, :, shards.rank, n], shards.of_rank(result, shards.rank))
 
     def _push(self, n: int, results: tuple[Tensor, ...], link: CopyEngineLink) -> None:
         shards = self.shards
-        if n == 0:
-            link.barrier()  # every inbox is free: its owner has unpacked what came before
         pairs = [
             (box[n, i], shards.of_rank(result, j)[i])
             for j, _ in shards.peers

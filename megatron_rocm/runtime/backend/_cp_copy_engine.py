@@ -11,13 +11,15 @@ So every rank of a CP group on one host maps one symmetric allocation (``torch.d
 _symmetric_memory``) with two regions: an *outbox*, which the rank packs the heads bound for
 each peer into and the peers pull from, and an *inbox*, which the peers push results into.
 Transfers are plain ``copy_`` between contiguous tensors (``cudaMemcpyAsync``: a copy engine)
-on a side stream, fenced by symmetric memory's barriers:
+on a side stream. One barrier of the group (symmetric memory's signal pads, on the side
+stream) per exchange says every rank has written: after it, a scatter pulls from the peers'
+outboxes, a gather unpacks its inbox. No second barrier guards the regions against being
+written again too early, because Ulysses alternates scatter and gather on every link:
 
-* ``open``: every rank has arrived, so every rank's earlier pulls from my outbox and its
-  unpacking of its inbox are done (both ran before its barrier, in stream order): the regions
-  may be written again;
-* ``seal``: every rank has written its outbox (or pushed into the peers' inboxes): they may be
-  read.
+* a rank packs its outbox again only after the gather that followed its last scatter has
+  sealed, and every peer pulled from it before its own barrier of that gather;
+* a rank pushes into a peer's inbox only after the scatter before it has sealed, and the peer
+  queued its barrier of that scatter after unpacking its inbox the time before.
 
 ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` picks: ``auto`` (the default: copy engines on CUDA where
 every rank of the group is on this host and symmetric memory maps, the process group's
@@ -190,11 +192,6 @@ class CopyEngineLink:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self._handle.barrier(channel=0)
-
-    def open(self) -> None:
-        """Wait (current stream) until every rank may have its regions written again."""
-        self.barrier()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def copy(self, pairs: list[tuple[Tensor, Tensor]], keep: tuple[Tensor, ...] = ()) -> Arrival:
         """Copy each ``(dst, src)`` on the side stream (after the current stream's work so
