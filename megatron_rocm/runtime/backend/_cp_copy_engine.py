@@ -37,11 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+
 Tensor = torch.Tensor
 
 TRANSPORT_ENV = "MEGATRON_ROCM_CP_A2A_TRANSPORT"
 TRANSPORTS = ("auto", "process-group", "copy-engine")
 _ALIGN = 256  # bytes: every view starts on a boundary any dtype's copy kernel is happy with
+_PROBE_BYTES = 1 << 20  # the first window: maps the peers once before any exchange needs it
 
 # by (group name, id of the group): upstream's tests destroy groups and make new ones whose
 # names can repeat; a link keeps its group alive, so its id is not reused while cached
@@ -65,8 +68,9 @@ def why_not_copy_engines(group: Any, device: torch.device, on_rocm: bool, auto: 
         return f"the tensors are on {device.type}, not a GPU"
     if auto and on_rocm:
         return "ROCm keeps RCCL until copy engines are measured on AMD GPUs"
-    if dist.get_backend(group) != "nccl":
-        return f"the CP group's backend is {dist.get_backend(group)}, not nccl"
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend:  # "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
+        return f"the CP group's backend is {backend}, not nccl"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:
@@ -82,7 +86,8 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     """The group's copy-engine link, or None for the process group's point-to-point.
 
     Decided once per group (every rank of it calls this at the same point: the first a2a
-    attention), from ``MEGATRON_ROCM_CP_A2A_TRANSPORT``.
+    attention), from ``MEGATRON_ROCM_CP_A2A_TRANSPORT``; under ``auto`` every reason not to
+    use copy engines is logged once, and ``copy-engine`` that cannot work is an error.
     """
     group = group if group is not None else dist.group.WORLD
     key = (group.group_name, id(group))
@@ -91,13 +96,17 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     choice = requested_transport()
     link = None
     if choice != "process-group":
-        reason = why_not_copy_engines(
-            group, device, torch.version.hip is not None, auto=choice == "auto"
-        )
+        reason = why_not_copy_engines(group, device, is_hip(), auto=choice == "auto")
         if reason is None:
             link = CopyEngineLink(group, device)
-        elif choice == "copy-engine":
-            raise ValueError(f"{TRANSPORT_ENV}=copy-engine: {reason}")
+            reason = link.probe()
+        if reason:
+            if choice == "copy-engine":
+                raise ValueError(f"{TRANSPORT_ENV}=copy-engine: {reason}")
+            log_fallback_once(
+                f"a2a-transport:{reason}", f"a2a exchanges through the process group: {reason}"
+            )
+            link = None
     _links[key] = link
     return link
 
@@ -138,6 +147,21 @@ class CopyEngineLink:
         self._window: Tensor | None = None
         self._handle: Any = None
         self._region = 0  # bytes per region (outbox, then inbox)
+
+    def probe(self) -> str | None:
+        """Map a first window on every rank; why that failed on any of them, else None (the
+        ranks agree, so all of them take the same transport)."""
+        failure = None
+        try:
+            self.reserve(_PROBE_BYTES)
+        except Exception as exc:  # noqa: BLE001 - any failure to map means: not here
+            first = (str(exc).strip().splitlines() or [""])[0]
+            failure = f"symmetric memory did not map ({type(exc).__name__}: {first})"
+        mapped = torch.tensor([0 if failure else 1], device=self.device)
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group)
+        if failure is None and not mapped.item():
+            failure = "symmetric memory did not map on another rank of the CP group"
+        return failure
 
     def reserve(self, nbytes: int) -> None:
         """Grow both regions to ``nbytes`` (collective: every rank asks for the same sizes,

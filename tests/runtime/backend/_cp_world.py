@@ -408,3 +408,19 @@ class World:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
+
+
+def probe_case(*, failing_ranks: list[int]) -> str | None:
+    """A copy-engine link's probe where mapping the window fails on ``failing_ranks``: what
+    this rank's probe says (the ranks must agree that the link cannot be used)."""
+    from megatron_rocm.runtime.backend._cp_copy_engine import CopyEngineLink
+
+    link = object.__new__(CopyEngineLink)  # no CUDA stream on the CPU: the probe's logic only
+    link.group, link.device = dist.group.WORLD, torch.device("cpu")
+
+    def reserve(nbytes: int) -> None:
+        if dist.get_rank() in failing_ranks:
+            raise RuntimeError("CUDA driver error: invalid device ordinal\nsecond line")
+
+    link.reserve = reserve
+    return link.probe()

@@ -776,3 +776,47 @@ def test_gpu_a2a_auto_takes_copy_engines_and_grows_its_window() -> None:
             assert {(r["posts"], r["copy_engine"]) for r in results} == {(0, True)}
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("failing", [[], [1], [0, 1]])
+def test_the_ranks_agree_whether_symmetric_memory_mapped(worlds, failing: list[int]) -> None:  # noqa: ANN001
+    """One rank that cannot map the window keeps every rank on the process group."""
+    got = worlds(2).run("probe_case", failing_ranks=failing)
+    own = "symmetric memory did not map (RuntimeError: CUDA driver error: invalid device ordinal)"
+    other = "symmetric memory did not map on another rank of the CP group"
+    want = (
+        {0: None, 1: None} if not failing else {r: own if r in failing else other for r in (0, 1)}
+    )
+    assert got == [want[0], want[1]]
+
+
+class _Group:
+    group_name = "cp-test"
+
+
+@pytest.mark.parametrize("choice", ["auto", "copy-engine"])
+def test_a_failed_probe_falls_back_under_auto_and_fails_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, choice: str
+) -> None:
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    class Unmappable:
+        def __init__(self, group, device) -> None:  # noqa: ANN001
+            pass
+
+        def probe(self) -> str:
+            return "symmetric memory did not map on another rank of the CP group"
+
+    monkeypatch.setattr(_cp_copy_engine, "why_not_copy_engines", lambda *a, **k: None)
+    monkeypatch.setattr(_cp_copy_engine, "CopyEngineLink", Unmappable)
+    monkeypatch.setattr(_cp_copy_engine, "_links", {})
+    monkeypatch.setenv(_cp_copy_engine.TRANSPORT_ENV, choice)
+    group = _Group()
+    if choice == "copy-engine":
+        with pytest.raises(ValueError, match="=copy-engine: symmetric memory did not map on an"):
+            _cp_copy_engine.link_for(group, torch.device("cpu"))
+        return
+    with caplog.at_level(logging.WARNING):
+        assert _cp_copy_engine.link_for(group, torch.device("cpu")) is None
+    assert "a2a exchanges through the process group: symmetric memory did not map" in caplog.text
+    assert _cp_copy_engine._links == {("cp-test", id(group)): None}  # decided once
