@@ -164,9 +164,10 @@ class Shards:
         ``[stages, s, b, heads / cp / stages, d]`` whole-sequence buffer for this rank's heads.
 
         Returns the buffers and, per stage, the pending transfer to wait for before reading
-        that stage. The rank's own tokens are copied in place at once. Without a ``link`` the
-        peers' pieces come by the process group's point-to-point; with one, each peer's are
-        pulled from its outbox by a copy engine.
+        that stage. The rank's own tokens are copied into place once the exchange is posted,
+        while the peers' travel. Without a ``link`` the peers' pieces come by the process
+        group's point-to-point; with one, each peer's are pulled from its outbox by a copy
+        engine.
         """
         wholes, per_ranks = [], []
         for x in tensors:
