@@ -424,3 +424,23 @@ def probe_case(*, failing_ranks: list[int]) -> str | None:
 
     link.reserve = reserve
     return link.probe()
+
+
+def a2a_order_case(*, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The order of a2a's copies and posted exchanges in one forward (``copy`` / ``post``)."""
+    from megatron_rocm.runtime.backend import _cp_a2a
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
+    events: list[str] = []
+    post, copy_wide = _cp_a2a.post, _cp_a2a.copy_wide
+    _cp_a2a.post = lambda *args: events.append("post") or post(*args)
+    _cp_a2a.copy_wide = lambda *args: events.append("copy") or copy_wide(*args)
+    try:
+        cp, rank = dist.get_world_size(), dist.get_rank()
+        q, k, v = (shard(tensors[n], cp, rank) for n in "qkv")
+        context_parallel_attention(
+            q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+        )
+    finally:
+        _cp_a2a.post, _cp_a2a.copy_wide = post, copy_wide
+    return events

@@ -820,3 +820,13 @@ def test_a_failed_probe_falls_back_under_auto_and_fails_when_asked_for(
         assert _cp_copy_engine.link_for(group, torch.device("cpu")) is None
     assert "a2a exchanges through the process group: symmetric memory did not map" in caplog.text
     assert _cp_copy_engine._links == {("cp-test", id(group)): None}  # decided once
+
+
+def test_a2a_copies_the_ranks_own_heads_while_the_peers_travel(worlds) -> None:  # noqa: ANN001
+    """Forward: pack q, k, v for the peer; post; only then the rank's own q, k, v into place.
+    The way back: post the peer's tokens first, then place the own ones, then unpack."""
+    events = worlds(2).run("a2a_order_case", tensors=_inputs(GQA, torch.float32))
+    scatter = ["copy"] * 3 + ["post"] + ["copy"] * 3
+    relayout = ["copy"]  # the math kernel's [b, h, s, d] output as [s, b, h, d]
+    gather = ["post", "copy", "copy"]
+    assert events == [scatter + relayout + gather] * 2
