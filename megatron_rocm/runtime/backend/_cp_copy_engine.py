@@ -21,6 +21,14 @@ written again too early, because Ulysses alternates scatter and gather on every 
 * a rank pushes into a peer's inbox only after the scatter before it has sealed, and the peer
   queued its barrier of that scatter after unpacking its inbox the time before.
 
+What the argument assumes, and the limits a review found (docs/results.md, sixteenth session;
+none seen in training): every exchange of a link is queued from one current stream, as
+Megatron's schedules and autograd do (a second compute stream would need the last seal's event
+waited on before packing); a group destroyed and made again under the same name meets
+PyTorch's symmetric-memory store cached for that name; the barrier has no timeout, so a rank
+that dies mid-exchange leaves its peer spinning, where NCCL's watchdog would fire; "one host"
+is judged by host name.
+
 ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` picks: ``auto`` (the default: copy engines on CUDA where
 every rank of the group is on this host and symmetric memory maps, the process group's
 point-to-point otherwise; ROCm keeps RCCL until this is measured on AMD GPUs),
