@@ -182,8 +182,8 @@ class CopyEngineLink:
         region = _aligned(nbytes)
         window = symm_mem.empty(2 * region, dtype=torch.uint8, device=self.device)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # a subgroup's store (newer releases may find it themselves)
-            enable(self.group.group_name)
+        if enable is not None and not getattr(enable, "__deprecated__", None):
+            enable(self.group.group_name)  # a subgroup's store; releases that deprecate it find it
         handle = symm_mem.rendezvous(window, self.group.group_name)
         self._window, self._handle, self._region = window, handle, region
 
