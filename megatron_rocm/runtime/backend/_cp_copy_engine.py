@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import warnings
 from typing import Any
 
 import torch
@@ -182,8 +183,10 @@ class CopyEngineLink:
         region = _aligned(nbytes)
         window = symm_mem.empty(2 * region, dtype=torch.uint8, device=self.device)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(enable, "__deprecated__", None):
-            enable(self.group.group_name)  # a subgroup's store; releases that deprecate it find it
+        if enable is not None:  # a subgroup's store; releases that call it unneeded warn
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group.group_name)
         handle = symm_mem.rendezvous(window, self.group.group_name)
         self._window, self._handle, self._region = window, handle, region
 
