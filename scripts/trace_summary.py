@@ -66,17 +66,9 @@ def family(name: str) -> str:
 
 def busy_union(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
     """Total covered time and the idle gaps between covered stretches (microseconds)."""
-    busy, gaps = 0.0, []
-    cur_start, cur_end = spans[0]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            gaps.append((cur_end, start))
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    return busy, gaps
+    covered = _merged(spans)
+    busy = sum(end - start for start, end in covered)
+    return busy, [(a[1], b[0]) for a, b in zip(covered, covered[1:])]
 
 
 def gpu_kernels(events: list[dict]) -> list[dict]:
