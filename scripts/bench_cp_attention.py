@@ -204,7 +204,7 @@ def bench_length(
         if stages != "default":
             os.environ[_cp_a2a.STAGES_ENV] = stages
         os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
-        _cp_copy_engine._links.clear()  # the transport is decided once per group
+        _cp_copy_engine.decide_again()  # the transport is decided once per group
         cp_leaves = [local[n].clone().requires_grad_() for n in "qkv"]
         q, k, v = (bhsd(x) for x in cp_leaves)
         kernel = pick_kernel(q, k, v, 0.0)
@@ -220,7 +220,7 @@ def bench_length(
                 ops,
             )  # fmt: skip
             if comm == "a2a":
-                used = any(link is not None for link in _cp_copy_engine._links.values())
+                used = _cp_copy_engine.uses_copy_engines(None)  # the cases run on WORLD
                 record["transport"] = "copy-engine" if used else "process-group"
             yield record
     os.environ.pop(_cp_a2a.STAGES_ENV, None)

@@ -98,10 +98,10 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     attention), from ``MEGATRON_ROCM_CP_A2A_TRANSPORT``; under ``auto`` every reason not to
     use copy engines is logged once, and ``copy-engine`` that cannot work is an error.
     """
-    group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, id(group))
+    key = _key(group)
     if key in _links:
         return _links[key]
+    group = group if group is not None else dist.group.WORLD
     choice = requested_transport()
     link = None
     if choice != "process-group":
@@ -118,6 +118,22 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
             link = None
     _links[key] = link
     return link
+
+
+def _key(group: Any) -> tuple[str, int]:
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name, id(group)
+
+
+def uses_copy_engines(group: Any) -> bool:
+    """Whether ``group``'s a2a exchanges were decided to go by copy engines."""
+    return _links.get(_key(group)) is not None
+
+
+def decide_again() -> None:
+    """Forget every group's decision, so the next a2a call reads the transport switch anew
+    (benchmarks and tests that change it between cases; drops the links' windows)."""
+    _links.clear()
 
 
 def _aligned(nbytes: int) -> int:

@@ -105,7 +105,7 @@ def parity_case(
         os.environ[_cp_a2a.STAGES_ENV] = str(a2a_stages)
     if a2a_transport is not None:  # decided once per group: decide again
         os.environ[_cp_copy_engine.TRANSPORT_ENV] = a2a_transport
-        _cp_copy_engine._links.clear()
+        _cp_copy_engine.decide_again()
     posted, post = [], _cp_a2a.post
     _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
     group, members = _group(partition)
@@ -128,8 +128,7 @@ def parity_case(
         _cp_a2a.post = post
         os.environ.pop(_cp_a2a.STAGES_ENV, None)
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
-    cp_group = group if group is not None else dist.group.WORLD
-    copy_engine = _cp_copy_engine._links.get((cp_group.group_name, id(cp_group))) is not None
+    copy_engine = _cp_copy_engine.uses_copy_engines(group)
     grads = fused_leaf.grad.split(heads, dim=2) if fused else [t.grad for t in leaves]
     result = {"out": out.detach()}
     result.update({f"d{n}": grad for n, grad in zip("qkv", grads)})
