@@ -280,11 +280,11 @@ class Gather:
             for box, result in zip(link.peer_inbox(self._layout, j), results, strict=True)
             for i in range(shards.pieces)
         ]
-        self._pending.append(link.copy(pairs, keep=results))
+        link.copy(pairs, keep=results)  # finish's barrier, after these, is what is waited for
 
     def finish(self) -> list[Tensor]:
         if self.link is not None:
-            self._pending = [self.link.seal()]  # every rank has pushed everything
+            self._pending.append(self.link.seal())  # every rank has pushed everything
         for pending in self._pending:
             pending.wait()
         for j, _ in self.shards.peers:
