@@ -21,13 +21,22 @@ written again too early, because Ulysses alternates scatter and gather on every 
 * a rank pushes into a peer's inbox only after the scatter before it has sealed, and the peer
   queued its barrier of that scatter after unpacking its inbox the time before.
 
-What the argument assumes, and the limits a review found (docs/results.md, sixteenth session;
-none seen in training): every exchange of a link is queued from one current stream, as
-Megatron's schedules and autograd do (a second compute stream would need the last seal's event
-waited on before packing); a group destroyed and made again under the same name meets
-PyTorch's symmetric-memory store cached for that name; the barrier has no timeout, so a rank
-that dies mid-exchange leaves its peer spinning, where NCCL's watchdog would fire; "one host"
-is judged by host name.
+What a review of this protocol asked for (docs/results.md, sixteenth session), and what the link
+does about it:
+
+* exchanges queued from a second compute stream: a rank packs its outbox only once the
+  current stream has waited for everything the link queued before (``before_packing``), so
+  the argument above holds whichever stream queues an exchange;
+* a kernel raising with copies in flight: buffers the side stream writes or reads are
+  recorded on it, so the allocator never hands their memory out while a copy may still run;
+* a rank dying mid-exchange: every barrier times out after the CP group's own collective
+  timeout (Megatron's ``--distributed-timeout-minutes``) and stops its kernel with an error, as
+  NCCL's watchdog would, instead of spinning;
+* sizes that keep growing: the window grows at least twofold, so it is remapped a few times,
+  not at every new size;
+* a group made again under a name an earlier group had: PyTorch caches symmetric memory's
+  store by group name, so such a group keeps the process group (logged under ``auto``);
+* "one host" is judged by host name.
 
 ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` picks: ``auto`` (the default: copy engines on CUDA where
 every rank of the group is on this host and symmetric memory maps, the process group's
@@ -41,6 +50,8 @@ import math
 import os
 import socket
 import warnings
+import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,6 +69,8 @@ _PROBE_BYTES = 1 << 20  # the first window: maps the peers once before any excha
 # by (group name, id of the group): upstream's tests destroy groups and make new ones whose
 # names can repeat; a link keeps its group alive, so its id is not reused while cached
 _links: dict[tuple[str, int], CopyEngineLink | None] = {}
+# group name -> the group that mapped symmetric memory under it (PyTorch's store is per name)
+_mapped_names: dict[str, weakref.ref] = {}
 
 
 def requested_transport() -> str:
@@ -88,7 +101,26 @@ def why_not_copy_engines(group: Any, device: torch.device, on_rocm: bool, auto: 
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
         return "the CP group spans hosts"
+    earlier = _mapped_names.get(group.group_name)
+    if earlier is not None and earlier() is not group:
+        return (
+            f"an earlier group named {group.group_name!r} mapped symmetric memory, whose store "
+            f"PyTorch caches by group name"
+        )
     return None
+
+
+def group_timeout_ms(group: Any) -> int:
+    """The group's collective timeout in milliseconds (what its NCCL watchdog waits), or
+    PyTorch's default for NCCL groups where the group does not say."""
+    timeout = None
+    try:
+        timeout = group._get_backend(torch.device("cuda")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    if not isinstance(timeout, timedelta):
+        timeout = getattr(dist.constants, "default_pg_nccl_timeout", None) or timedelta(minutes=10)
+    return max(1, int(timeout.total_seconds() * 1000))
 
 
 def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
@@ -169,6 +201,7 @@ class CopyEngineLink:
         self.rank = dist.get_rank(group)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.timeout_ms = group_timeout_ms(group)
         self._window: Tensor | None = None
         self._handle: Any = None
         self._region = 0  # bytes per region (outbox, then inbox)
@@ -189,14 +222,14 @@ class CopyEngineLink:
         return failure
 
     def reserve(self, nbytes: int) -> None:
-        """Grow both regions to ``nbytes`` (collective: every rank asks for the same sizes,
-        since every rank's exchanges have the same shapes)."""
+        """Grow both regions to hold ``nbytes``, at least doubling them (collective: every rank
+        asks for the same sizes, since every rank's exchanges have the same shapes)."""
         if nbytes <= self._region:
             return
         import torch.distributed._symmetric_memory as symm_mem
 
         torch.cuda.synchronize(self.device)  # nothing may still read or write the old window
-        region = _aligned(nbytes)
+        region = _aligned(max(nbytes, 2 * self._region))
         window = symm_mem.empty(2 * region, dtype=torch.uint8, device=self.device)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # a subgroup's store; releases that call it unneeded warn
@@ -204,6 +237,7 @@ class CopyEngineLink:
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(self.group.group_name)
         handle = symm_mem.rendezvous(window, self.group.group_name)
+        _mapped_names[self.group.group_name] = weakref.ref(self.group)
         self._window, self._handle, self._region = window, handle, region
 
     def _views(self, rank: int | None, base: int, layout: Layout, index: int) -> list[Tensor]:
@@ -237,12 +271,24 @@ class CopyEngineLink:
         """Group rank ``dst``'s inbox views for what this rank pushes there."""
         return self._views(dst, self._region, layout, slot(dst, self.rank))
 
+    def before_packing(self) -> None:
+        """Make the current stream wait for everything the link has queued: the outbox may
+        be written once the last exchange's barrier has passed, whichever stream queued it."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
     def barrier(self) -> None:
         """A barrier of the group on the side stream, after everything the current stream
-        has queued so far."""
+        has queued so far; a peer missing for the group's timeout stops it with an error."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self._handle.barrier(channel=0)
+            self._handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def writes_into(self, tensors: list[Tensor]) -> None:
+        """``tensors``, of the current stream's memory, are written by the side stream: their
+        memory is not handed out again before its copies have run, even if the caller fails
+        before waiting for them."""
+        for t in tensors:
+            t.record_stream(self.stream)
 
     def copy(self, pairs: list[tuple[Tensor, Tensor]], keep: tuple[Tensor, ...] = ()) -> Arrival:
         """Copy each ``(dst, src)`` on the side stream (after the current stream's work so

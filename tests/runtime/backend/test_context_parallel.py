@@ -822,6 +822,79 @@ def test_a_failed_probe_falls_back_under_auto_and_fails_when_asked_for(
     assert _cp_copy_engine._links == {("cp-test", id(group)): None}  # decided once
 
 
+def _one_nccl_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CP group of two NCCL ranks on this host, as ``why_not_copy_engines`` sees it."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(
+        slice(None), [obj] * len(out)))  # fmt: skip
+
+
+def test_a_group_made_again_under_an_earlier_name_keeps_the_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PyTorch caches symmetric memory's store by group name: a new group under the name of one
+    that mapped a window before must not meet that store (the same group may map again)."""
+    import weakref
+
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    _one_nccl_host(monkeypatch)
+    earlier, group = _Group(), _Group()
+    monkeypatch.setattr(_cp_copy_engine, "_mapped_names", {"cp-test": weakref.ref(earlier)})
+    cuda = torch.device("cuda")
+    reason = _cp_copy_engine.why_not_copy_engines(group, cuda, on_rocm=False, auto=True)
+    assert reason == (
+        "an earlier group named 'cp-test' mapped symmetric memory, whose store PyTorch caches by "
+        "group name"
+    )
+    assert _cp_copy_engine.why_not_copy_engines(earlier, cuda, on_rocm=False, auto=True) is None
+    del earlier  # gone, but its store is still cached under the name
+    assert _cp_copy_engine.why_not_copy_engines(group, cuda, on_rocm=False, auto=True) == reason
+
+
+def test_the_barrier_waits_as_long_as_the_groups_collectives() -> None:
+    """A peer that never reaches a barrier fails it after the CP group's own timeout (Megatron's
+    --distributed-timeout-minutes), PyTorch's NCCL default where the group does not say."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rocm.runtime.backend._cp_copy_engine import group_timeout_ms
+
+    class Timed(_Group):
+        def _get_backend(self, device: torch.device) -> SimpleNamespace:
+            return SimpleNamespace(options=SimpleNamespace(_timeout=timedelta(minutes=3)))
+
+    assert group_timeout_ms(Timed()) == 180_000
+    default = getattr(dist.constants, "default_pg_nccl_timeout", None) or timedelta(minutes=10)
+    assert group_timeout_ms(_Group()) == int(default.total_seconds() * 1000)
+
+
+def test_the_window_grows_at_least_twofold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each growth remaps the window on every rank (a collective, after a device sync), so
+    growing sizes remap it a few times, not at every new size."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from megatron_rocm.runtime.backend._cp_copy_engine import CopyEngineLink
+
+    mapped: list[int] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(symm_mem, "empty", lambda n, **kw: mapped.append(n) or torch.empty(0))
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda window, name: object())
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: None, raising=False)
+    link = object.__new__(CopyEngineLink)  # no CUDA stream on the CPU: the sizes only
+    link.group, link.device, link._region = _Group(), torch.device("cpu"), 0
+    for nbytes in (1 << 20, 80 << 20, 81 << 20, 100 << 20, 170 << 20):
+        link.reserve(nbytes)
+    # two regions (outbox, inbox) of: 1 MiB, 80 MiB, 160 MiB (81 asked), none for 100 (160
+    # hold it), 320 MiB (170 asked)
+    assert [n // 2 >> 20 for n in mapped] == [1, 80, 160, 320]
+
+
 def test_a2a_copies_the_ranks_own_heads_while_the_peers_travel(worlds) -> None:  # noqa: ANN001
     """Forward: pack q, k, v for the peer; post; only then the rank's own q, k, v into place.
     The way back: post the peer's tokens first, then place the own ones, then unpack."""
