@@ -39,6 +39,8 @@ FAMILIES = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|Cijk|sm90_|sm80_", re.I)),
     ("nccl", re.compile(r"nccl|rccl", re.I)),
+    # a2a on copy engines: peer copies through symmetric memory, and the group's barriers
+    ("exchange", re.compile(r"Memcpy PtoP|symmetric_memory::barrier")),
     ("norm", re.compile(r"norm|GammaBeta", re.I)),
     ("triton", re.compile(r"^triton_|_kernel$")),
     ("copy", re.compile(r"copy|Memcpy|cat|transpose", re.I)),
@@ -47,6 +49,7 @@ FAMILIES = (
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|fill|Memset", re.I)),
 )
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+COMMUNICATION = {"nccl", "exchange"}
 _OURS = re.compile(r"(megatron/|megatron_rocm/|pretrain_gpt)")
 
 
@@ -105,7 +108,13 @@ def _covered(start: float, end: float, cover: list[tuple[float, float]]) -> floa
 
 def collective(name: str) -> str:
     """A communication kernel's collective: ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``
-    -> ``ReduceScatter``; p2p batches are ``SendRecv``."""
+    -> ``ReduceScatter``; p2p batches are ``SendRecv``; copy-engine transfers through
+    symmetric memory are ``copy-engine copy``, its barriers ``symmetric-memory barrier`` (whose
+    exposed time is mostly one rank waiting for the other to arrive)."""
+    if "Memcpy PtoP" in name:
+        return "copy-engine copy"
+    if "symmetric_memory::barrier" in name:
+        return "symmetric-memory barrier"
     m = re.search(r"(?:nccl|rccl)\w*?Kernel_([A-Za-z]+)", name, re.I)
     return m.group(1) if m else name[:40]
 
@@ -113,8 +122,8 @@ def collective(name: str) -> str:
 def exposure(kernels: list[dict]) -> dict[str, float]:
     """Microseconds: compute (time some non-communication kernel runs), compute beside
     communication, and per collective the time it runs with no compute beside it."""
-    comm = [e for e in kernels if family(e["name"]) == "nccl"]
-    compute = _merged([_span(e) for e in kernels if family(e["name"]) != "nccl"])
+    comm = [e for e in kernels if family(e["name"]) in COMMUNICATION]
+    compute = _merged([_span(e) for e in kernels if family(e["name"]) not in COMMUNICATION])
     comm_cover = _merged([_span(e) for e in comm])
     out: dict[str, float] = defaultdict(float)
     out["compute"] = sum(end - start for start, end in compute)

@@ -65,6 +65,12 @@ def test_unreadable_trace_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None
         ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
         ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64>", "gemm"),
         ("triton_poi_fused_mul_silu_split_0", "triton"),
+        ("Memcpy PtoP (Device -> Device)", "exchange"),
+        (
+            "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)",
+            "exchange",
+        ),  # fmt: skip
+        ("Memcpy DtoD (Device -> Device)", "copy"),
     ],
 )
 def test_family_of_real_kernel_names(kernel: str, expected: str) -> None:
@@ -105,6 +111,23 @@ def test_exposed_communication_is_what_no_compute_runs_beside() -> None:
         "compute beside communication": 50.0,
         "exposed SendRecv": 100.0,  # 100-200: nothing beside it
         "exposed ReduceScatter": 100.0,  # 150-300 less the GEMM at 250-300
+    }
+
+
+def test_copy_engine_exchanges_count_as_communication() -> None:
+    """a2a on copy engines: the peer copies and the barrier before them are communication, the
+    packing copy before the barrier is compute."""
+    kernels = trace_summary.gpu_kernels([
+        _kernel("void at::native::elementwise_kernel<128, 2>(copy)", 0, 50),
+        _kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**)", 50, 30),
+        {**_kernel("Memcpy PtoP (Device -> Device)", 80, 200), "cat": "gpu_memcpy"},
+        _kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 280, 1000),
+    ])  # fmt: skip
+    assert trace_summary.exposure(kernels) == {
+        "compute": 1050.0,
+        "compute beside communication": 0.0,
+        "exposed symmetric-memory barrier": 30.0,
+        "exposed copy-engine copy": 200.0,
     }
 
 
