@@ -292,6 +292,8 @@ class Gather:
         for j, _ in self.shards.peers:
             for part, received in zip(self._parts, self._received[j], strict=True):
                 copy_wide(part[:, :, :, j], received.permute(1, 2, 3, 0, 4, 5))
+        if self.link is not None:
+            self.link.after_unpacking()
         return self.outputs
 
 

@@ -25,8 +25,9 @@ What a review of this protocol asked for (docs/results.md, sixteenth session), a
 does about it:
 
 * exchanges queued from a second compute stream: a rank packs its outbox only once the
-  current stream has waited for everything the link queued before (``before_packing``), so
-  the argument above holds whichever stream queues an exchange;
+  current stream has waited for everything the link queued before (``before_packing``), and
+  the link's next barrier waits for the unpacking of its inbox (``after_unpacking``), so the
+  argument above holds whichever stream queues an exchange;
 * a kernel raising with copies in flight: buffers the side stream writes or reads are
   recorded on it, so the allocator never hands their memory out while a copy may still run;
 * a rank dying mid-exchange: every barrier times out after the CP group's own collective
@@ -275,6 +276,11 @@ class CopyEngineLink:
         """Make the current stream wait for everything the link has queued: the outbox may
         be written once the last exchange's barrier has passed, whichever stream queued it."""
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def after_unpacking(self) -> None:
+        """Make the side stream wait for the current stream's unpacking of the inbox: the
+        next barrier, which lets the peers push into it again, comes after it."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def barrier(self) -> None:
         """A barrier of the group on the side stream, after everything the current stream

@@ -443,3 +443,46 @@ def a2a_order_case(*, tensors: dict[str, torch.Tensor]) -> list[str]:
     finally:
         _cp_a2a.post, _cp_a2a.copy_wide = post, copy_wide
     return events
+
+
+def two_streams_case(
+    *, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]
+) -> list[float]:
+    """a2a attention, forward and backward, on copy engines: ``first`` queued from one CUDA
+    stream and ``second`` from another that nothing orders after it but the link itself.
+    Returns, per output and gradient of both, how far it is from what the same input gives
+    one after the other on one stream (relative to its largest value: cuDNN's backward may
+    sum in another order, so not always bit for bit; a race gives garbage)."""
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
+    os.environ[_cp_copy_engine.TRANSPORT_ENV] = "copy-engine"
+    _cp_copy_engine.decide_again()
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+
+    def run(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v = (shard(tensors[n], cp, rank).to(device, torch.bfloat16).requires_grad_()
+                   for n in "qkv")  # fmt: skip
+        out = context_parallel_attention(
+            q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+        )
+        out.backward(shard(tensors["grad"], cp, rank).to(device, torch.bfloat16))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    try:
+        alone = [run(first), run(second)]
+        torch.cuda.synchronize(device)
+        streams = [torch.cuda.Stream(device=device) for _ in range(2)]
+        side_by_side = []
+        for stream, tensors in zip(streams, (first, second), strict=True):
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                side_by_side.append(run(tensors))
+        torch.cuda.synchronize(device)
+    finally:
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+    return [
+        ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+        for one, other in zip(alone, side_by_side, strict=True)
+        for a, b in zip(one, other, strict=True)
+    ]
