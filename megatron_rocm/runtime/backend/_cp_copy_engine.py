@@ -31,12 +31,15 @@ does about it:
 * a kernel raising with copies in flight: buffers the side stream writes or reads are
   recorded on it, so the allocator never hands their memory out while a copy may still run;
 * a rank dying mid-exchange: every barrier times out after the CP group's own collective
-  timeout (Megatron's ``--distributed-timeout-minutes``) and stops its kernel with an error, as
-  NCCL's watchdog would, instead of spinning;
+  timeout (Megatron's ``--distributed-timeout-minutes``) and traps its kernel, which leaves the
+  process's CUDA context unusable, much as NCCL's watchdog aborts the process, instead of
+  spinning;
 * sizes that keep growing: the window grows at least twofold, so it is remapped a few times,
-  not at every new size;
+  not at every new size (each region may so hold up to twice the largest exchange, and never
+  shrinks);
 * a group made again under a name an earlier group had: PyTorch caches symmetric memory's
-  store by group name, so such a group keeps the process group (logged under ``auto``);
+  store by group name, so such a group keeps the process group (logged under ``auto``; the
+  record outlives ``decide_again``, as PyTorch's cache does);
 * "one host" is judged by host name.
 
 ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` picks: ``auto`` (the default: copy engines on CUDA where
@@ -140,6 +143,10 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     if choice != "process-group":
         reason = why_not_copy_engines(group, device, is_hip(), auto=choice == "auto")
         if reason is None:
+            # every rank records the name before the probe, whether its mapping then works or
+            # not (one rank's failure keeps all on the process group, but PyTorch's store for
+            # the name exists on all of them): a later group of this name is refused alike
+            _mapped_names[group.group_name] = weakref.ref(group)
             link = CopyEngineLink(group, device)
             reason = link.probe()
         if reason:
@@ -238,7 +245,6 @@ class CopyEngineLink:
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(self.group.group_name)
         handle = symm_mem.rendezvous(window, self.group.group_name)
-        _mapped_names[self.group.group_name] = weakref.ref(self.group)
         self._window, self._handle, self._region = window, handle, region
 
     def _views(self, rank: int | None, base: int, layout: Layout, index: int) -> list[Tensor]:

@@ -446,10 +446,11 @@ def a2a_order_case(*, tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def two_streams_case(
-    *, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]
+    *, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], late_unpack: bool
 ) -> list[float]:
     """a2a attention, forward and backward, on copy engines: ``first`` queued from one CUDA
-    stream and ``second`` from another that nothing orders after it but the link itself.
+    stream and ``second`` from another that nothing orders after it but the link itself
+    (``late_unpack``: the first stream idles ~10 ms before each unpacking of its inbox).
     Returns, per output and gradient of both, how far it is from what the same input gives
     one after the other on one stream (relative to its largest value: cuDNN's backward may
     sum in another order, so not always bit for bit; a race gives garbage)."""
@@ -459,6 +460,7 @@ def two_streams_case(
     os.environ[_cp_copy_engine.TRANSPORT_ENV] = "copy-engine"
     _cp_copy_engine.decide_again()
     cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    seal = _cp_copy_engine.CopyEngineLink.seal
 
     def run(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         q, k, v = (shard(tensors[n], cp, rank).to(device, torch.bfloat16).requires_grad_()
@@ -475,14 +477,37 @@ def two_streams_case(
         streams = [torch.cuda.Stream(device=device) for _ in range(2)]
         side_by_side = []
         for stream, tensors in zip(streams, (first, second), strict=True):
+            if late_unpack and stream is streams[0]:
+                _cp_copy_engine.CopyEngineLink.seal = _late_after(seal)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 side_by_side.append(run(tensors))
+            _cp_copy_engine.CopyEngineLink.seal = seal
         torch.cuda.synchronize(device)
     finally:
+        _cp_copy_engine.CopyEngineLink.seal = seal
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
     return [
         ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
         for one, other in zip(alone, side_by_side, strict=True)
         for a, b in zip(one, other, strict=True)
     ]
+
+
+def _late_after(seal: Any) -> Any:
+    """``CopyEngineLink.seal`` whose wait makes the current stream idle ~10 ms after the seal:
+    the inbox is unpacked late, while the peers go on."""
+
+    def late(link: Any) -> Any:
+        arrival = seal(link)
+        wait = arrival.wait
+
+        def wait_then_idle() -> list:
+            done = wait()
+            torch.cuda._sleep(20_000_000)  # GPU cycles, queued on the current stream
+            return done
+
+        arrival.wait = wait_then_idle
+        return arrival
+
+    return late
