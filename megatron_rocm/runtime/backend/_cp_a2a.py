@@ -206,7 +206,7 @@ class Shards:
         this rank into ``wholes``, one batch of copies per stage."""
         layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in per_ranks], self.size)
         link.reserve(layout.nbytes)
-        link.writes_into(wholes)
+        link.uses(wholes)  # the pulls write them
         link.before_packing()
         for j, _ in self.peers:
             for box, per_rank in zip(link.outbox(layout, j), per_ranks, strict=True):

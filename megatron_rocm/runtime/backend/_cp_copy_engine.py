@@ -295,10 +295,10 @@ class CopyEngineLink:
         with torch.cuda.stream(self.stream):
             self._handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
-    def writes_into(self, tensors: list[Tensor]) -> None:
-        """``tensors``, of the current stream's memory, are written by the side stream: their
-        memory is not handed out again before its copies have run, even if the caller fails
-        before waiting for them."""
+    def uses(self, tensors: list[Tensor] | tuple[Tensor, ...]) -> None:
+        """``tensors``, of the current stream's memory, are read or written by the side stream:
+        their memory is not handed out again before its copies have run, even if the caller
+        fails before waiting for them."""
         for t in tensors:
             t.record_stream(self.stream)
 
@@ -310,8 +310,7 @@ class CopyEngineLink:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src)
-        for t in keep:
-            t.record_stream(self.stream)
+        self.uses(keep)
         return self._arrival()
 
     def seal(self) -> Arrival:
