@@ -33,6 +33,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+# a2a on copy engines: what marks its kernels -> the kind of exchange each is
+EXCHANGES = {
+    "Memcpy PtoP": "copy-engine copy",
+    "symmetric_memory::barrier": "symmetric-memory barrier",
+}
+
 # First match wins. Attention comes before GEMM: cuDNN's attention kernels are named
 # "cudnn_generated_..._sdpa_sm90_flash_..._wgmma_...", which the GEMM pattern also matches.
 FAMILIES = (
@@ -40,7 +46,7 @@ FAMILIES = (
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|Cijk|sm90_|sm80_", re.I)),
     ("nccl", re.compile(r"nccl|rccl", re.I)),
     # a2a on copy engines: peer copies through symmetric memory, and the group's barriers
-    ("exchange", re.compile(r"Memcpy PtoP|symmetric_memory::barrier")),
+    ("exchange", re.compile("|".join(map(re.escape, EXCHANGES)))),
     ("norm", re.compile(r"norm|GammaBeta", re.I)),
     ("triton", re.compile(r"^triton_|_kernel$")),
     ("copy", re.compile(r"copy|Memcpy|cat|transpose", re.I)),
@@ -111,10 +117,9 @@ def collective(name: str) -> str:
     -> ``ReduceScatter``; p2p batches are ``SendRecv``; copy-engine transfers through
     symmetric memory are ``copy-engine copy``, its barriers ``symmetric-memory barrier`` (whose
     exposed time is mostly one rank waiting for the other to arrive)."""
-    if "Memcpy PtoP" in name:
-        return "copy-engine copy"
-    if "symmetric_memory::barrier" in name:
-        return "symmetric-memory barrier"
+    for mark, kind in EXCHANGES.items():
+        if mark in name:
+            return kind
     m = re.search(r"(?:nccl|rccl)\w*?Kernel_([A-Za-z]+)", name, re.I)
     return m.group(1) if m else name[:40]
 
