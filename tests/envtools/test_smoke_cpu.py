@@ -93,7 +93,8 @@ def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> 
     only = ["training", "collectives", "parallel"]
     assert smoke(str(fake_tree), str(out), None, only=only) == 0
     checks = load(out)
-    assert len(checks) == 4 + 4 + 2 + 16  # training x spec, resume, collectives, parallel
+    # training x spec, resume (2 + 4 GPUs), collectives, parallel (2 + 4 GPUs)
+    assert len(checks) == 4 + 4 + 4 + 2 + 16 + 8
     assert {c["status"] for c in checks.values()} == {"skip"}  # never "pass" without a GPU
     assert "needs a GPU" in checks["training.gpt.te"]["detail"]
     assert "needs 1 GPU; no GPU visible" in checks["training.resume.1gpu.local"]["detail"]
@@ -101,6 +102,9 @@ def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> 
     assert "needs 2 GPUs; no GPU visible" in checks["collectives.nccl"]["detail"]
     assert (
         checks["parallel.cp2.local"]["detail"] == "the parallel tier needs 2 GPUs; no GPU visible"
+    )
+    assert checks["parallel.tp2_cp2.te"]["detail"] == (
+        "parallel.tp2_cp2.te needs 4 GPUs; no GPU visible"
     )
 
 

@@ -11,9 +11,9 @@ from megatron_rocm.envtools.smoke import runner, world
 from megatron_rocm.envtools.smoke.world import JobResult
 
 pytestmark = pytest.mark.torch
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from megatron_rocm.envtools.smoke import checks_parallel, checks_resume  # noqa: E402
+from megatron_rocm.envtools.smoke import checks_parallel, checks_resume, models  # noqa: E402
 from megatron_rocm.envtools.smoke.engine import Job  # noqa: E402
 from megatron_rocm.envtools.smoke.models import Layout  # noqa: E402
 
@@ -41,9 +41,13 @@ def test_registry_names_every_mode_and_spec() -> None:
         "training.resume.1gpu.te",
         "training.resume.dp2_distopt.local",
         "training.resume.dp2_distopt.te",
+        "training.resume.dp4_distopt.local",
+        "training.resume.dp4_distopt.te",
+        "training.resume.tp2_pp2_vpp.local",
+        "training.resume.tp2_pp2_vpp.te",
     ]
     modes = ["tp2_sp", "pp2", "dp2_distopt_overlap", "ep2_moe", "cp2", "cp2_packed", "fsdp2"]
-    modes.append("megatron_fsdp")
+    modes += ["megatron_fsdp", "tp2_pp2_vpp", "tp2_cp2", "ep4_moe", "dp4_distopt_overlap"]
     assert [n for n in names if n.startswith("parallel.")] == [
         f"parallel.{m}.{s}" for m in modes for s in ("local", "te")
     ]
@@ -52,7 +56,7 @@ def test_registry_names_every_mode_and_spec() -> None:
 
 @pytest.mark.parametrize(
     ("only", "count"),
-    [(["parallel"], 16), (["parallel.ep2_moe"], 2), (["training.resume"], 4), (["training"], 8)],
+    [(["parallel"], 24), (["parallel.ep2_moe"], 2), (["training.resume"], 8), (["training"], 12)],
 )
 def test_select_by_prefix(only, count) -> None:
     assert len(runner.select(runner.load_checks(), only)) == count
@@ -79,6 +83,28 @@ def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
         results["parallel.tp2_sp.te"].detail == "the parallel tier needs 2 GPUs; only 1 GPU visible"
     )
     assert results["training.resume.dp2_distopt.local"].status == "skip"
+
+
+def test_four_gpu_modes_skip_on_two_and_join_the_batch_on_four(tmp_path: Path) -> None:
+    checks = runner.select(
+        runner.load_checks(), ["parallel.tp2_cp2.te", "training.resume.dp4_distopt"]
+    )
+    results = {r.name: r for r in runner.run_checks(ctx(tmp_path, gpus=2), checks)}
+    assert results["parallel.tp2_cp2.te"].status == "skip"
+    assert results["parallel.tp2_cp2.te"].detail == (
+        "parallel.tp2_cp2.te needs 4 GPUs; only 2 GPUs visible"
+    )
+    assert results["training.resume.dp4_distopt.te"].detail == (
+        "the dp4_distopt resume check needs 4 GPUs; only 2 GPUs visible"
+    )
+    two, four = ctx(tmp_path, gpus=2), ctx(tmp_path, gpus=4)
+    for c in (two, four):
+        c.selected = ["parallel.pp2.te", "parallel.tp2_pp2_vpp.te", "parallel.ep4_moe.local"]
+    assert [m.name for m, _ in checks_parallel._wanted(two)] == ["pp2"]
+    assert [m.name for m, _ in checks_parallel._wanted(four)] == ["pp2", "tp2_pp2_vpp", "ep4_moe"]
+    two.selected = four.selected = []  # everything: the 4-GPU modes only where 4 GPUs are
+    assert not any(m.world == 4 for m, _ in checks_parallel._wanted(two))
+    assert sum(m.world == 4 for m, _ in checks_parallel._wanted(four)) == 8
 
 
 def test_static_skip_reasons(tmp_path: Path, monkeypatch) -> None:
@@ -164,6 +190,43 @@ def test_parallel_worlds_and_environments(tmp_path: Path, launches, monkeypatch)
     assert "first step 6.97000 = 1-GPU 6.97000 (bit-exact)" in detail
 
 
+def test_four_gpu_modes_run_in_a_four_rank_world(tmp_path: Path, launches, monkeypatch) -> None:
+    monkeypatch.setattr(checks_parallel.models, "grouped_gemm_available", lambda: True)
+    c = ctx(tmp_path, gpus=4)
+    pairs = [(checks_parallel.BY_NAME[m], "te") for m in ("tp2_pp2_vpp", "ep4_moe", "tp2_sp")]
+    pairs.append((checks_parallel.BY_NAME["tp2_cp2"], "local"))
+    results = checks_parallel.parallel_results(c, pairs)
+    refs, two, four = launches
+    assert {j.name for j in refs[1]} == {
+        "reference.llama_deep.te",
+        "reference.moe8.te",
+        "reference.llama.te",
+    }
+    assert two[0] == 2 and [j.name for j in two[1]] == ["parallel.tp2_sp.te"]
+    assert four[0] == 4 and four[2]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    by_name = {j.name: j for j in four[1]}
+    assert by_name["parallel.tp2_pp2_vpp.te"].layout == Layout(tp=2, pp=2, vpp=2, sp=True)
+    assert by_name["parallel.tp2_pp2_vpp.te"].weights.endswith("initial-llama_deep-te.pt")
+    assert by_name["parallel.ep4_moe.te"].grouped_gemm
+    assert by_name["parallel.ep4_moe.te"].layout == Layout(ep=4)
+    assert "TEDotProductAttention" in results["parallel.tp2_cp2.local"]  # skipped, as cp2
+
+
+def test_micro_batches_split_the_same_global_batch_at_every_data_parallel_size() -> None:
+    whole = models.global_batch(3, "cpu")["tokens"]
+    for dp in (1, 2, 4):
+        parts = [
+            mb["tokens"]
+            for rank in range(dp)
+            for mb in models.microbatches(3, "cpu", dp=dp, dp_rank=rank, cp=1, cp_rank=0)
+        ]
+        assert len(parts) == dp * models.num_microbatches(dp)
+        assert torch.equal(torch.cat(parts), whole)
+    assert models.micro_batch_size(4) == 1 and models.num_microbatches(4) == 1
+    with pytest.raises(ValueError, match="does not split over DP 3"):
+        models.micro_batch_size(3)
+
+
 def test_parallel_judge(tmp_path: Path) -> None:
     c = ctx(tmp_path)
     c.cache[("parallel-reference", "llama", "local", False)] = JobResult("ref", True, CURVE)
@@ -205,6 +268,17 @@ def test_resume_jobs(tmp_path: Path, launches, fault) -> None:
     assert all(j.dist_opt and j.deterministic and j.spec == "te" for j in first + second)
     assert resumed.fault == fault and straight.fault is None
     assert "steps 5-8 after the restart are bit-exact" in checks_resume.judge(out["te"])
+
+
+def test_four_gpu_resume_scenarios(tmp_path: Path, launches) -> None:
+    c = ctx(tmp_path, gpus=4)
+    checks_resume.resume_results(c, "tp2_pp2_vpp", ["local"])
+    checks_resume.resume_results(c, "dp4_distopt", ["te"])
+    assert [n for n, _, _ in launches] == [4, 4, 4, 4]
+    vpp = launches[0][1] + launches[1][1]
+    assert all(j.model == "llama_deep" and j.layout.vpp == 2 and not j.dist_opt for j in vpp)
+    dp4 = launches[2][1] + launches[3][1]
+    assert all(j.dist_opt and j.layout == Layout() for j in dp4)
 
 
 def test_resume_judge_names_the_failing_phase() -> None:

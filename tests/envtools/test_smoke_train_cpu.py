@@ -225,3 +225,40 @@ def test_context_parallel_on_packed_and_unpacked_batches_matches_one_rank(trees)
     unpacked = ctx.cache[("parallel-reference", "llama", "te", False)].losses
     packed = ctx.cache[("parallel-reference", "llama", "te", True)].losses
     assert packed[0] != unpacked[0]  # documents attend only to themselves: another loss
+
+
+def test_four_rank_layouts_match_the_one_rank_run(trees) -> None:
+    """The parallel tier's 4-GPU modes in 4-rank gloo worlds: TP2 x PP2 with two virtual
+    stages per rank (the interleaved schedule, 4 layers), TP2 x CP2 on the native CP, EP4
+    over DP4 (8 experts) and DP4 with the distributed optimizer and overlap."""
+    ctx = context(trees("0.16.0"))
+    modes = checks_parallel.BY_NAME
+    pairs = [
+        (modes["tp2_pp2_vpp"], "te"),
+        (modes["tp2_cp2"], "te"),
+        (modes["ep4_moe"], "local"),
+        (modes["dp4_distopt_overlap"], "local"),
+    ]
+    results = checks_parallel.parallel_results(
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    for mode, spec in pairs:
+        name = f"parallel.{mode.name}.{spec}"
+        assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
+    assert results["parallel.dp4_distopt_overlap.local"].detail["optimizer"] == (
+        "DistributedOptimizer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("release", "scenario"), [("0.16.0", "dp4_distopt"), ("0.12.0", "tp2_pp2_vpp")]
+)
+def test_four_rank_resumes(trees, release: str, scenario: str) -> None:
+    """A 4-rank checkpoint: the optimizer sharded four ways (0.16's dp_reshardable), and the
+    model split over TP, PP and two virtual stages (``model0``/``model1``; 0.12 numbers a
+    chunk's layers from Megatron's virtual rank, which the engine sets per chunk)."""
+    ctx = context(trees(release))
+    out = checks_resume.resume_results(
+        ctx, scenario, ["te"], backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+    assert "bit-exact" in checks_resume.judge(out["te"])

@@ -1,4 +1,4 @@
-"""The parallel tier (two or more GPUs): each parallel mode trains the small Llama (the MoE
+"""The parallel tier (two or four GPUs): each parallel mode trains the small Llama (the MoE
 variant for expert parallelism) through the local spec and through the TE spec, and must
 
 * learn (finite losses, falling: ``verdicts.learns``), and
@@ -10,7 +10,9 @@ variant for expert parallelism) through the local spec and through the TE spec, 
 
 Worlds (``world.run_jobs``): one 1-GPU world computes the references; one 2-GPU world runs
 TP/PP/CP/EP/DP with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (what ``arguments.py`` requires for TP
-and CP before Blackwell); one runs the FSDPs without it (they require it unset or > 1). Each
+and CP before Blackwell); one runs the FSDPs without it (they require it unset or > 1). With
+four GPUs visible, one 4-GPU world runs the combinations two GPUs cannot show (TP x PP with
+virtual stages, TP x CP, EP4 over DP4, DP4); with fewer they are skipped, saying so. Each
 mode is reported pass / fail / skip with the reason.
 """
 
@@ -27,7 +29,6 @@ from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, regi
 from megatron_rocm.envtools.smoke.world import JobResult, run_jobs
 
 PARALLEL_STEPS = 8
-WORLD = 2
 ENVS = {"mp": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "fsdp": {"CUDA_DEVICE_MAX_CONNECTIONS": None}}
 
 
@@ -42,6 +43,7 @@ class Mode:
     fsdp: str = ""
     env: str = "mp"
     packed: bool = False  # packed sequences (THD): compared with the packed 1-GPU run
+    world: int = 2  # GPUs (ranks) the mode needs
 
 
 MODES = [
@@ -68,13 +70,41 @@ MODES = [
         fsdp="megatron_fsdp",
         env="fsdp",
     ),
+    # four GPUs
+    Mode(
+        "tp2_pp2_vpp",
+        "TP2 + SP x PP2 with 2 virtual stages per rank (interleaved 1F1B, 4 layers)",
+        "llama_deep",
+        Layout(tp=2, pp=2, vpp=2, sp=True),
+        world=4,
+    ),
+    Mode(
+        "tp2_cp2",
+        "TP2 + SP x CP2 (load-balanced chunks, causal)",
+        layout=Layout(tp=2, cp=2, sp=True),
+        world=4,
+    ),
+    Mode(
+        "ep4_moe",
+        "MoE (8 experts, top-2, alltoall) with expert parallel 4 over data parallel 4",
+        "moe8",
+        Layout(ep=4),
+        world=4,
+    ),
+    Mode(
+        "dp4_distopt_overlap",
+        "DP4, distributed optimizer, overlapped grad reduce-scatter and param all-gather",
+        dist_opt=True,
+        overlap=True,
+        world=4,
+    ),
 ]
 BY_NAME = {m.name: m for m in MODES}
 
 
 def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
     """Why (mode, spec) cannot run on this tree at all; None when it can."""
-    if mode.name.startswith("cp2") and spec == "local":
+    if mode.layout.cp > 1 and spec == "local":
         return (
             "upstream runs context parallelism only through TEDotProductAttention (the TE "
             "spec); the local DotProductAttention asserts context_parallel_size == 1"
@@ -89,7 +119,7 @@ def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
             "(megatron_rocm.runtime.backend.packed_context_parallel)"
         )
     if (
-        mode.name == "cp2"
+        mode.layout.cp > 1
         and importlib.util.find_spec("megatron_rocm.runtime.backend.context_parallel") is None
     ):
         return (
@@ -143,7 +173,8 @@ def _fsdp2_misses_force_all_reduce(tree: Path) -> bool:
 
 
 def job_for(mode: Mode, spec: str, weights: str, overrides: dict | None = None) -> Job:
-    grouped = mode.model == "moe" and spec == "te" and models.grouped_gemm_available()
+    moe = "num_moe_experts" in models.SHAPES[mode.model]
+    grouped = moe and spec == "te" and models.grouped_gemm_available()
     return Job(
         f"parallel.{mode.name}.{spec}",
         model=mode.model,
@@ -166,9 +197,11 @@ def _ref_key(mode: Mode, spec: str) -> tuple[str, str, bool]:
 
 
 def _wanted(ctx: Context) -> list[tuple[Mode, str]]:
+    """The selected (mode, spec) pairs this machine has the GPUs for (the others skip)."""
     names = [n for n in ctx.selected if n.startswith("parallel.")]
     pairs = [(BY_NAME[n.split(".")[1]], n.split(".")[2]) for n in names if n.count(".") == 2]
-    return pairs or [(m, s) for m in MODES for s in models.SPECS]
+    pairs = pairs or [(m, s) for m in MODES for s in models.SPECS]
+    return [(mode, spec) for mode, spec in pairs if mode.world <= ctx.gpu_count]
 
 
 def parallel_results(
@@ -207,10 +240,10 @@ def parallel_results(
     done = run_jobs(1, list(refs.values()), ctx.tree, backend=backend, env=env)
     for key, ref in refs.items():
         ctx.cache[("parallel-reference", *key)] = done[ref.name]
-    for group in ENVS:
+    for group, world in sorted({(m.env, m.world) for m, _ in runnable}, key=_world_order):
         jobs = []
         for mode, spec in runnable:
-            if mode.env != group:
+            if (mode.env, mode.world) != (group, world):
                 continue
             ref = refs[_ref_key(mode, spec)]
             if not done[ref.name].ok:
@@ -222,8 +255,14 @@ def parallel_results(
             jobs.append(job_for(mode, spec, ref.dump_weights or "", overrides))
         if jobs:
             world_env = {**ENVS[group], **(env or {})}
-            out.update(run_jobs(WORLD, jobs, ctx.tree, backend=backend, env=world_env))
+            out.update(run_jobs(world, jobs, ctx.tree, backend=backend, env=world_env))
     return out
+
+
+def _world_order(key: tuple[str, int]) -> tuple[int, int]:
+    """Two-GPU worlds first, in ENVS order: the tier's older results come first."""
+    group, world = key
+    return world, list(ENVS).index(group)
 
 
 def judge(ctx: Context, name: str, result: JobResult | str) -> str:
@@ -247,7 +286,7 @@ def judge(ctx: Context, name: str, result: JobResult | str) -> str:
 def check_parallel(ctx: Context, mode: Mode, spec: str) -> str:
     name = f"parallel.{mode.name}.{spec}"
     ctx.needs_tree()
-    ctx.needs_gpu(WORLD, "the parallel tier")
+    ctx.needs_gpu(mode.world, "the parallel tier" if mode.world == 2 else name)
     key = "parallel"
     if key not in ctx.cache:
         ctx.cache[key] = parallel_results(ctx, _wanted(ctx))

@@ -9,7 +9,9 @@ other half. Both worlds run with upstream's ``--deterministic-mode`` settings
 ``config.deterministic_mode``), so the losses after the restart are compared bit for bit
 (``verdicts.resumes`` states the fallback tolerance). On one GPU the optimizer is Megatron's
 mixed-precision one; on two it is the distributed optimizer over DP2, the case issue 12 found
-broken without TE/Apex (patch ``dist-optimizer-resume``).
+broken without TE/Apex (patch ``dist-optimizer-resume``). Four GPUs add DP4 with the
+distributed optimizer and TP2 x PP2 with virtual stages (``model0``/``model1`` chunks in the
+checkpoint, as ``megatron.training`` writes them); with fewer GPUs they are skipped.
 
 ``MEGATRON_ROCM_SMOKE_FAULT=resume`` resets the loaded Adam step counts (as a resume that lost
 them would), to prove these checks fail when the resumed state is wrong.
@@ -22,6 +24,7 @@ from typing import Any
 
 from megatron_rocm.envtools.smoke import models, verdicts
 from megatron_rocm.envtools.smoke.engine import Job
+from megatron_rocm.envtools.smoke.models import Layout
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
 from megatron_rocm.envtools.smoke.world import DETERMINISM_ENV, JobResult, run_jobs
 
@@ -30,6 +33,14 @@ SCENARIOS: dict[str, tuple[int, dict[str, Any], str]] = {
     # name: (GPUs, job options, what it checks)
     "1gpu": (1, {}, "1 GPU, mixed-precision optimizer"),
     "dp2_distopt": (2, {"dist_opt": True}, "DP2 with the distributed optimizer"),
+    # four GPUs: the distributed optimizer sharded four ways, and a checkpoint whose model is
+    # split over tensor and pipeline ranks and over two virtual stages per pipeline rank
+    "dp4_distopt": (4, {"dist_opt": True}, "DP4 with the distributed optimizer"),
+    "tp2_pp2_vpp": (
+        4,
+        {"model": "llama_deep", "layout": Layout(tp=2, pp=2, vpp=2, sp=True)},
+        "TP2 + SP x PP2 with 2 virtual stages, mixed-precision optimizer",
+    ),
 }
 
 

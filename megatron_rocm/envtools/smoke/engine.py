@@ -15,11 +15,12 @@ checks and by ``_train_worker`` for multi-GPU and fresh-process runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,11 +75,31 @@ def set_parallel_state(layout: Layout) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_size,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
     )
     torch.manual_seed(models.SEED)
     model_parallel_cuda_manual_seed(models.SEED)  # the CUDA RNG tracker (our CPU tests stub it)
+
+
+@contextlib.contextmanager
+def virtual_stage(stage: int, chunks: int) -> Iterator[None]:
+    """Megatron's virtual pipeline rank set to ``stage`` while one model chunk is built or
+    its ``sharded_state_dict`` taken, as ``megatron.training`` does around each chunk: trees
+    before 0.16 compute a chunk's layer offset (its layers' global numbers and checkpoint
+    keys) from this rank, not from the chunk. No-op without virtual stages."""
+    from megatron.core import parallel_state
+
+    if chunks == 1:
+        yield
+        return
+    before = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    parallel_state.set_virtual_pipeline_model_parallel_rank(stage)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(before)
 
 
 # Rank lists destroy_model_parallel leaves behind (the position-embedding one at 0.12 only).
@@ -128,7 +149,7 @@ def _wrap(job: Job, config: Any, module: Any) -> Any:
     return dist_mod.DistributedDataParallel(config=config, ddp_config=cfg, module=module)
 
 
-def _optimizer(job: Job, wrapped: Any) -> Any:
+def _optimizer(job: Job, wrapped: list[Any]) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     kwargs = _fields(
@@ -143,16 +164,20 @@ def _optimizer(job: Job, wrapped: Any) -> Any:
         clip_grad=1.0,
         use_distributed_optimizer=job.dist_opt or job.fsdp == "megatron_fsdp",
     )
-    return get_megatron_optimizer(OptimizerConfig(**kwargs), [wrapped])
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), wrapped)
 
 
 class Trainer:
-    """Model, wrapper and optimizer of one job on this rank, and its training step."""
+    """Model chunks, wrappers and optimizer of one job on this rank, and its training step.
+
+    One chunk per virtual pipeline stage (``Layout.vpp``; one without virtual stages), each
+    wrapped on its own, as ``megatron.training.get_model`` builds them."""
 
     def __init__(
         self, job: Job, device: torch.device, capture: Callable[[Any], None] | None = None
     ) -> None:
-        """``capture`` sees the bare GPTModel before it is wrapped (the reference weights)."""
+        """``capture`` sees the bare GPTModel before it is wrapped (the reference weights;
+        only a one-chunk model holds them all)."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
 
@@ -171,25 +196,44 @@ class Trainer:
             overrides=overrides,
         )
         torch.manual_seed(models.SEED)
-        net = models.build_model(
-            job.model, job.spec, self.config, grouped_gemm=job.grouped_gemm, device=device
-        )
-        if job.weights:
-            from megatron_rocm.envtools.smoke.weights import load_full_weights
+        full = torch.load(job.weights, weights_only=True) if job.weights else None
+        self.nets: list[Any] = []  # what megatron.training's checkpointing sees (unwrap_model)
+        for stage in range(job.layout.vpp):
+            with self.chunk(stage):
+                net = models.build_model(
+                    job.model,
+                    job.spec,
+                    self.config,
+                    grouped_gemm=job.grouped_gemm,
+                    device=device,
+                    vp_stage=stage,
+                )
+                if full is not None:
+                    from megatron_rocm.envtools.smoke.weights import load_full_weights
 
-            load_full_weights(net, torch.load(job.weights, weights_only=True))
+                    load_full_weights(net, full)
+            self.nets.append(net)
         if capture is not None:
-            capture(net)
-        self.net = net  # what megatron.training's checkpointing sees (unwrap_model)
-        self.params = sum(p.numel() for p in net.parameters())
-        self.model = _wrap(job, self.config, Float16Module(self.config, net))
-        self.optimizer = _optimizer(job, self.model)
+            if len(self.nets) > 1:
+                raise ValueError("reference weights come from a model without virtual stages")
+            capture(self.nets[0])
+        self.params = sum(p.numel() for net in self.nets for p in net.parameters())
+        self.models = [_wrap(job, self.config, Float16Module(self.config, n)) for n in self.nets]
+        for stage, wrapped in enumerate(self.models):
+            wrapped.vp_stage = stage  # what main's schedules check each chunk against
+        self.optimizer = _optimizer(job, self.models)
         # megatron.training.training.setup_model_and_optimizer / train wire these
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.finalize_model_grads_func = finalize_model_grads
         if job.overlap:
-            self.config.no_sync_func = self.model.no_sync
-            self.config.grad_sync_func = self.model.start_grad_sync
+            if len(self.models) > 1:
+                raise ValueError("overlapped grad reduce with virtual stages is not wired here")
+            self.config.no_sync_func = self.models[0].no_sync
+            self.config.grad_sync_func = self.models[0].start_grad_sync
+
+    def chunk(self, stage: int) -> contextlib.AbstractContextManager[None]:
+        """``virtual_stage`` for this job's chunk ``stage``."""
+        return virtual_stage(stage, self.job.layout.vpp)
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator: Any, model: Any) -> tuple[Any, Any]:
@@ -213,27 +257,32 @@ class Trainer:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.model.zero_grad_buffer()
+        for wrapped in self.models:
+            wrapped.zero_grad_buffer()
         self.optimizer.zero_grad()
         dp = parallel_state.get_data_parallel_world_size()
         packed = self.job.packed
         # a packed micro-batch is one row of its MICRO_BATCH samples (THD)
         seq = models.SEQ * models.MICRO_BATCH if packed else models.SEQ
-        batches = (models.packed_microbatches if packed else models.microbatches)(
-            step,
-            self.device,
-            dp=dp,
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            cp=self.job.layout.cp,
-            cp_rank=parallel_state.get_context_parallel_rank(),
+        batches = list(
+            (models.packed_microbatches if packed else models.microbatches)(
+                step,
+                self.device,
+                dp=dp,
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                cp=self.job.layout.cp,
+                cp_rank=parallel_state.get_context_parallel_rank(),
+            )
         )
+        # each chunk reads the micro-batches through its own iterator (interleaved schedule)
+        iterators = [iter(batches) for _ in self.models]
         reduced = get_forward_backward_func()(
             forward_step_func=self._forward_step,
-            data_iterator=batches,
-            model=[self.model],
-            num_microbatches=models.num_microbatches(dp),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.models,
+            num_microbatches=len(batches),
             seq_length=seq,
-            micro_batch_size=1 if packed else models.MICRO_BATCH,
+            micro_batch_size=1 if packed else models.micro_batch_size(dp),
             decoder_seq_length=seq,
             forward_only=False,
         )
@@ -241,7 +290,7 @@ class Trainer:
         ok = result[0] if isinstance(result, tuple) else result
         if not ok:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (overflow)")
-        if not parallel_state.is_pipeline_last_stage():
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         loss = torch.stack([d["lm loss"] for d in reduced]).mean()
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -264,22 +313,34 @@ class Trainer:
             return {"metadata": {**meta, "chained_optim_avoid_prefix": True}}
         return {"sharding_type": sharding}
 
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
+        """``model`` (one chunk) or ``model0``, ``model1``, ... (virtual stages), as
+        ``megatron.training.checkpointing`` names them."""
+        if len(self.nets) == 1:
+            return {"model": self.nets[0].sharded_state_dict()}
+        out = {}
+        for stage, net in enumerate(self.nets):
+            with self.chunk(stage):
+                out[f"model{stage}"] = net.sharded_state_dict()
+        return out
+
     def save(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
 
-        model_sd = self.net.sharded_state_dict()
-        optim_sd = self.optimizer.sharded_state_dict(model_sd, **self._optim_kwargs())
-        dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, folder)
+        state = self._model_sharded_state_dict()
+        state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), **self._optim_kwargs())
+        dist_checkpointing.save(state, folder)
 
     def load(self, folder: str) -> None:
         from megatron.core import dist_checkpointing
 
-        model_sd = self.net.sharded_state_dict()
-        optim_sd = self.optimizer.sharded_state_dict(
-            model_sd, is_loading=True, **self._optim_kwargs()
+        state = self._model_sharded_state_dict()
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            dict(state), is_loading=True, **self._optim_kwargs()
         )
-        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, folder)
-        self.net.load_state_dict(loaded["model"])
+        loaded = dist_checkpointing.load(state, folder)
+        for stage, net in enumerate(self.nets):
+            net.load_state_dict(loaded["model" if len(self.nets) == 1 else f"model{stage}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
 
 

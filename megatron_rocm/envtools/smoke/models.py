@@ -52,7 +52,11 @@ MOE = {
     "moe_ffn_hidden_size": 344,
     "moe_token_dispatcher_type": "alltoall",
 }
-SHAPES = {"gpt": GPT, "llama": LLAMA, "moe": MOE}
+# Four GPUs: interleaved pipelining needs a layer for each of PP2 x 2 virtual stages, and
+# expert parallel 4 needs more than one expert per rank for a grouped GEMM to group anything.
+LLAMA_DEEP = {**LLAMA, "num_layers": 4}
+MOE8 = {**MOE, "num_moe_experts": 8}
+SHAPES = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "llama_deep": LLAMA_DEEP, "moe8": MOE8}
 
 
 class TESpecUnavailable(RuntimeError):
@@ -68,6 +72,12 @@ class Layout:
     cp: int = 1
     ep: int = 1
     sp: bool = False
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B
+
+    @property
+    def virtual_size(self) -> int | None:
+        """What Megatron calls ``virtual_pipeline_model_parallel_size``: None without chunks."""
+        return self.vpp if self.vpp > 1 else None
 
 
 def grouped_gemm_available() -> bool:
@@ -110,6 +120,7 @@ def build_config(
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        virtual_pipeline_model_parallel_size=layout.virtual_size,
         sequence_parallel=layout.sp,
         deterministic_mode=deterministic,
         transformer_impl="local" if spec == "local" else "transformer_engine",
@@ -152,24 +163,37 @@ def te_spec_error(e: BaseException) -> TESpecUnavailable:
 
 
 def build_model(
-    model: str, spec: str, config: Any, *, grouped_gemm: bool = False, device: Any = "cpu"
+    model: str,
+    spec: str,
+    config: Any,
+    *,
+    grouped_gemm: bool = False,
+    device: Any = "cpu",
+    vp_stage: int = 0,
 ) -> Any:
-    """GPTModel for this pipeline stage (first stage: embedding; last stage: output layer)."""
+    """GPTModel for this pipeline stage and virtual stage ``vp_stage`` (the first chunk of the
+    first stage holds the embedding, the last chunk of the last stage the output layer). The
+    caller sets Megatron's virtual rank to ``vp_stage`` (``engine.virtual_stage``): trees
+    before 0.16 read the layer offset from it, later ones from ``vp_stage``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    chunks = config.virtual_pipeline_model_parallel_size or 1
     kwargs = dict(
         config=config,
         transformer_layer_spec=layer_spec(spec, config, grouped_gemm),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True) and vp_stage == 0,
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and vp_stage == chunks - 1,
         share_embeddings_and_output_weights=model == "gpt",
         position_embedding_type="learned_absolute" if model == "gpt" else "rope",
     )
+    if chunks > 1:
+        kwargs["vp_stage"] = vp_stage
     try:
-        net = GPTModel(**kwargs)
+        net = GPTModel(**_accepted(GPTModel.__init__, kwargs))
     except TypeError as e:
         if spec == "te" and "NoneType" in str(e):
             raise te_spec_error(e) from e
@@ -197,14 +221,23 @@ def cp_slice(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
 
 
+def micro_batch_size(dp: int) -> int:
+    """MICRO_BATCH, or what is left of the global batch per data-parallel rank when that is
+    less (DP4 on a global batch of 4): every layout trains on the same global batch."""
+    if GLOBAL_BATCH % dp:
+        raise ValueError(f"a global batch of {GLOBAL_BATCH} does not split over DP {dp}")
+    return min(MICRO_BATCH, GLOBAL_BATCH // dp)
+
+
 def microbatches(
     step: int, device: Any, *, dp: int, dp_rank: int, cp: int, cp_rank: int
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's share of the global batch of ``step``, in micro-batches of MICRO_BATCH."""
+    """This rank's share of the global batch of ``step``, in micro-batches of
+    ``micro_batch_size(dp)``."""
     batch = global_batch(step, device)
-    per_rank = GLOBAL_BATCH // dp
-    for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, MICRO_BATCH):
-        part = {k: v[start : start + MICRO_BATCH] for k, v in batch.items()}
+    per_rank, micro = GLOBAL_BATCH // dp, micro_batch_size(dp)
+    for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro):
+        part = {k: v[start : start + micro] for k, v in batch.items()}
         yield {k: cp_slice(v, cp, cp_rank) for k, v in part.items()}
 
 
@@ -269,7 +302,7 @@ def packed_seq_params(batch: dict[str, Any]) -> Any:
 
 
 def num_microbatches(dp: int) -> int:
-    return GLOBAL_BATCH // (dp * MICRO_BATCH)
+    return GLOBAL_BATCH // (dp * micro_batch_size(dp))
 
 
 def causal_mask(seq: int, device: Any) -> torch.Tensor:

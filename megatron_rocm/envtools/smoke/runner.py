@@ -62,6 +62,7 @@ class Context:
     def needs_gpu(self, n: int = 1, what: str = "this check") -> None:
         if self.gpu_count < n:
             have = "no GPU" if self.gpu_count == 0 else f"only {self.gpu_count} GPU"
+            have += "s" if self.gpu_count > 1 else ""
             raise Skip(f"{what} needs {n} GPU{'s' if n > 1 else ''}; {have} visible")
 
     def needs_tree(self) -> Path:
