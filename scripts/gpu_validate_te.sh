@@ -39,6 +39,12 @@
 #            (the ring over four ranks) against CP=1, loss by loss (scripts/compare_losses.py);
 #            on the newest ref MoE with EP=2 x DP=2, --moe-grouped-gemm and the distributed
 #            optimizer (PAR4_ITERS; PAR4_RUNS picks from cp1 tp2 tp2cp2 cp4 moe, default all)
+#   scale4   four GPUs, issue 14, on every ref in REFS: scripts/validate_par4.py (TP2 x PP2 with
+#            virtual stages, TP2 x CP2 at 16k, EP4 MoE with grouped GEMM over DP4, DP4 with the
+#            distributed optimizer; the first and the last save and resume in a fresh process;
+#            each against the same model on one GPU: OUT/scale4-REF.md), then smoke's four-GPU
+#            parallel modes and resume checks (SCALE4_ITERS; SCALE4_RUNS; SCALE4_TIMEOUT, seconds
+#            per run, default 240; SCALE4_SMOKE=0 skips the smoke part)
 #   moebench upstream's expert modules on the newest ref, SequentialMLP vs TEGroupedMLP on the
 #            native backend (scripts/bench_moe_experts.py, MOE_EXPERTS default 8 64), and the
 #            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
@@ -57,7 +63,7 @@
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
 #   1 GPU:  setup train units profile bench trace kernels smoke mla moebench
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
-#   4 GPUs: setup par4
+#   4 GPUs: setup par4 scale4
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -302,6 +308,24 @@ stage_par4() {
       log "par4-${n%:*}-$R losses vs ${n#*:}: $(cd "$HERE" && $PY scripts/compare_losses.py \
         "$OUT/par4-${n#*:}-$R.log" "$OUT/par4-${n%:*}-$R.log" 2>&1)"
     done
+  done
+}
+
+SMOKE4=(parallel.tp2_pp2_vpp parallel.tp2_cp2 parallel.ep4_moe parallel.dp4_distopt_overlap
+        training.resume.dp4_distopt training.resume.tp2_pp2_vpp)
+stage_scale4() {
+  local R
+  for R in "${REFS[@]}"; do
+    (cd "$HERE" && $PY scripts/validate_par4.py "$W/p-$R" --out "$W/scale4-$R" \
+       --iters "${SCALE4_ITERS:-30}" ${SCALE4_RUNS:+--runs "$SCALE4_RUNS"} \
+       --run-timeout "${SCALE4_TIMEOUT:-240}" \
+       --table "$OUT/scale4-$R.md" > "$OUT/scale4-$R.jsonl" 2> "$OUT/scale4-$R.err")
+    log "scale4 $R: exit $? $(tail -1 "$OUT/scale4-$R.jsonl")"
+    mkdir -p "$OUT/scale4-$R" && cp "$W/scale4-$R"/*.log "$OUT/scale4-$R/" 2>/dev/null
+    [ "${SCALE4_SMOKE:-1}" = 1 ] || continue
+    $PY -m megatron_rocm smoke "$W/p-$R" --only "${SMOKE4[@]}" --json "$OUT/smoke4-$R.json" \
+      > "$OUT/smoke4-$R.log" 2>&1
+    log "smoke4 $R: exit $? $(tail -1 "$OUT/smoke4-$R.log")"
   done
 }
 

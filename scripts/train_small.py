@@ -113,7 +113,7 @@ def flops_per_iteration(shape: Shape, preset: str, global_batch: int, vocab: int
 def batch_sizes(shape: Shape, opts: argparse.Namespace) -> tuple[int, int]:
     """(micro, global) batch: the preset's unless overridden; global scales with data parallel."""
     micro = opts.micro_batch_size or shape.micro_batch
-    dp = opts.nproc // (opts.tp * opts.cp)
+    dp = opts.nproc // (opts.tp * opts.cp * opts.pp)
     return micro, opts.global_batch_size or max(shape.global_batch, micro) * dp
 
 
@@ -155,6 +155,13 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
     ]
     if opts.sp:
         args.append("--sequence-parallel")
+    if opts.pp > 1:
+        args.append(f"--pipeline-model-parallel-size={opts.pp}")
+    if opts.vpp > 1:
+        # the one spelling every tag from core_v0.12.0 to main accepts (there is no
+        # --virtual-pipeline-model-parallel-size flag); parse_cli checks the division
+        layers = shape.num_layers // (opts.pp * opts.vpp)
+        args.append(f"--num-layers-per-virtual-pipeline-stage={layers}")
     if preset == "llama":
         args += [
             "--normalization=RMSNorm",
@@ -285,6 +292,7 @@ def summarize(
         # several ms; the median says what a steady iteration costs.
         median_ms = statistics.median(r.elapsed_ms for r in timed if r.elapsed_ms is not None)
         summary["median_iter_ms"] = round(median_ms, 2)
+        summary["tokens_per_s_at_median"] = round(tokens_per_iter / (median_ms / 1000.0), 1)
         median_tflops = flops_per_iter / (median_ms / 1000.0) / ngpus / 1e12
         summary["mfu_at_median"] = round(median_tflops / peak_tflops, 4)
     reported = [r.megatron_tflops for r in timed if r.megatron_tflops is not None]
@@ -339,6 +347,14 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual pipeline stages per pipeline rank, the interleaved schedule (default 1: "
+        "none); needs --pp 2 or more and the preset's layers divisible by pp x vpp",
+    )
     p.add_argument("--seq-length", type=int, help="override the preset's sequence length")
     p.add_argument(
         "--transformer-impl",
@@ -365,10 +381,25 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     opts = p.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
     opts.extra = extra
-    if opts.nproc % (opts.tp * opts.cp):
-        p.error(f"--nproc {opts.nproc} is not a multiple of --tp {opts.tp} x --cp {opts.cp}")
+    for name in ("nproc", "tp", "cp", "pp", "vpp"):
+        if getattr(opts, name) < 1:
+            p.error(f"--{name} must be 1 or more")
+    if opts.nproc % (opts.tp * opts.cp * opts.pp):
+        p.error(
+            f"--nproc {opts.nproc} is not a multiple of "
+            f"--tp {opts.tp} x --cp {opts.cp} x --pp {opts.pp}"
+        )
     if opts.sp and opts.tp < 2:
         p.error("--sp needs --tp 2 or more")
+    if opts.vpp > 1:
+        layers = SHAPES[(opts.preset, opts.preset_size)].num_layers
+        if opts.pp < 2:
+            p.error("--vpp needs --pp 2 or more")
+        if layers % (opts.pp * opts.vpp):
+            p.error(
+                f"--pp {opts.pp} x --vpp {opts.vpp} does not divide the "
+                f"{layers} layers of {opts.preset} {opts.preset_size}"
+            )
     return opts
 
 
@@ -379,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = dataclasses.replace(shape, seq_length=opts.seq_length)
     tree = opts.tree.resolve()
     args = megatron_args(shape, opts.preset, opts) + opts.extra
+    # --standalone: torchrun's rendezvous store listens on a port the OS picks (localhost:0)
+    # and the ranks' MASTER_PORT is that store's or another free one, so runs started side by
+    # side (one per GPU with CUDA_VISIBLE_DEVICES) do not meet on a fixed 29500.
     cmd = [
         sys.executable,
         "-m",
@@ -434,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": opts.nproc,
         "tp": opts.tp,
         "cp": opts.cp,
+        "pp": opts.pp,
+        "vpp": opts.vpp,
         "sp": opts.sp,
         "seq_length": shape.seq_length,
         "micro_batch_size": micro,

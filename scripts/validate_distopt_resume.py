@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,11 @@ from train_small import last_exception, parse_log  # noqa: E402
 ITERS, SAVE_AT = 8, 4
 RUN_TIMEOUT = 240  # seconds per torchrun; --run-timeout
 HUNG = 124
+# A stopped torchrun gives its ranks 30 s between SIGTERM and SIGKILL; a little more here.
+STOP_GRACE = 45
+# What upstream's --deterministic-mode asks of the environment (NCCL_ALGO is required up to
+# 0.16; from 0.19 megatron/training/determinism.py sets these same defaults itself).
+DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 MODEL = [
     "--num-layers=2",
     "--hidden-size=256",
@@ -102,10 +108,69 @@ def has_text(tree: Path, text: str) -> bool:
     return any(text in p.read_text(errors="replace") for p in places if p.is_file())
 
 
+def start(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start ``cmd`` in a process group of its own, its output (both streams) to ``log``."""
+    with log.open("w") as f:
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def stop(proc: subprocess.Popen, grace: float = STOP_GRACE) -> None:
+    """SIGTERM to ``proc``'s whole group (a wrapper such as train_small.py and the torchrun
+    under it: torchrun passes it on to its ranks, which have sessions of their own), then
+    SIGKILL to whatever of the group is left after ``grace`` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        proc.poll()  # reap the leader: a zombie still counts as a member of the group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def finish(
+    proc: subprocess.Popen, log: Path, timeout: float, limit: float | None = None
+) -> tuple[int, list[str]]:
+    """Wait for a process from ``start``; one not ended after ``timeout`` more seconds is
+    stopped and reported as ``HUNG`` with the last line it printed and ``limit`` (the time
+    it was given since its start, default ``timeout``). Ctrl-C stops it too."""
+    try:
+        rc = proc.wait(timeout=max(timeout, 0))
+    except subprocess.TimeoutExpired:  # a hung collective: stop the run, ranks included
+        lines = log.read_text(errors="replace").splitlines()  # what it said before we did
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        stop(proc)
+        given = timeout if limit is None else limit
+        return HUNG, [*lines, f"no end after {given:g} s; last line: {last[:200]}"]
+    except BaseException:
+        stop(proc)
+        raise
+    return rc, log.read_text(errors="replace").splitlines()
+
+
+def run_logged(
+    cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float
+) -> tuple[int, list[str]]:
+    """Run ``cmd`` (output to ``log``) with a hang timeout; return (rc or HUNG, log lines)."""
+    return finish(start(cmd, cwd, env, log), log, timeout)
+
+
 def run(
     tree: Path, nproc: int, args: list[str], env_extra: dict, log: Path, timeout: int
 ) -> tuple[int, list]:
-    env = dict(os.environ, NCCL_ALGO="Ring", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env = dict(os.environ, **DETERMINISTIC_ENV)
     env.update(NCCL_NVLS_ENABLE="0", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
     for key, value in env_extra.items():
         if value is None:
@@ -117,26 +182,10 @@ def run(
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "pretrain_gpt.py", *MODEL, *args]
-    with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # a hung collective: stop torchrun and its ranks
-            lines = log.read_text(errors="replace").splitlines()  # what it said before we did
-            last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-            proc.terminate()  # torchrun passes SIGTERM on to its ranks (their own sessions)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return HUNG, [*lines, f"no end after {timeout} s; last line: {last[:200]}"]
-    return rc, log.read_text(errors="replace").splitlines()
+    return run_logged(cmd, tree, env, log, timeout)
 
 
-def _why(rc: int, lines: list[str]) -> str | None:
+def failure_reason(rc: int, lines: list[str]) -> str | None:
     """A hung run's last words, else the run's last exception."""
     return f"hung: {lines[-1]}" if rc == HUNG and lines else last_exception(lines)
 
@@ -164,7 +213,7 @@ def check_format(tree: Path, name: str, nproc: int, out: Path, timeout: int = RU
     )
     a = losses(lines_a)
     if rc or len(a) < ITERS:
-        why = _why(rc, lines_a) or f"exit {rc}, {len(a)} iterations logged"
+        why = failure_reason(rc, lines_a) or f"exit {rc}, {len(a)} iterations logged"
         return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
     saved = first / f"iter_{SAVE_AT:07d}"
     staged.mkdir(parents=True)
@@ -177,7 +226,7 @@ def check_format(tree: Path, name: str, nproc: int, out: Path, timeout: int = RU
     result["straight"] = [a[i] for i in range(SAVE_AT + 1, ITERS + 1)]
     result["resumed"] = [b.get(i) for i in range(SAVE_AT + 1, ITERS + 1)]
     if rc or None in result["resumed"] or min(b, default=0) != SAVE_AT + 1:
-        why = _why(rc, lines_b) or f"exit {rc}, iterations {sorted(b)}"
+        why = failure_reason(rc, lines_b) or f"exit {rc}, iterations {sorted(b)}"
         return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
     status, detail = judge(result["straight"], result["resumed"], averages_second_log(tree))
     return {**result, "status": status, "detail": detail}
@@ -191,30 +240,56 @@ def averages_second_log(tree: Path) -> bool:
     return training.is_file() and "should_reset = not is_first_iteration" in training.read_text()
 
 
-def judge(straight: list[float], resumed: list[float], averaged: bool) -> tuple[str, str]:
-    """Run B's printed losses against what run A's losses make it print.
+def iteration_list(numbers: list[int]) -> str:
+    """5, 7, 8 / 16, 18-30: runs of three or more as a range."""
+    parts: list[str] = []
+    i = 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{numbers[i]}-{numbers[j]}")
+        else:
+            parts.extend(str(n) for n in numbers[i : j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def judge(
+    straight: list[float], resumed: list[float], averaged: bool, first: int = SAVE_AT + 1
+) -> tuple[str, str]:
+    """Run B's printed losses against what run A's losses make it print; ``first`` is the
+    iteration of the first loss in both lists (the one after the checkpoint).
 
     Megatron prints 7 significant digits. Every line compares exactly, except, where the
     tree averages the second line (``averaged``), that one: it is compared with the mean of
     run A's two printed values, within one unit of the 7th digit (the rounding of the two
-    inputs and of the print). A lost Adam step or moment moves iteration 6 by ~1e-3, far
+    inputs and of the print). A lost Adam step or moment moves that line by ~1e-3, far
     more than that.
     """
     expected = list(straight)
     slack = [0.0] * len(expected)
+    numbers = list(range(first, first + len(expected)))
     if averaged and len(expected) > 1:
         expected[1] = (straight[0] + straight[1]) / 2
         slack[1] = 10.0 ** (math.floor(math.log10(abs(expected[1]))) - 6)
     off = [abs(x - y) - tol for x, y, tol in zip(resumed, expected, slack)]
     if max(off) <= 0:
-        if not averaged:
-            return "pass", "iterations 5-8 bit-exact as printed"
+        if not averaged or len(expected) < 2:
+            return "pass", f"{_iterations(numbers)} bit-exact as printed"
+        exact = [numbers[0], *numbers[2:]]
         return "pass", (
-            "iterations 5, 7, 8 bit-exact as printed; 6 equals mean(5, 6) to the printed "
-            "digits (training_log averages a process's first two iterations)"
+            f"{_iterations(exact)} bit-exact as printed; {first + 1} equals "
+            f"mean({first}, {first + 1}) to the printed digits (training_log averages a "
+            "process's first two iterations)"
         )
     worst = max(abs(x - y) / abs(y) for x, y in zip(resumed, expected))
     return "fail", f"resumed losses differ (max rel {worst:.1e})"
+
+
+def _iterations(numbers: list[int]) -> str:
+    return ("iterations " if len(numbers) > 1 else "iteration ") + iteration_list(numbers)
 
 
 def main(argv: list[str] | None = None) -> int:

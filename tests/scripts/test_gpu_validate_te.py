@@ -229,3 +229,29 @@ def test_a_run_that_writes_no_log_is_not_compared_with_an_older_one(tmp_path: Pa
     compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
     assert [str(out / "par4-tp2cp2-main.log")] not in [c[1:] for c in compares]
     assert not (out / "par4-tp2cp2-main.log").exists()
+
+
+def test_scale4_runs_issue_14_and_smokes_four_gpu_checks_on_every_ref(tmp_path: Path) -> None:
+    calls = run_stage(tmp_path, "scale4", REFS="core_v0.19.0 main", SCALE4_RUNS="ep4moe")
+    par4 = [c for c in calls if "scripts/validate_par4.py" in c]
+    smoke = [c for c in calls if "-m megatron_rocm smoke" in c]
+    assert [c.split()[2].rsplit("/", 1)[-1] for c in par4] == ["p-core_v0.19.0", "p-main"]
+    for call, ref in zip(par4, ("core_v0.19.0", "main")):
+        assert option(call, "--runs") == "ep4moe" and option(call, "--iters") == "30"
+        assert option(call, "--table").endswith(f"out/scale4-{ref}.md")
+    assert len(smoke) == 2
+    only = smoke[0].split("--only ", 1)[1].split(" --json")[0].split()
+    assert only == [
+        "parallel.tp2_pp2_vpp",
+        "parallel.tp2_cp2",
+        "parallel.ep4_moe",
+        "parallel.dp4_distopt_overlap",
+        "training.resume.dp4_distopt",
+        "training.resume.tp2_pp2_vpp",
+    ]
+    pytest.importorskip("torch")  # the smoke checks' registry imports it
+    from megatron_rocm.envtools.smoke import checks_parallel, checks_resume
+
+    four = {f"parallel.{m.name}" for m in checks_parallel.MODES if m.world == 4}
+    four |= {f"training.resume.{n}" for n, (w, _, _) in checks_resume.SCENARIOS.items() if w == 4}
+    assert set(only) == four  # every four-GPU check the smoke suite has, and only those

@@ -1,5 +1,6 @@
 """scripts/train_small.py's log reading: iteration records, the run verdict, and the error a
-failed run reports. The log lines are written here in Megatron's format, not copied from it."""
+failed run reports; and the pretrain_gpt.py flags its parallel options become. The log lines
+are written here in Megatron's format, not copied from it."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_median_beside_the_mean_one_slow_iteration(ts) -> None:
     lines = [iteration(i, f"{10 - i}.0E+00", ms) for i, ms in enumerate(times, start=1)]
     summary, _ = summarize(ts, lines)
     assert summary["mean_iter_ms"] == 108.0 and summary["median_iter_ms"] == 100.0
+    assert summary["tokens_per_s_at_median"] == 10000.0  # 1000 tokens in 100 ms
     assert summary["mfu_at_median"] == round(10.0 / 989.0, 4)
     assert summary["mfu"] == round(1e12 / 0.108 / 1e12 / 989.0, 4)
 
@@ -84,3 +86,45 @@ def test_last_exception_reads_megatron_list_tracebacks(ts) -> None:
         "ModuleNotFoundError: No module named 'pydantic'"
     )
     assert ts.last_exception(["all good", "iteration 1/ 2 |"]) is None
+
+
+def dry_run(ts, capsys, tmp_path: Path, *args: str) -> list[str]:
+    """The pretrain_gpt.py arguments train_small.py would launch."""
+    assert ts.main([str(tmp_path), "--dry-run", *args]) == 0
+    shown = capsys.readouterr().out.strip().split(" && ", 1)[1].split()
+    return shown[shown.index("pretrain_gpt.py") + 1 :]
+
+
+def test_pipeline_and_virtual_stages_become_upstream_flags(ts, capsys, tmp_path: Path) -> None:
+    args = dry_run(
+        ts, capsys, tmp_path, "--nproc", "4", "--tp", "2", "--sp", "--pp", "2", "--vpp", "2"
+    )
+    assert "--pipeline-model-parallel-size=2" in args
+    # 12 layers over 2 pipeline ranks x 2 virtual stages: 3 layers a stage, the flag that
+    # every tag from core_v0.12.0 to main accepts
+    assert "--num-layers-per-virtual-pipeline-stage=3" in args
+    assert "--tensor-model-parallel-size=2" in args and "--sequence-parallel" in args
+    # data-parallel size 4 // (2 x 2) = 1: the preset's global batch 8, not 16
+    assert "--global-batch-size=8" in args
+
+
+def test_without_pp_nothing_changes(ts, capsys, tmp_path: Path) -> None:
+    args = dry_run(ts, capsys, tmp_path, "--nproc", "4", "--tp", "2")
+    assert not [a for a in args if "pipeline" in a]
+    assert "--global-batch-size=16" in args  # DP 2 x 8
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "4", "--tp", "2", "--pp", "4"], "not a multiple of --tp 2 x --cp 1 x --pp 4"),
+        (["--nproc", "2", "--vpp", "2"], "--vpp needs --pp 2 or more"),
+        (["--nproc", "2", "--pp", "2", "--vpp", "4"], "does not divide the 12 layers"),
+        (["--pp", "0"], "--pp must be 1 or more"),
+    ],
+)
+def test_bad_parallel_sizes_are_refused(ts, capsys, args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as stop:
+        ts.parse_cli(["tree", *args])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err

@@ -74,7 +74,7 @@ def test_a_hung_run_is_stopped_and_reported_with_its_last_line(vd, tmp_path: Pat
     )
     rc, lines = vd.run(tmp_path, 1, [], {}, tmp_path / "run.log", timeout=15)
     assert rc == vd.HUNG
-    assert vd._why(rc, lines) == (
+    assert vd.failure_reason(rc, lines) == (
         "hung: no end after 15 s; last line: saving checkpoint at iteration 4"
     )
     rank = int((tmp_path / "rank.pid").read_text())
@@ -86,3 +86,55 @@ def test_a_hung_run_is_stopped_and_reported_with_its_last_line(vd, tmp_path: Pat
         time.sleep(0.1)
     else:
         pytest.fail(f"rank process {rank} outlived the timeout")
+
+
+def test_the_verdict_names_the_iterations_it_compared(vd) -> None:
+    """validate_par4.py resumes at 15 of 30: the same rule, other iteration numbers."""
+    straight = [5.0 - 0.01 * i for i in range(15)]
+    resumed = [straight[0], (straight[0] + straight[1]) / 2, *straight[2:]]
+    assert vd.judge(straight, list(straight), averaged=False, first=16) == (
+        "pass",
+        "iterations 16-30 bit-exact as printed",
+    )
+    status, detail = vd.judge(straight, resumed, averaged=True, first=16)
+    assert status == "pass"
+    assert detail.startswith("iterations 16, 18-30 bit-exact as printed; 17 equals mean(16, 17)")
+    assert vd.judge(straight[:1], straight[:1], averaged=True, first=16) == (
+        "pass",
+        "iteration 16 bit-exact as printed",
+    )
+
+
+def test_a_stopped_wrapper_takes_its_children_along(vd, tmp_path: Path) -> None:
+    """train_small.py runs torchrun as a child: a hang stops the whole process group, not
+    only the wrapper (which would leave torchrun and its ranks running)."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "open('child.pid', 'w').write(str(child.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    cmd = [sys.executable, str(wrapper)]
+    rc, lines = vd.run_logged(cmd, tmp_path, dict(os.environ), tmp_path / "w.log", timeout=3)
+    assert rc == vd.HUNG and vd.failure_reason(rc, lines).endswith("last line: started")
+    child = int((tmp_path / "child.pid").read_text())
+    for _ in range(50):
+        if gone(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"child {child} of the stopped wrapper is still running")
+
+
+def gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie waiting for a reaper that is not ours."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True

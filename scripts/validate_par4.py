@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+"""Issue 14 on four GPUs: upstream's ``pretrain_gpt.py`` trains a small Llama in four parallel
+layouts through the TE spec (the native backend), two of them save and resume, and each is
+set against the same model on one GPU.
+
+    python scripts/validate_par4.py TREE [--out DIR] [--runs tp2pp2vpp,tp2cp2,ep4moe,dp4distopt]
+        [--iters 30] [--no-resume] [--no-baselines] [--run-timeout S] [--dry-run] [--table FILE]
+
+Every run is ``scripts/train_small.py TREE --preset llama --preset-size small`` (12 layers,
+hidden 768, mock data, bf16, upstream's fusions, no ``--transformer-impl``) with the layout's
+options; the flags after its ``--`` go to pretrain_gpt.py. Layouts (all on 4 GPUs):
+
+- ``tp2pp2vpp``: TP2 + SP x PP2, 2 virtual stages per pipeline rank (3 layers each), micro 1,
+  global 8 (8 micro-batches for the interleaved schedule).
+- ``tp2cp2``: TP2 + SP x CP2 at sequence length 16384, micro 1, global 8.
+- ``ep4moe``: 8 experts over EP4 (``--moe-grouped-gemm``, alltoall dispatcher, top-2, aux loss
+  1e-2 as upstream's Mixtral example), the dense part DP4, the preset's micro 8 x 4 ranks.
+- ``dp4distopt``: DP4, ``--use-distributed-optimizer --overlap-grad-reduce
+  --overlap-param-gather``, micro 8 x 4 ranks.
+
+Baselines: the same model, sequence length, micro-batch and global batch per data-parallel
+replica on one GPU (``ep4moe``'s: the same 8 experts, EP1, grouped GEMM), all at once, one per
+GPU (``CUDA_VISIBLE_DEVICES``; torchrun ``--standalone`` takes a free port per run). Then the
+4-GPU runs, one after another. ``--runs`` picks layouts (and their baselines).
+
+Resume (``tp2pp2vpp`` and ``dp4distopt``, unless ``--no-resume``): run A trains ``--iters``
+iterations in upstream's ``--deterministic-mode`` and saves at ``iters // 2``; that checkpoint
+is staged alone; run B, a fresh train_small.py, loads it and trains on. B's printed losses are
+judged against A's by validate_distopt_resume.judge. What validate_args asks of deterministic
+mode: up to 0.16 ``NCCL_ALGO`` set (Ring here, with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, the
+values 0.19's determinism.py defaults to), no ``--use-flash-attn`` and no
+``--cross-entropy-loss-fusion``; from 0.19 also no ``--tp-comm-overlap``. All are off by
+default, so the layouts need no other flag. The timed runs are not deterministic.
+
+Stdout: one JSON line per run and per resume verdict, then one with the result and the table's
+path. The Markdown scaling table (tokens/s per GPU at the median iteration after the first 3,
+against the one-GPU baseline) goes to ``--table`` (default OUT/par4-table.md) and names the
+GPU. A run not ended after ``--run-timeout`` seconds is stopped, its ranks too. Exit status: 0
+every run and verdict passed, 1 any failed, 2 bad input. Progress goes to stderr, each run's
+output to OUT/NAME.out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from train_small import SHAPES  # noqa: E402
+from validate_distopt_resume import (  # noqa: E402
+    DETERMINISTIC_ENV,
+    HUNG,
+    averages_second_log,
+    failure_reason,
+    finish,
+    has_text,
+    judge,
+    losses,
+    start,
+    stop,
+)
+
+TRAIN_SMALL = HERE / "train_small.py"
+NPROC = 4
+RUN_TIMEOUT = 600  # seconds per train_small.py run; --run-timeout
+PRESET = ["--preset", "llama", "--preset-size", "small"]
+SHAPE = SHAPES[("llama", "small")]  # micro 8 and global 8 per data-parallel replica, seq 1024
+
+
+def moe_flags(ep: int) -> tuple[str, ...]:
+    """8 experts; the flag names are the same from core_v0.12.0 to main."""
+    return (
+        "--num-experts=8",
+        f"--expert-model-parallel-size={ep}",
+        "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type=alltoall",
+        "--moe-router-topk=2",
+        # upstream's default 0.0 leaves the router unbalanced; 1e-2 as examples/mixtral
+        "--moe-aux-loss-coeff=1e-2",
+    )
+
+
+DETERMINISTIC = ("--deterministic-mode",)  # upstream's; DETERMINISTIC_ENV goes with it
+DISTOPT_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run's parallel layout, as train_small.py options plus pretrain_gpt.py flags."""
+
+    name: str
+    nproc: int = NPROC
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    seq_length: int = SHAPE.seq_length
+    micro: int = SHAPE.micro_batch
+    global_batch: int | None = None  # None: the preset's per data-parallel replica
+    flags: tuple[str, ...] = ()  # to pretrain_gpt.py
+    resume: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.nproc // (self.tp * self.cp * self.pp)
+
+    @property
+    def batch(self) -> int:
+        return self.global_batch or SHAPE.global_batch * self.dp
+
+    def options(self) -> list[str]:
+        """train_small.py options (the flags after its ``--`` come separately)."""
+        opts = ["--nproc", str(self.nproc), "--tp", str(self.tp)]
+        opts += ["--sp"] if self.sp else []
+        opts += ["--pp", str(self.pp), "--vpp", str(self.vpp), "--cp", str(self.cp)]
+        opts += ["--seq-length", str(self.seq_length), "--micro-batch-size", str(self.micro)]
+        return opts + ["--global-batch-size", str(self.batch)]
+
+
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("tp2pp2vpp", tp=2, sp=True, pp=2, vpp=2, micro=1, global_batch=8, resume=True),
+        Layout("tp2cp2", tp=2, sp=True, cp=2, seq_length=16384, micro=1, global_batch=8),
+        Layout("ep4moe", ep=4, flags=moe_flags(4)),
+        Layout("dp4distopt", flags=DISTOPT_FLAGS, resume=True),
+    )
+}
+
+
+def baseline(layout: Layout) -> Layout:
+    """The same model, sequence, micro-batch and batch per data-parallel replica, one GPU."""
+    flags = moe_flags(1) if layout.ep > 1 else ()
+    return Layout(
+        f"{layout.name}-1gpu",
+        nproc=1,
+        seq_length=layout.seq_length,
+        micro=layout.micro,
+        global_batch=layout.batch // layout.dp,
+        flags=flags,
+    )
+
+
+def tree_flags(tree: Path) -> list[str]:
+    """Flags every run gets where the tree has them: no [b, 1, s, s] mask from the mock
+    dataloader (the TE spec's attention is causal without one; 256 MiB a sample at 16k)."""
+    flag = "--no-create-attention-mask-in-dataloader"
+    return [flag] if has_text(tree, f"'{flag}'") else []
+
+
+def train_command(tree: Path, layout: Layout, iters: int, log: Path, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, str(TRAIN_SMALL), str(tree), *PRESET, "--iters", str(iters)]
+    return [*cmd, "--log", str(log), *layout.options(), "--", *layout.flags, *extra]
+
+
+@dataclass
+class Step:
+    """One train_small.py run to make: its command, environment additions and output file."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    out: Path
+
+    def describe(self) -> dict:
+        return {"step": self.name, "env": self.env, "cmd": self.cmd, "output": str(self.out)}
+
+
+def step(
+    tree: Path,
+    out: Path,
+    name: str,
+    layout: Layout,
+    iters: int,
+    extra: list[str],
+    env: dict[str, str] | None = None,
+) -> Step:
+    cmd = train_command(tree, layout, iters, out / f"{name}.log", [*tree_flags(tree), *extra])
+    return Step(name, cmd, dict(env or {}), out / f"{name}.out")
+
+
+def environment(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    return env
+
+
+def summary_line(lines: list[str]) -> dict | None:
+    """train_small.py's last line: its JSON summary (None when it never got there)."""
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                found = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(found, dict) and "ok" in found:
+                return found
+    return None
+
+
+def record(layout: Layout, role: str, rc: int, lines: list[str]) -> dict:
+    """One run's JSON line: the layout and train_small's verdict and timings."""
+    summary = summary_line(lines) or {}
+    problems = list(summary.get("problems", []))
+    if not summary:  # hung and stopped, or train_small.py itself failed
+        problems = [failure_reason(rc, lines) or f"train_small.py exited {rc} without a summary"]
+    tokens = summary.get("tokens_per_s_at_median")
+    return {
+        "run": layout.name,
+        "role": role,
+        "megatron_version": summary.get("megatron_version"),
+        "nproc": layout.nproc,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "cp": layout.cp,
+        "ep": layout.ep,
+        "dp": layout.dp,
+        "sp": layout.sp,
+        "seq_length": layout.seq_length,
+        "micro_batch_size": layout.micro,
+        "global_batch_size": layout.batch,
+        "iterations": summary.get("iterations"),
+        "first_loss": summary.get("first_loss"),
+        "last_loss": summary.get("last_loss"),
+        "ok": bool(summary.get("ok")) and rc == 0,
+        "problems": problems,
+        "tokens_per_s": tokens,
+        "tokens_per_s_per_gpu": round(tokens / layout.nproc, 1) if tokens else None,
+        "median_iter_ms": summary.get("median_iter_ms"),
+        "mean_iter_ms": summary.get("mean_iter_ms"),
+        "log": summary.get("log"),
+    }
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+def resume_steps(tree: Path, layout: Layout, iters: int, out: Path) -> tuple[Step, Step]:
+    """Run A (train ``iters``, save at iters // 2) and run B (load the staged checkpoint)."""
+    name = layout.name
+    save = [f"--save={out / f'{name}-ckpt-A'}", f"--save-interval={iters // 2}"]
+    load = [f"--load={out / f'{name}-ckpt-B'}"]
+    env = DETERMINISTIC_ENV
+    first = step(tree, out, f"{name}-resume-A", layout, iters, [*DETERMINISTIC, *save], env)
+    second = step(tree, out, f"{name}-resume-B", layout, iters, [*DETERMINISTIC, *load], env)
+    return first, second
+
+
+def stage(out: Path, name: str, save_at: int) -> str | None:
+    """Copy run A's checkpoint of ``save_at`` alone into B's folder; the reason if it can't."""
+    saved = out / f"{name}-ckpt-A" / f"iter_{save_at:07d}"
+    staged = out / f"{name}-ckpt-B"
+    if not saved.is_dir():
+        return f"no checkpoint {saved}"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    shutil.copytree(saved, staged / saved.name)
+    (staged / "latest_checkpointed_iteration.txt").write_text(str(save_at))
+    return None
+
+
+def compare_resumed(
+    straight: dict[int, float], rc: int, lines: list[str], save_at: int, averaged: bool
+) -> dict:
+    """Run B's verdict from its exit status and output, against run A's losses."""
+    span = range(save_at + 1, max(straight) + 1)
+    resumed = losses(lines)
+    result: dict = {
+        "straight": [straight[i] for i in span],
+        "resumed": [resumed.get(i) for i in span],
+    }
+    if rc == HUNG or None in result["resumed"] or min(resumed, default=0) != save_at + 1:
+        why = failure_reason(rc, lines) or f"exit {rc}, iterations {sorted(resumed)}"
+        return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
+    status, detail = judge(result["straight"], result["resumed"], averaged, first=save_at + 1)
+    return {**result, "status": status, "detail": detail}
+
+
+def check_resume(
+    name: str, steps: tuple[Step, Step], iters: int, out: Path, timeout: float, averaged: bool
+) -> dict:
+    """Run A, stage its checkpoint of iters // 2, run B; the verdict as a JSON-able dict."""
+    save_at = iters // 2
+    result: dict = {"resume": name, "save_at": save_at, "iterations": iters}
+    for folder in (out / f"{name}-ckpt-A", out / f"{name}-ckpt-B"):
+        shutil.rmtree(folder, ignore_errors=True)
+    rc, lines = run_steps([steps[0]], timeout)[0]
+    straight = losses(lines)
+    why = None
+    if rc == HUNG or len(straight) < iters:
+        why = failure_reason(rc, lines) or f"exit {rc}, {len(straight)} iterations logged"
+    if why or (why := stage(out, name, save_at)):
+        return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
+    rc, lines = run_steps([steps[1]], timeout)[0]
+    return {**result, **compare_resumed(straight, rc, lines, save_at, averaged)}
+
+
+# ---------------------------------------------------------------------------- table
+
+
+def gpu_names() -> list[str]:
+    """The visible GPUs' names; none without torch or a GPU (torch imported only here)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def _ratio(run: dict, base: dict | None) -> str:
+    mine, one = run.get("tokens_per_s_per_gpu"), (base or {}).get("tokens_per_s")
+    return f"{mine / one:.2f}x" if mine and one else "-"
+
+
+def _cell(value: float | None, fmt: str = "{:,.0f}") -> str:
+    return fmt.format(value) if value else "-"
+
+
+def render_table(records: list[dict], verdicts: list[dict], gpu: str, iters: int) -> str:
+    """The Markdown scaling table: one row per 4-GPU layout."""
+    runs = {r["run"]: r for r in records}
+    resumed = {v["resume"]: v for v in verdicts}
+    version = next((r["megatron_version"] for r in records if r.get("megatron_version")), None)
+    lines = [
+        f"GPU: {gpu}. Megatron-LM core {version or 'unknown'}, small Llama ({SHAPE.num_layers} "
+        f"layers, hidden {SHAPE.hidden}), TE spec on the native backend, {iters} iterations; "
+        "tokens/s at the median iteration after the first 3.",
+        "",
+        "| layout | GPUs | tokens/s per GPU | one-GPU tokens/s | per-GPU vs one GPU "
+        "| losses first→last | resume verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in (r for r in records if r["role"] == "layout"):
+        base = runs.get(f"{run['run']}-1gpu")
+        if run["ok"]:
+            loss = f"{run['first_loss']:.3f}→{run['last_loss']:.3f}"
+        else:
+            loss = "FAIL: " + "; ".join(run["problems"][:2]).replace("|", "/")
+        verdict = resumed.get(run["run"])
+        resume = "-" if verdict is None else verdict["status"]
+        if verdict is not None and verdict["status"] != "pass":
+            resume += f": {verdict['detail']}".replace("|", "/")
+        lines.append(
+            f"| {run['run']} | {run['nproc']} | {_cell(run['tokens_per_s_per_gpu'])} "
+            f"| {_cell((base or {}).get('tokens_per_s'))} | {_ratio(run, base)} | {loss} "
+            f"| {resume} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def visible_devices(n: int) -> list[str]:
+    """The first ``n`` GPUs the parent may use, as CUDA_VISIBLE_DEVICES values."""
+    inherited = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return (inherited or [str(i) for i in range(n)])[:n]
+
+
+def run_steps(steps: list[Step], timeout: float) -> list[tuple[int, list[str]]]:
+    """Start every step at once and wait for all; each one's (rc or HUNG, output lines).
+    Whatever is still running when this is left by an exception (Ctrl-C) is stopped."""
+    procs: list = []
+    results = []
+    try:
+        for s in steps:
+            print(f"[par4] {s.name}: started", file=sys.stderr, flush=True)
+            procs.append(start(s.cmd, HERE.parent, environment(s.env), s.out))
+        deadline = time.monotonic() + timeout
+        for i, s in enumerate(steps):
+            results.append(finish(procs[i], s.out, deadline - time.monotonic(), timeout))
+            procs[i] = None
+            print(f"[par4] {s.name}: exit {results[-1][0]}", file=sys.stderr, flush=True)
+    finally:
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                stop(proc)
+    return results
+
+
+def parse_cli(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("tree", type=Path, help="patched Megatron-LM checkout (has pretrain_gpt.py)")
+    p.add_argument("--out", type=Path, default=Path("par4"), help="logs, checkpoints (par4)")
+    p.add_argument(
+        "--runs", default=",".join(LAYOUTS), help=f"layouts (default {','.join(LAYOUTS)})"
+    )
+    p.add_argument("--iters", type=int, default=30, help="iterations per run (default 30)")
+    p.add_argument("--no-resume", action="store_true", help="skip the save/resume checks")
+    p.add_argument("--no-baselines", action="store_true", help="skip the one-GPU runs")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=RUN_TIMEOUT,
+        help=f"seconds per run before it is stopped as hung (default {RUN_TIMEOUT})",
+    )
+    p.add_argument("--table", type=Path, help="Markdown table (default OUT/par4-table.md)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands as JSON; run none")
+    return p.parse_args(argv)
+
+
+def fail_usage(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+Plan = tuple[
+    list[tuple[Layout, Step]],  # the one-GPU runs, made together
+    list[tuple[Layout, Step, tuple[Step, Step] | None]],  # per layout: its run, runs A and B
+]
+
+
+def plan(
+    tree: Path, out: Path, names: list[str], iters: int, baselines: bool, resume: bool
+) -> Plan:
+    """Every run to make, in order."""
+    layouts = [LAYOUTS[n] for n in names]
+    bases = [baseline(x) for x in layouts] if baselines else []
+    together = [
+        step(tree, out, b.name, b, iters, [], {"CUDA_VISIBLE_DEVICES": device})
+        for b, device in zip(bases, visible_devices(len(bases)))
+    ]
+    each = [
+        (
+            x,
+            step(tree, out, x.name, x, iters, []),
+            resume_steps(tree, x, iters, out) if resume and x.resume else None,
+        )
+        for x in layouts
+    ]
+    return list(zip(bases, together)), each
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_cli(argv)
+    tree = opts.tree.resolve()
+    names = list(dict.fromkeys(n.strip() for n in opts.runs.split(",") if n.strip()))
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown or not names:
+        return fail_usage(f"unknown runs {unknown or opts.runs!r}; choose from {list(LAYOUTS)}")
+    if opts.iters < 4:
+        return fail_usage("--iters must be 4 or more (3 warm-up iterations, then the timed ones)")
+    if opts.run_timeout <= 0:
+        return fail_usage("--run-timeout must be positive")
+    if not (tree / "pretrain_gpt.py").is_file():
+        return fail_usage(f"{tree} has no pretrain_gpt.py")
+    if len(visible_devices(NPROC)) < NPROC:
+        return fail_usage(f"CUDA_VISIBLE_DEVICES names fewer than the {NPROC} GPUs needed")
+    out = opts.out.resolve()
+    table = (opts.table or out / "par4-table.md").resolve()
+    bases, each = plan(tree, out, names, opts.iters, not opts.no_baselines, not opts.no_resume)
+    if opts.dry_run:
+        for _, s in bases:
+            print(json.dumps({**s.describe(), "together": True}))
+        for x, timed, resume in each:
+            print(json.dumps(timed.describe()))
+            if resume:
+                saved = out / f"{x.name}-ckpt-A" / f"iter_{opts.iters // 2:07d}"
+                staged = out / f"{x.name}-ckpt-B"
+                print(json.dumps(resume[0].describe()))
+                print(
+                    json.dumps({"step": f"{x.name}-stage", "copy": str(saved), "to": str(staged)})
+                )
+                print(json.dumps(resume[1].describe()))
+        return 0
+
+    gpus = gpu_names()
+    if gpus and len(gpus) < NPROC:
+        return fail_usage(f"needs {NPROC} GPUs, this machine shows {len(gpus)}")
+    out.mkdir(parents=True, exist_ok=True)
+    records, verdicts = [], []
+    results = run_steps([s for _, s in bases], opts.run_timeout)
+    for (b, _), result in zip(bases, results):
+        records.append(record(b, "baseline", *result))
+        print(json.dumps(records[-1]), flush=True)
+    averaged = averages_second_log(tree)
+    for x, timed, resume in each:
+        records.append(record(x, "layout", *run_steps([timed], opts.run_timeout)[0]))
+        print(json.dumps(records[-1]), flush=True)
+        if resume:
+            verdicts.append(
+                check_resume(x.name, resume, opts.iters, out, opts.run_timeout, averaged)
+            )
+            print(json.dumps(verdicts[-1]), flush=True)
+
+    gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(render_table(records, verdicts, gpu, opts.iters))
+    ok = all(r["ok"] for r in records) and all(v["status"] == "pass" for v in verdicts)
+    print(json.dumps({"result": "pass" if ok else "fail", "gpu": gpu, "table": str(table)}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
