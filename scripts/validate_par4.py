@@ -34,8 +34,9 @@ default, so the layouts need no other flag. The timed runs are not deterministic
 
 Stdout: one JSON line per run and per resume verdict, then one with the result and the table's
 path. The Markdown scaling table (tokens/s per GPU at the median iteration after the first 3,
-against the one-GPU baseline) goes to ``--table`` (default OUT/par4-table.md) and names the
-GPU. A run not ended after ``--run-timeout`` seconds is stopped, its ranks too. Exit status: 0
+against the one-GPU baseline; ``par4_report.py``) goes to ``--table`` (default
+OUT/par4-table.md), names the GPU and is rewritten after every run, so a call stopped from
+outside still leaves the rows that finished. A run not ended after ``--run-timeout`` seconds is stopped, its ranks too. Exit status: 0
 every run and verdict passed, 1 any failed, 2 bad input. Progress goes to stderr, each run's
 output to OUT/NAME.out.
 """
@@ -53,6 +54,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from par4_report import gpu_names, record, render_table  # noqa: E402
 from train_small import SHAPES  # noqa: E402
 from validate_distopt_resume import (  # noqa: E402
     DETERMINISTIC_ENV,
@@ -194,54 +196,6 @@ def environment(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def summary_line(lines: list[str]) -> dict | None:
-    """train_small.py's last line: its JSON summary (None when it never got there)."""
-    for line in reversed(lines):
-        if line.startswith("{"):
-            try:
-                found = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(found, dict) and "ok" in found:
-                return found
-    return None
-
-
-def record(layout: Layout, role: str, rc: int, lines: list[str]) -> dict:
-    """One run's JSON line: the layout and train_small's verdict and timings."""
-    summary = summary_line(lines) or {}
-    problems = list(summary.get("problems", []))
-    if not summary:  # hung and stopped, or train_small.py itself failed
-        problems = [failure_reason(rc, lines) or f"train_small.py exited {rc} without a summary"]
-    tokens = summary.get("tokens_per_s_at_median")
-    return {
-        "run": layout.name,
-        "role": role,
-        "megatron_version": summary.get("megatron_version"),
-        "nproc": layout.nproc,
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "vpp": layout.vpp,
-        "cp": layout.cp,
-        "ep": layout.ep,
-        "dp": layout.dp,
-        "sp": layout.sp,
-        "seq_length": layout.seq_length,
-        "micro_batch_size": layout.micro,
-        "global_batch_size": layout.batch,
-        "iterations": summary.get("iterations"),
-        "first_loss": summary.get("first_loss"),
-        "last_loss": summary.get("last_loss"),
-        "ok": bool(summary.get("ok")) and rc == 0,
-        "problems": problems,
-        "tokens_per_s": tokens,
-        "tokens_per_s_per_gpu": round(tokens / layout.nproc, 1) if tokens else None,
-        "median_iter_ms": summary.get("median_iter_ms"),
-        "mean_iter_ms": summary.get("mean_iter_ms"),
-        "log": summary.get("log"),
-    }
-
-
 # ---------------------------------------------------------------------------- plans
 
 
@@ -303,61 +257,6 @@ def check_resume(
         return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
     rc, lines = run_steps([steps[1]], timeout)[0]
     return {**result, **compare_resumed(straight, rc, lines, save_at, averaged)}
-
-
-# ---------------------------------------------------------------------------- table
-
-
-def gpu_names() -> list[str]:
-    """The visible GPUs' names; none without torch or a GPU (torch imported only here)."""
-    try:
-        import torch
-    except ImportError:
-        return []
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-
-def _ratio(run: dict, base: dict | None) -> str:
-    mine, one = run.get("tokens_per_s_per_gpu"), (base or {}).get("tokens_per_s")
-    return f"{mine / one:.2f}x" if mine and one else "-"
-
-
-def _cell(value: float | None, fmt: str = "{:,.0f}") -> str:
-    return fmt.format(value) if value else "-"
-
-
-def render_table(records: list[dict], verdicts: list[dict], gpu: str, iters: int) -> str:
-    """The Markdown scaling table: one row per 4-GPU layout."""
-    runs = {r["run"]: r for r in records}
-    resumed = {v["resume"]: v for v in verdicts}
-    version = next((r["megatron_version"] for r in records if r.get("megatron_version")), None)
-    lines = [
-        f"GPU: {gpu}. Megatron-LM core {version or 'unknown'}, small Llama ({SHAPE.num_layers} "
-        f"layers, hidden {SHAPE.hidden}), TE spec on the native backend, {iters} iterations; "
-        "tokens/s at the median iteration after the first 3.",
-        "",
-        "| layout | GPUs | tokens/s per GPU | one-GPU tokens/s | per-GPU vs one GPU "
-        "| losses first→last | resume verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for run in (r for r in records if r["role"] == "layout"):
-        base = runs.get(f"{run['run']}-1gpu")
-        if run["ok"]:
-            loss = f"{run['first_loss']:.3f}→{run['last_loss']:.3f}"
-        else:
-            loss = "FAIL: " + "; ".join(run["problems"][:2]).replace("|", "/")
-        verdict = resumed.get(run["run"])
-        resume = "-" if verdict is None else verdict["status"]
-        if verdict is not None and verdict["status"] != "pass":
-            resume += f": {verdict['detail']}".replace("|", "/")
-        lines.append(
-            f"| {run['run']} | {run['nproc']} | {_cell(run['tokens_per_s_per_gpu'])} "
-            f"| {_cell((base or {}).get('tokens_per_s'))} | {_ratio(run, base)} | {loss} "
-            f"| {resume} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- running
@@ -482,24 +381,31 @@ def main(argv: list[str] | None = None) -> int:
     if gpus and len(gpus) < NPROC:
         return fail_usage(f"needs {NPROC} GPUs, this machine shows {len(gpus)}")
     out.mkdir(parents=True, exist_ok=True)
-    records, verdicts = [], []
+    gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    verdicts: list[dict] = []
+
+    def report(line: dict) -> None:
+        """Print a record and rewrite the table with it: a run stopped from outside (a
+        machine's time limit) still leaves the table of what finished."""
+        print(json.dumps(line), flush=True)
+        table.write_text(render_table(records, verdicts, gpu, opts.iters))
+
     results = run_steps([s for _, s in bases], opts.run_timeout)
     for (b, _), result in zip(bases, results):
         records.append(record(b, "baseline", *result))
-        print(json.dumps(records[-1]), flush=True)
+        report(records[-1])
     averaged = averages_second_log(tree)
     for x, timed, resume in each:
         records.append(record(x, "layout", *run_steps([timed], opts.run_timeout)[0]))
-        print(json.dumps(records[-1]), flush=True)
+        report(records[-1])
         if resume:
             verdicts.append(
                 check_resume(x.name, resume, opts.iters, out, opts.run_timeout, averaged)
             )
-            print(json.dumps(verdicts[-1]), flush=True)
+            report(verdicts[-1])
 
-    gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
-    table.parent.mkdir(parents=True, exist_ok=True)
-    table.write_text(render_table(records, verdicts, gpu, opts.iters))
     ok = all(r["ok"] for r in records) and all(v["status"] == "pass" for v in verdicts)
     print(json.dumps({"result": "pass" if ok else "fail", "gpu": gpu, "table": str(table)}))
     return 0 if ok else 1

@@ -426,3 +426,21 @@ def test_a_hung_run_is_stopped_and_named(vp, tree: Path, tmp_path: Path) -> None
     record = vp.record(vp.LAYOUTS["tp2cp2"], "layout", rc, lines)
     assert record["ok"] is False
     assert record["problems"] == ["hung: no end after 2 s; last line: iteration 3 of a stuck run"]
+
+
+def test_a_run_stopped_from_outside_leaves_the_table_of_what_finished(
+    vp, tree: Path, fake_runs: Path, monkeypatch
+) -> None:
+    real = vp.run_steps
+
+    def stopped_at_ep4moe(steps, timeout):
+        if any(s.name == "ep4moe" for s in steps):
+            raise KeyboardInterrupt  # a machine's time limit, Ctrl-C
+        return real(steps, timeout)
+
+    monkeypatch.setattr(vp, "run_steps", stopped_at_ep4moe)
+    with pytest.raises(KeyboardInterrupt):
+        vp.main([str(tree), "--out", str(fake_runs), "--no-resume"])
+    table = (fake_runs / "par4-table.md").read_text()
+    assert "| tp2pp2vpp | 4 |" in table and "| tp2cp2 | 4 |" in table
+    assert "ep4moe" not in table
