@@ -54,11 +54,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from par4_report import gpu_names, record, render_table  # noqa: E402
+from par4_report import gpu_names, record, render_table, summary_line  # noqa: E402
 from train_small import SHAPES  # noqa: E402
 from validate_distopt_resume import (  # noqa: E402
     DETERMINISTIC_ENV,
-    HUNG,
     averages_second_log,
     failure_reason,
     finish,
@@ -223,6 +222,19 @@ def stage(out: Path, name: str, save_at: int) -> str | None:
     return None
 
 
+def run_problem(rc: int, lines: list[str], resumed: bool = False) -> str | None:
+    """Why a train_small.py run of a resume check failed, or None. Any non-zero exit fails
+    it (a rank that crashed or a watchdog that fired after the last loss line too), except,
+    for the resumed run (``resumed``), train_small's own verdict that its loss did not fall:
+    half a run may not, and what that run must do is match run A, which the verdict checks."""
+    if rc == 0:
+        return None
+    problems = (summary_line(lines) or {}).get("problems", [])
+    if resumed and problems and all(p.startswith("loss did not decrease") for p in problems):
+        return None
+    return failure_reason(rc, lines) or (problems or [f"train_small.py exited {rc}"])[0]
+
+
 def compare_resumed(
     straight: dict[int, float], rc: int, lines: list[str], save_at: int, averaged: bool
 ) -> dict:
@@ -233,8 +245,9 @@ def compare_resumed(
         "straight": [straight[i] for i in span],
         "resumed": [resumed.get(i) for i in span],
     }
-    if rc == HUNG or None in result["resumed"] or min(resumed, default=0) != save_at + 1:
-        why = failure_reason(rc, lines) or f"exit {rc}, iterations {sorted(resumed)}"
+    why = run_problem(rc, lines, resumed=True)
+    if why or None in result["resumed"] or min(resumed, default=0) != save_at + 1:
+        why = why or f"exit {rc}, iterations {sorted(resumed)}"
         return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
     status, detail = judge(result["straight"], result["resumed"], averaged, first=save_at + 1)
     return {**result, "status": status, "detail": detail}
@@ -250,9 +263,9 @@ def check_resume(
         shutil.rmtree(folder, ignore_errors=True)
     rc, lines = run_steps([steps[0]], timeout)[0]
     straight = losses(lines)
-    why = None
-    if rc == HUNG or len(straight) < iters:
-        why = failure_reason(rc, lines) or f"exit {rc}, {len(straight)} iterations logged"
+    why = run_problem(rc, lines)
+    if not why and len(straight) < iters:
+        why = f"exit {rc}, {len(straight)} iterations logged"
     if why or (why := stage(out, name, save_at)):
         return {**result, "status": "fail", "detail": f"run A (train + save): {why}"}
     rc, lines = run_steps([steps[1]], timeout)[0]

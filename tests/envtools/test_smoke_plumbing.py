@@ -220,9 +220,9 @@ def test_micro_batches_split_the_same_global_batch_at_every_data_parallel_size()
             for rank in range(dp)
             for mb in models.microbatches(3, "cpu", dp=dp, dp_rank=rank, cp=1, cp_rank=0)
         ]
-        assert len(parts) == dp * models.num_microbatches(dp)
+        assert len(parts) == models.GLOBAL_BATCH // models.micro_batch_size(dp)
         assert torch.equal(torch.cat(parts), whole)
-    assert models.micro_batch_size(4) == 1 and models.num_microbatches(4) == 1
+    assert models.micro_batch_size(4) == 1 and models.micro_batch_size(2) == 2
     with pytest.raises(ValueError, match="does not split over DP 3"):
         models.micro_batch_size(3)
 

@@ -181,6 +181,23 @@ def test_a_resumed_run_is_judged_from_the_save_iteration_on(vp) -> None:
     assert verdict["status"] == "fail" and verdict["detail"].startswith("run B")
 
 
+def test_a_resumed_run_that_exits_non_zero_fails_even_with_every_loss(vp) -> None:
+    straight = vp.losses(losses_log(1, 30))
+    crashed = [*losses_log(16, 30), "RuntimeError: NCCL watchdog timeout"]
+    verdict = vp.compare_resumed(straight, 1, crashed, 15, averaged=False)
+    assert verdict["status"] == "fail"
+    assert verdict["detail"] == "run B (fresh process, load): RuntimeError: NCCL watchdog timeout"
+    # train_small's verdict that half a run's loss did not fall is no failed resume
+    flat = json.dumps(
+        {"ok": False, "problems": ["loss did not decrease (first 3: 8.1, last 3: 8.2)"]}
+    )
+    verdict = vp.compare_resumed(straight, 1, [*losses_log(16, 30), flat], 15, averaged=False)
+    assert verdict["status"] == "pass", verdict
+    # ... but for run A, the 30-iteration training, it is
+    assert vp.run_problem(1, [flat]).startswith("loss did not decrease")
+    assert vp.run_problem(0, [flat]) is None
+
+
 RECORDS = [
     {"run": "tp2pp2vpp-1gpu", "role": "baseline", "tokens_per_s": 100000.0},
     {

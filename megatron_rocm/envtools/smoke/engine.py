@@ -87,7 +87,7 @@ def set_parallel_state(layout: Layout) -> None:
 def virtual_stage(stage: int, chunks: int) -> Iterator[None]:
     """Megatron's virtual pipeline rank set to ``stage`` while one model chunk is built or
     its ``sharded_state_dict`` taken, as ``megatron.training`` does around each chunk: trees
-    before 0.16 compute a chunk's layer offset (its layers' global numbers and checkpoint
+    before 0.13 compute a chunk's layer offset (its layers' global numbers and checkpoint
     keys) from this rank, not from the chunk. No-op without virtual stages."""
     from megatron.core import parallel_state
 

@@ -121,6 +121,10 @@ def build_config(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         virtual_pipeline_model_parallel_size=layout.virtual_size,
+        # what pretrain_gpt.py sets with virtual stages (--overlap-p2p-communication is on by
+        # default there, and batch_p2p_comm = not overlap_p2p_comm); without them, its defaults
+        overlap_p2p_comm=layout.vpp > 1,
+        batch_p2p_comm=layout.vpp == 1,
         sequence_parallel=layout.sp,
         deterministic_mode=deterministic,
         transformer_impl="local" if spec == "local" else "transformer_engine",
@@ -174,7 +178,7 @@ def build_model(
     """GPTModel for this pipeline stage and virtual stage ``vp_stage`` (the first chunk of the
     first stage holds the embedding, the last chunk of the last stage the output layer). The
     caller sets Megatron's virtual rank to ``vp_stage`` (``engine.virtual_stage``): trees
-    before 0.16 read the layer offset from it, later ones from ``vp_stage``."""
+    before 0.13 read the layer offset from it, later ones from ``vp_stage``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -190,10 +194,10 @@ def build_model(
         share_embeddings_and_output_weights=model == "gpt",
         position_embedding_type="learned_absolute" if model == "gpt" else "rope",
     )
-    if chunks > 1:
+    if chunks > 1 and "vp_stage" in inspect.signature(GPTModel.__init__).parameters:
         kwargs["vp_stage"] = vp_stage
     try:
-        net = GPTModel(**_accepted(GPTModel.__init__, kwargs))
+        net = GPTModel(**kwargs)
     except TypeError as e:
         if spec == "te" and "NoneType" in str(e):
             raise te_spec_error(e) from e
@@ -257,6 +261,10 @@ def packed_microbatches(
     calls)."""
     from megatron_rocm.runtime.backend.thd_partition import thd_get_partitioned_indices
 
+    if micro_batch_size(dp) != MICRO_BATCH:  # each row packs MICRO_BATCH samples
+        raise ValueError(
+            f"packed batches need {MICRO_BATCH} samples per DP rank; DP {dp} leaves fewer"
+        )
     real, padded, positions, mask = [0], [0], [], []
     for length, room in PACKED_DOCUMENTS * MICRO_BATCH:
         real.append(real[-1] + length)
@@ -299,10 +307,6 @@ def packed_seq_params(batch: dict[str, Any]) -> Any:
         max_seqlen_q=batch["max_seqlen"],
         max_seqlen_kv=batch["max_seqlen"],
     )
-
-
-def num_microbatches(dp: int) -> int:
-    return GLOBAL_BATCH // (dp * micro_batch_size(dp))
 
 
 def causal_mask(seq: int, device: Any) -> torch.Tensor:
