@@ -54,8 +54,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from par4_report import gpu_names, record, render_table, summary_line  # noqa: E402
-from train_small import SHAPES  # noqa: E402
+from par4_report import SHAPE, gpu_names, record, render_table, summary_line  # noqa: E402
 from validate_distopt_resume import (  # noqa: E402
     DETERMINISTIC_ENV,
     averages_second_log,
@@ -72,7 +71,6 @@ TRAIN_SMALL = HERE / "train_small.py"
 NPROC = 4
 RUN_TIMEOUT = 600  # seconds per train_small.py run; --run-timeout
 PRESET = ["--preset", "llama", "--preset-size", "small"]
-SHAPE = SHAPES[("llama", "small")]  # micro 8 and global 8 per data-parallel replica, seq 1024
 
 
 def moe_flags(ep: int) -> tuple[str, ...]:

@@ -68,6 +68,29 @@ def context(tree: Path, fault: str | None = None) -> runner.Context:
     return runner.Context(tree=tree, device="cpu", gpu_count=0, fault=fault, log=lambda _: None)
 
 
+def run_parallel(ctx: runner.Context, pairs: list) -> dict:
+    """``parallel_results`` of the shrunk model in gloo worlds with the CPU shim."""
+    return checks_parallel.parallel_results(
+        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+
+
+def run_resume(ctx: runner.Context, scenario: str, specs: list[str]) -> dict:
+    """``resume_results`` of the shrunk model in gloo worlds with the CPU shim."""
+    return checks_resume.resume_results(
+        ctx, scenario, specs, backend="gloo", env=CPU_ENV, overrides=SMALL
+    )
+
+
+def five_step_difference(ctx: runner.Context, results: dict, name: str) -> float:
+    """The largest relative difference of a mode's first five losses from its 1-rank run's."""
+    _, mode, spec = name.split(".")
+    key = checks_parallel._ref_key(checks_parallel.BY_NAME[mode], spec)
+    ref = ctx.cache[("parallel-reference", *key)].losses
+    got = results[name].losses
+    return max(abs(g - r) / r for g, r in zip(got[:5], ref[:5]))
+
+
 def test_parallel_modes_match_the_one_rank_run(trees) -> None:
     ctx = context(trees("0.16.0"))
     modes = checks_parallel.BY_NAME
@@ -78,9 +101,7 @@ def test_parallel_modes_match_the_one_rank_run(trees) -> None:
         (modes["ep2_moe"], "local"),
         (modes["cp2"], "local"),
     ]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     with pytest.raises(runner.Skip, match="TEDotProductAttention"):
         checks_parallel.judge(ctx, "parallel.cp2.local", results["parallel.cp2.local"])
     for name in ("tp2_sp.local", "pp2.te", "dp2_distopt_overlap.local", "ep2_moe.local"):
@@ -92,9 +113,7 @@ def test_parallel_modes_match_the_one_rank_run(trees) -> None:
 
 def test_resume_dp2_distributed_optimizer(trees) -> None:
     ctx = context(trees("0.16.0"))
-    out = checks_resume.resume_results(
-        ctx, "dp2_distopt", ["local", "te"], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    out = run_resume(ctx, "dp2_distopt", ["local", "te"])
     for spec in ("local", "te"):
         assert "bit-exact" in checks_resume.judge(out[spec])
         assert "not bit-exact" not in checks_resume.judge(out[spec])
@@ -103,9 +122,7 @@ def test_resume_dp2_distributed_optimizer(trees) -> None:
 
 def test_resume_fault_is_caught(trees) -> None:
     ctx = context(trees("0.16.0"), fault="resume")
-    out = checks_resume.resume_results(
-        ctx, "1gpu", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    out = run_resume(ctx, "1gpu", ["local"])
     assert "step counts" in out["local"]["resumed"].detail["fault"]
     with pytest.raises(runner.CheckFailed, match="the resumed run diverges at step"):
         checks_resume.judge(out["local"])
@@ -116,9 +133,7 @@ def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> Non
     subprocess.run(["cp", "-r", str(trees("0.16.0")), str(tree)], check=True)
     diff = Path(__file__).parents[2] / "patches/dist-optimizer-resume/v0.16.diff"
     subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
-    out = checks_resume.resume_results(
-        context(tree), "dp2_distopt", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    out = run_resume(context(tree), "dp2_distopt", ["local"])
     with pytest.raises(
         runner.CheckFailed, match=r"resumed run .* AssertionError.*distrib_optimizer"
     ):
@@ -139,9 +154,7 @@ def test_fsdp2_trains_both_specs_and_needs_fsdp_without_te(
     fsdp2 = checks_parallel.BY_NAME["fsdp2"]
     ctx = context(trees(release))
     pairs = [(fsdp2, "local"), (fsdp2, "te")]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     for spec in ("local", "te"):
         name = f"parallel.fsdp2.{spec}"
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
@@ -150,9 +163,7 @@ def test_fsdp2_trains_both_specs_and_needs_fsdp_without_te(
     patch = Path(__file__).parents[2] / "patches/fsdp-without-te" / diff
     subprocess.run(["git", "apply", "-R", str(patch)], cwd=tree, check=True)
     unfixed = context(tree)
-    results = checks_parallel.parallel_results(
-        unfixed, [(fsdp2, failing_spec)], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(unfixed, [(fsdp2, failing_spec)])
     name = f"parallel.fsdp2.{failing_spec}"
     with pytest.raises(runner.CheckFailed, match="Invariant encountered"):
         checks_parallel.judge(unfixed, name, results[name])
@@ -163,14 +174,10 @@ def test_oldest_release_resumes_and_trains_tp2_then_pp2(trees) -> None:
     PP2 after TP2 in one world, where 0.12's destroy_model_parallel keeps the last layout's
     position-embedding ranks (the engine forgets them)."""
     ctx = context(trees("0.12.0"))
-    out = checks_resume.resume_results(
-        ctx, "dp2_distopt", ["local"], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    out = run_resume(ctx, "dp2_distopt", ["local"])
     assert "bit-exact" in checks_resume.judge(out["local"])
     pairs = [(checks_parallel.BY_NAME["tp2_sp"], "te"), (checks_parallel.BY_NAME["pp2"], "local")]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     for name in ("parallel.tp2_sp.te", "parallel.pp2.local"):
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
 
@@ -217,9 +224,7 @@ def test_context_parallel_on_packed_and_unpacked_batches_matches_one_rank(trees)
     against the 1-rank run on the same data from the same weights."""
     ctx = context(trees("0.16.0"))
     pairs = [(checks_parallel.BY_NAME[m], "te") for m in ("cp2", "cp2_packed")]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     for name in ("parallel.cp2.te", "parallel.cp2_packed.te"):
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
     unpacked = ctx.cache[("parallel-reference", "llama", "te", False)].losses
@@ -239,9 +244,7 @@ def test_four_rank_layouts_match_the_one_rank_run(trees) -> None:
         (modes["ep4_moe"], "local"),
         (modes["dp4_distopt_overlap"], "local"),
     ]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     for mode, spec in pairs:
         name = f"parallel.{mode.name}.{spec}"
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
@@ -249,9 +252,7 @@ def test_four_rank_layouts_match_the_one_rank_run(trees) -> None:
         "DistributedOptimizer"
     )
     # tighter than the check for the virtual stages: see the 0.12 test below
-    ref = ctx.cache[("parallel-reference", "llama_deep", "te", False)].losses
-    got = results["parallel.tp2_pp2_vpp.te"].losses
-    assert max(abs(g - r) / r for g, r in zip(got[:5], ref[:5])) < 5e-5
+    assert five_step_difference(ctx, results, "parallel.tp2_pp2_vpp.te") < 5e-5
 
 
 @pytest.mark.parametrize(
@@ -262,9 +263,7 @@ def test_four_rank_resumes(trees, release: str, scenario: str) -> None:
     model split over TP, PP and two virtual stages (``model0``/``model1``; 0.12 numbers a
     chunk's layers from Megatron's virtual rank, which the engine sets per chunk)."""
     ctx = context(trees(release))
-    out = checks_resume.resume_results(
-        ctx, scenario, ["te"], backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    out = run_resume(ctx, scenario, ["te"])
     assert "bit-exact" in checks_resume.judge(out["te"])
 
 
@@ -274,14 +273,10 @@ def test_oldest_release_builds_virtual_stages_from_the_one_rank_weights(trees) -
     layers and move the first step's loss."""
     ctx = context(trees("0.12.0"))
     pairs = [(checks_parallel.BY_NAME["tp2_pp2_vpp"], "local")]
-    results = checks_parallel.parallel_results(
-        ctx, pairs, backend="gloo", env=CPU_ENV, overrides=SMALL
-    )
+    results = run_parallel(ctx, pairs)
     name = "parallel.tp2_pp2_vpp.local"
     assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name])
     # The check's tolerances are for bf16 GPUs and let a permutation of freshly initialised
     # layers through (measured here: 1.7e-4 at the first step, 1.0e-3 over five, with the
     # virtual rank left unset); the right layers give 5.3e-6.
-    ref = ctx.cache[("parallel-reference", "llama_deep", "local", False)].losses
-    got = results[name].losses
-    assert max(abs(g - r) / r for g, r in zip(got[:5], ref[:5])) < 5e-5
+    assert five_step_difference(ctx, results, name) < 5e-5

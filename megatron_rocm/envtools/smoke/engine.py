@@ -313,15 +313,18 @@ class Trainer:
             return {"metadata": {**meta, "chained_optim_avoid_prefix": True}}
         return {"sharding_type": sharding}
 
-    def _model_sharded_state_dict(self) -> dict[str, Any]:
+    def _chunk_names(self) -> list[str]:
         """``model`` (one chunk) or ``model0``, ``model1``, ... (virtual stages), as
         ``megatron.training.checkpointing`` names them."""
         if len(self.nets) == 1:
-            return {"model": self.nets[0].sharded_state_dict()}
+            return ["model"]
+        return [f"model{stage}" for stage in range(len(self.nets))]
+
+    def _model_sharded_state_dict(self) -> dict[str, Any]:
         out = {}
-        for stage, net in enumerate(self.nets):
+        for stage, (name, net) in enumerate(zip(self._chunk_names(), self.nets)):
             with self.chunk(stage):
-                out[f"model{stage}"] = net.sharded_state_dict()
+                out[name] = net.sharded_state_dict()
         return out
 
     def save(self, folder: str) -> None:
@@ -339,8 +342,8 @@ class Trainer:
             dict(state), is_loading=True, **self._optim_kwargs()
         )
         loaded = dist_checkpointing.load(state, folder)
-        for stage, net in enumerate(self.nets):
-            net.load_state_dict(loaded["model" if len(self.nets) == 1 else f"model{stage}"])
+        for name, net in zip(self._chunk_names(), self.nets):
+            net.load_state_dict(loaded[name])
         self.optimizer.load_state_dict(loaded["optimizer"])
 
 
