@@ -347,7 +347,10 @@ stage_cpscale() {
   # go to pretrain_gpt.py: the
   # twelfth session's numbers used --no-create-attention-mask-in-dataloader (long-context runs
   # switch the s x s mask off) and upstream's recipe flags --cross-entropy-loss-fusion
-  # --manual-gc, without which Python's GC and the unfused loss add ~0.6 s per 0.85B iteration.
+  # --manual-gc, without which Python's GC and the unfused loss add ~0.6 s per 0.85B iteration;
+  # the nineteenth session's added the rest of upstream's H100 recipe for CP
+  # (examples/llama/train_llama3_8b_h100_fp8.sh): --use-distributed-optimizer
+  # --overlap-grad-reduce --overlap-param-gather --grad-reduce-in-bf16.
   local L=${CP_LENGTH:-16384} size=${CP_SIZE:-small}
   local tag="$size-$((L / 1024))k" half=$((L / 2))
   local long="--preset llama --preset-size $size --iters ${CP_ITERS:-20} --micro-batch-size 1"

@@ -26,6 +26,12 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   the heads bound for a peer into its outbox, which the peer pulls from, and pushes a peer's
   results straight into the peer's inbox. The layout of every piece is the same either way.
 
+* **The backward's first exchange starts in the output projection.** Its input gradient is
+  what the exchange sends; the projection queues the packing before its weight-gradient GEMM,
+  with the process group's transfers (their kernels then ahead of the GEMM's) or the copy
+  engines' barrier, and the copy engines' pulls after it, so the transfers run beside that GEMM
+  (``_cp_handoff``, ``PreparedScatter``; ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns it off).
+
 Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
 probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
 and log-sum-exp for a backward of our own. Needs the query heads divisible by the CP size;
@@ -43,6 +49,7 @@ import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
 from megatron_rocm.runtime.backend._cp_copy_engine import Arrival, CopyEngineLink, Layout, link_for
+from megatron_rocm.runtime.backend._cp_handoff import Handoff, handoffs_enabled, offer
 from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
@@ -164,64 +171,118 @@ class Shards:
         ``[stages, s, b, heads / cp / stages, d]`` whole-sequence buffer for this rank's heads.
 
         Returns the buffers and, per stage, the pending transfer to wait for before reading
-        that stage. The rank's own tokens are copied into place once the exchange is posted,
-        while the peers' travel. Without a ``link`` the peers' pieces come by the process
-        group's point-to-point; with one, each peer's are pulled from its outbox by a copy
-        engine.
+        that stage (``PreparedScatter``, queued in one go).
         """
-        wholes, per_ranks = [], []
-        for x in tensors:
-            parts = self.by_head(x, stages)  # [pieces, len, b, cp, stages, h, d]
-            per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
-            whole = x.new_empty(stages, self.size * self.pieces * self.piece_len,
-                                *per_rank.shape[-3:])  # fmt: skip
-            wholes.append(whole)
-            per_ranks.append(per_rank)
-        if link is not None:
-            pending: list[Pending | Arrival] = list(self._pull(wholes, per_ranks, stages, link))
-        else:
-            pending = self._post(wholes, per_ranks, stages)
-        for whole, per_rank in zip(wholes, per_ranks, strict=True):  # while the peers' travel
-            copy_wide(self.of_rank(whole, self.rank, dim=1), per_rank[self.rank])
-        return wholes, pending
+        return PreparedScatter(self, tensors, stages, link).result()
 
-    def _post(self, wholes: list[Tensor], per_ranks: list[Tensor], stages: int) -> list[Pending]:
+
+class PreparedScatter:
+    """A scatter (``Shards.scatter``) queued in two steps, so that other work can be queued
+    between them (``_cp_handoff``).
+
+    The constructor packs the heads bound for each peer and, with a copy-engine ``link``, queues
+    the barrier after which the peers' outboxes may be read; through the process group it posts
+    the batches right away (their kernels are then queued ahead of what comes next). ``post``
+    queues the pulls (copy engines) and copies the rank's own tokens into place while the
+    peers' travel.
+    """
+
+    def __init__(
+        self,
+        shards: Shards,
+        tensors: tuple[Tensor, ...],
+        stages: int,
+        link: CopyEngineLink | None,
+    ) -> None:
+        self.shards, self.stages, self.link = shards, stages, link
+        self.wholes: list[Tensor] = []
+        self.per_ranks: list[Tensor] = []
+        for x in tensors:
+            parts = shards.by_head(x, stages)  # [pieces, len, b, cp, stages, h, d]
+            per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
+            whole = x.new_empty(stages, shards.size * shards.pieces * shards.piece_len,
+                                *per_rank.shape[-3:])  # fmt: skip
+            self.wholes.append(whole)
+            self.per_ranks.append(per_rank)
+        self.pending: list[Pending | Arrival] | None = None
+        self._posted = False
+        if link is None:
+            self.pending = list(self._post_batches())
+        else:
+            self._pack(link)
+
+    def _post_batches(self) -> list[Pending]:
         """Pack each peer's heads and post one batch of sends and receives per stage."""
-        packs = [{j: packed(per_rank[j]) for j, _ in self.peers} for per_rank in per_ranks]
+        shards = self.shards
+        packs = [{j: packed(per_rank[j]) for j, _ in shards.peers} for per_rank in self.per_ranks]
         pending = []
-        for n in range(stages):
+        for n in range(self.stages):
             sends, receives = [], []
-            for j, peer in self.peers:
-                for whole, out in zip(wholes, packs, strict=True):
-                    for i in range(self.pieces):
+            for j, peer in shards.peers:
+                for whole, out in zip(self.wholes, packs, strict=True):
+                    for i in range(shards.pieces):
                         sends.append((out[j][n, i], peer))
-                        receives.append((self.of_rank(whole[n], j)[i], peer))
-            pending.append(post(sends, receives, self.group))
+                        receives.append((shards.of_rank(whole[n], j)[i], peer))
+            pending.append(post(sends, receives, shards.group))
         return pending
 
-    def _pull(
-        self, wholes: list[Tensor], per_ranks: list[Tensor], stages: int, link: CopyEngineLink
-    ) -> list[Arrival]:
-        """Pack each peer's heads into this rank's outbox, then pull every peer's pieces for
-        this rank into ``wholes``, one batch of copies per stage."""
-        layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in per_ranks], self.size)
-        link.reserve(layout.nbytes)
-        link.uses(wholes)  # the pulls write them
+    def _pack(self, link: CopyEngineLink) -> None:
+        """Pack each peer's heads into this rank's outbox and queue the barrier after which
+        every outbox is packed."""
+        self.layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in self.per_ranks],
+                             self.shards.size)  # fmt: skip
+        link.reserve(self.layout.nbytes)
+        link.uses(self.wholes)  # the pulls write them
         link.before_packing()
-        for j, _ in self.peers:
-            for box, per_rank in zip(link.outbox(layout, j), per_ranks, strict=True):
+        for j, _ in self.shards.peers:
+            for box, per_rank in zip(link.outbox(self.layout, j), self.per_ranks, strict=True):
                 copy_wide(box, per_rank[j])
-        link.barrier()  # every outbox is packed
-        boxes = {j: link.peer_outbox(layout, j) for j, _ in self.peers}
+        link.barrier()
+
+    def post(self) -> None:
+        """Queue the pulls of every peer's pieces for this rank (copy engines; one batch per
+        stage) and copy the rank's own tokens into place. Once only."""
+        if self._posted:
+            return
+        if self.link is not None:
+            self.pending = list(self._pull(self.link))
+        self._own_part()
+        self._posted = True
+
+    def _pull(self, link: CopyEngineLink) -> list[Arrival]:
+        shards = self.shards
+        boxes = {j: link.peer_outbox(self.layout, j) for j, _ in shards.peers}
         return [
             link.copy([
-                (self.of_rank(whole[n], j)[i], box[n, i])
-                for j, _ in self.peers
-                for whole, box in zip(wholes, boxes[j], strict=True)
-                for i in range(self.pieces)
+                (shards.of_rank(whole[n], j)[i], box[n, i])
+                for j, _ in shards.peers
+                for whole, box in zip(self.wholes, boxes[j], strict=True)
+                for i in range(shards.pieces)
             ])
-            for n in range(stages)
+            for n in range(self.stages)
         ]  # fmt: skip
+
+    def _own_part(self) -> None:
+        shards = self.shards
+        for whole, per_rank in zip(self.wholes, self.per_ranks, strict=True):
+            copy_wide(shards.of_rank(whole, shards.rank, dim=1), per_rank[shards.rank])
+
+    def result(self) -> tuple[list[Tensor], list[Pending | Arrival]]:
+        """The whole-sequence buffers and, per stage, what to wait for before reading them."""
+        self.post()
+        assert self.pending is not None
+        return self.wholes, self.pending
+
+    def settle(self) -> None:
+        """Complete this scatter although nobody reads it: every transfer is queued, and the
+        next exchange's packing waits until every peer has pulled from this rank's outbox
+        (with copy engines, one more barrier after this rank's own pulls)."""
+        self.post()
+        if self.link is not None:
+            self.link.barrier()
+        else:
+            for pending in self.pending or []:
+                pending.wait()
 
 
 class Gather:
@@ -313,6 +374,7 @@ class UlyssesAttention(torch.autograd.Function):
         kernel: BlockKernel,
         stages: int,
         link: CopyEngineLink | None,
+        handoff: Handoff | None = None,
     ):
         shards = Shards(group, query.shape[0], causal)
         wholes, pending = shards.scatter((query, key, value), stages, link)
@@ -332,6 +394,7 @@ class UlyssesAttention(torch.autograd.Function):
         ctx.save_for_backward(*wholes, *outs, *lses)
         shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
         ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, states, shapes)
+        ctx.handoff = handoff
         return output
 
     @staticmethod
@@ -340,8 +403,13 @@ class UlyssesAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages :]
         shards = Shards(group, grad_output.shape[0], causal)
-        douts_shape = (shapes[0][0], shapes[2][1])  # query heads, value head dim
-        (douts,), pending = shards.scatter((grad_output.unflatten(2, douts_shape),), stages, link)
+        handoff: Handoff | None = ctx.handoff
+        taken = handoff.take(grad_output) if handoff is not None else None
+        if taken is None:  # nobody started it (or with another gradient): exchange it here
+            douts_shape = (shapes[0][0], shapes[2][1])  # query heads, value head dim
+            grad = grad_output.unflatten(2, douts_shape)
+            taken = PreparedScatter(shards, (grad,), stages, link).result()
+        (douts,), pending = taken
         gather = Gather(shards, stages, shapes, grad_output, link)
         for n in range(stages):
             pending[n].wait()
@@ -354,7 +422,7 @@ class UlyssesAttention(torch.autograd.Function):
         dq, dk, dv = (
             out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def a2a_attention(
@@ -376,6 +444,19 @@ def a2a_attention(
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
     link = link_for(group, query.device)
-    return UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, stages, link
+    handoff = None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if handoffs_enabled():
+            douts_shape = (heads, value.shape[3])
+
+            def begin(grad: Tensor) -> PreparedScatter:
+                shards = Shards(group, grad.shape[0], causal)
+                return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
+
+            handoff = Handoff(begin)
+    output = UlyssesAttention.apply(
+        query, key, value, group, causal, scale, dropout_p, kernel, stages, link, handoff
     )
+    if handoff is not None:
+        offer(handoff, output)
+    return output

@@ -23,14 +23,11 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_rocm.runtime.backend._cp_handoff import claim
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
-from megatron_rocm.runtime.kernels.grad_accum import (
-    main_grad_for_wgrad,
-    wgrad_gemm_accum_fp16,
-    wgrad_gemm_accum_fp32,
-)
+from megatron_rocm.runtime.backend._linear_function import LinearFunction
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -133,43 +130,31 @@ class TERowParallelLinear(RowParallelLinear):
                 **extra,
             )
 
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Upstream's forward, except where the input is an a2a attention output offered to
+        this layer (``_cp_handoff``) and nothing but the GEMM is in play (one TP rank, a
+        trainable weight, no CPU offloading): then the same GEMM whose backward starts the
+        attention's exchange ahead of the weight gradient."""
+        handoff = claim(input_) if self._gemm_only() else None
+        if handoff is None:
+            return super().forward(input_)
+        fuse = bool(self.gradient_accumulation_fusion)
+        output = LinearFunction.apply(input_, self.weight, fuse, handoff)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
-class _ReplicatedLinearFunction(torch.autograd.Function):
-    """``y = x W^T`` whose weight gradient goes straight into ``main_grad`` when asked.
-
-    Mirrors Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with no TP
-    communication: with gradient-accumulation fusion the wgrad GEMM accumulates into
-    ``weight.main_grad`` and autograd gets a placeholder, flagged ``grad_added_to_main_grad``
-    so Megatron's DDP hooks do not add it again.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, fuse_wgrad):  # noqa: ANN001, ANN205 - autograd signature
-        ctx.save_for_backward(x, weight)
-        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
-        ctx.fuse_wgrad = fuse_wgrad and (
-            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+    def _gemm_only(self) -> bool:
+        """Whether upstream's forward is a plain GEMM here (no TP, expert or offloading
+        path, and ``linear_with_grad_accumulation_and_async_allreduce``'s contract)."""
+        return (
+            self.input_size_per_partition == self.input_size
+            and not self.sequence_parallel
+            and not self.explicit_expert_comm
+            and getattr(self, "gtp_remat_size", 1) == 1
+            and not getattr(self.config, "cpu_offloading", False)
+            and self.weight.requires_grad
         )
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
-        x, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight)
-        if not ctx.fuse_wgrad:
-            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            return grad_input, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), None
-        main_grad = main_grad_for_wgrad(weight)
-        if main_grad.dtype == torch.float32:
-            wgrad_gemm_accum_fp32(x, grad_output, main_grad)
-        else:
-            wgrad_gemm_accum_fp16(x, grad_output, main_grad)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            placeholder = make(main_grad.shape, dtype=x.dtype, device=x.device)
-            weight.grad_added_to_main_grad = True
-            return grad_input, placeholder, None
-        return grad_input, None, None
 
 
 class TELinear(torch.nn.Module):
@@ -236,7 +221,7 @@ class TELinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
-        out = _ReplicatedLinearFunction.apply(x, self.weight, fuse)
+        out = LinearFunction.apply(x, self.weight, fuse)
         if self.bias is None:
             return out, None
         if self.te_return_bias:

@@ -511,3 +511,63 @@ def _late_after(seal: Any) -> Any:
         return arrival
 
     return late
+
+
+def handoff_case(
+    *,
+    tensors: dict[str, torch.Tensor],
+    weight: torch.Tensor,
+    handoff: bool,
+    also_read: bool = False,
+    transport: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """a2a attention whose output feeds ``LinearFunction`` as ``TERowParallelLinear`` does at
+    one TP rank (claiming the attention's handoff), two steps in a row; ``also_read``: the loss
+    reads the attention's output a second time, so the gradient it gets is not the linear's.
+
+    Returns the last step's output and gradients (q, k, v, weight), per step whether the
+    attention's backward took the exchange the linear started (``taken``), and how many
+    batches were posted to the process group."""
+    from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine, _cp_handoff
+    from megatron_rocm.runtime.backend._linear_function import LinearFunction
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
+    os.environ[_cp_handoff.HANDOFF_ENV] = "1" if handoff else "0"
+    if transport is not None:
+        os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
+        _cp_copy_engine.decide_again()
+    taken: list[bool] = []
+    posted, post, take = [], _cp_a2a.post, _cp_handoff.Handoff.take
+
+    def spying_take(self: Any, grad: torch.Tensor) -> Any:
+        result = take(self, grad)
+        taken.append(result is not None)
+        return result
+
+    _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
+    _cp_handoff.Handoff.take = spying_take
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    try:
+        for _ in range(2):  # after a settled exchange, the next ones must stay paired too
+            q, k, v = (shard(tensors[n], cp, rank).to(device, dtype).requires_grad_()
+                       for n in "qkv")  # fmt: skip
+            w = weight.to(device, dtype).requires_grad_()
+            out = context_parallel_attention(
+                q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+            )
+            y = LinearFunction.apply(out, w, False, _cp_handoff.claim(out))
+            if also_read:
+                y = y + out * 0.5
+            y.backward(shard(tensors["grad"], cp, rank).to(device, dtype))
+    finally:
+        _cp_a2a.post, _cp_handoff.Handoff.take = post, take
+        os.environ.pop(_cp_handoff.HANDOFF_ENV, None)
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+    grads = {"out": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dw": w.grad}
+    return {
+        "taken": taken,
+        "posts": len(posted),
+        "copy_engine": _cp_copy_engine.uses_copy_engines(None),
+        **{n: t.float().cpu() for n, t in grads.items()},
+    }

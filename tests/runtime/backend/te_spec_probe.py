@@ -232,6 +232,44 @@ def _raises(fn, text: str) -> bool:
     return False
 
 
+def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
+    """TERowParallelLinear at one TP rank: an input an a2a attention offered is claimed and the
+    backward starts the attention's exchange between its GEMMs; same numbers as upstream's
+    forward, which any other input (or a frozen weight) still takes."""
+    from megatron_rocm.runtime.backend import _cp_handoff
+    from megatron_rocm.runtime.backend.te_names import TERowParallelLinear
+
+    events: list[str] = []
+
+    class Exchange:
+        def post(self) -> None:
+            events.append("post")
+
+    def run(offered: bool, frozen: bool = False) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        row = TERowParallelLinear(8, 6, input_is_parallel=True, **common)
+        row.weight.requires_grad_(not frozen)
+        row.weight.main_grad = torch.zeros(6, 8)
+        row.weight.grad_added_to_main_grad = False
+        x = torch.randn(5, 2, 8, requires_grad=True)
+        handoff = _cp_handoff.Handoff(lambda grad: events.append("begin") or Exchange())
+        if offered:
+            _cp_handoff.offer(handoff, x)
+        y, bias = row(x)
+        events.append("claimed" if offered and _cp_handoff._offered is None else "not claimed")
+        _cp_handoff._offered = None
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad, row.weight.main_grad]
+
+    upstream, ours = run(False), run(True)
+    frozen = run(True, frozen=True)
+    return {
+        "row_handoff_events": events,
+        "row_handoff_diff": max((a - b).abs().max().item() for a, b in zip(upstream, ours)),
+        "row_handoff_frozen_diff": (upstream[1] - frozen[1]).abs().max().item(),
+    }
+
+
 def modules_case() -> dict:
     """Module-level behaviour of the native TE classes inside a real Megatron tree."""
     from megatron.core.transformer.enums import AttnMaskType
@@ -285,6 +323,7 @@ def modules_case() -> dict:
     lin.load_state_dict({**lin.state_dict(), "_extra_state": None})  # older checkpoints
     lin.load_state_dict(lin.state_dict())
     out["telinear_flagged"] = bool(lin.weight.grad_added_to_main_grad)
+    out.update(_row_linear_handoff(cfg, common))
     cfg.gradient_accumulation_fusion = False
     # zero-centred gamma in the LN-linear: gamma is stored as w - 1
     cfg.layernorm_zero_centered_gamma = True

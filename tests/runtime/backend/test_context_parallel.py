@@ -926,3 +926,119 @@ def test_a2a_copies_the_ranks_own_heads_while_the_peers_travel(worlds) -> None: 
     relayout = ["copy"]  # the math kernel's [b, h, s, d] output as [s, b, h, d]
     gather = ["post", "copy", "copy"]
     assert events == [scatter + relayout + gather] * 2
+
+
+# --- a2a's backward exchange, started by the output projection ------------------------------
+
+
+def _handoff_inputs(shape: tuple[int, ...] = GQA) -> dict:
+    """q/k/v and output gradient of ``shape``, and a square projection weight over the
+    attention's output (so the loss can also read that output directly)."""
+    width = shape[2] * shape[5]
+    weight = torch.randn(width, width, generator=torch.Generator().manual_seed(3)) / width**0.5
+    return {"tensors": _inputs(shape, torch.float32), "weight": weight}
+
+
+@pytest.mark.parametrize("also_read", [False, True])
+def test_the_projection_starts_a2a_backward_exchange_with_the_same_results(
+    worlds,  # noqa: ANN001
+    also_read: bool,
+) -> None:
+    """The output projection starts the attention's first backward exchange between its two
+    GEMMs, and the attention takes it: results bit for bit those of the exchange made by the
+    attention itself. When the loss also reads the attention's output, the gradient the
+    attention gets is not the projection's: the started exchange is settled (one more batch
+    posted), a fresh one made, and the next step's exchanges still pair up."""
+    inputs = _handoff_inputs()
+    on = worlds(2).run("handoff_case", handoff=True, also_read=also_read, **inputs)
+    off = worlds(2).run("handoff_case", handoff=False, also_read=also_read, **inputs)
+    for with_handoff, without in zip(on, off, strict=True):
+        assert with_handoff["taken"] == [not also_read] * 2 and without["taken"] == []
+        # per step: two batches forward, two backward, and one more for a settled exchange
+        assert (with_handoff["posts"], without["posts"]) == (10 if also_read else 8, 8)
+        assert with_handoff["dq"].abs().sum() > 0
+        for name in ("out", "dq", "dk", "dv", "dw"):
+            assert torch.equal(with_handoff[name], without[name]), name
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_the_handoff_switch_is_0_or_1(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from megatron_rocm.runtime.backend import _cp_handoff
+
+    monkeypatch.setenv(_cp_handoff.HANDOFF_ENV, value)
+    with pytest.raises(ValueError) as failure:
+        _cp_handoff.handoffs_enabled()
+    assert str(failure.value) == f"MEGATRON_ROCM_CP_A2A_HANDOFF={value!r} is not 0 or 1"
+
+
+class _Exchange:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def post(self) -> None:
+        self.log.append("post")
+
+    def result(self) -> str:
+        self.log.append("result")
+        return "exchanged"
+
+    def settle(self) -> None:
+        self.log.append("settle")
+
+
+def test_only_the_offered_output_untouched_is_claimed_and_only_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_rocm.runtime.backend import _cp_handoff
+
+    monkeypatch.setattr(_cp_handoff, "_offered", None)
+    output = torch.randn(4, 2, 6)
+    handoff = _cp_handoff.Handoff(lambda grad: _Exchange([]))
+    _cp_handoff.offer(handoff, output)
+    assert _cp_handoff.claim(output.clone()) is None  # same values, other memory
+    assert _cp_handoff.claim(output.view(4, 12)) is None  # another shape
+    assert _cp_handoff.claim(output.view(4, 2, 6)) is handoff  # a view alike
+    assert _cp_handoff.claim(output) is None  # claimed already
+    _cp_handoff.offer(handoff, output)
+    output.add_(1)  # changed after the offer: the gradient it would start from is unknown
+    assert _cp_handoff.claim(output) is None
+
+
+def test_a_started_exchange_is_taken_for_its_gradient_and_settled_for_another() -> None:
+    from megatron_rocm.runtime.backend import _cp_handoff
+
+    log: list[str] = []
+    handoff = _cp_handoff.Handoff(lambda grad: log.append("begin") or _Exchange(log))
+    grad = torch.randn(4, 2, 6)
+    assert handoff.take(grad) is None and log == []  # nothing started: the caller exchanges
+    handoff.begin(grad)
+    handoff.post()
+    assert handoff.take(grad.view(4, 2, 6)) == "exchanged"
+    assert log == ["begin", "post", "result"]
+    handoff.begin(grad)
+    assert handoff.take(grad + 0) is None and log[-2:] == ["begin", "settle"]
+    handoff.begin(grad)
+    grad.mul_(2)  # changed in place after the exchange packed it
+    assert handoff.take(grad) is None and log[-1] == "settle"
+    assert handoff.take(grad) is None and log[-1] == "settle"  # once only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["copy-engine", "process-group"])
+@pytest.mark.parametrize("also_read", [False, True])
+def test_gpu_the_projection_starts_a2a_backward_exchange(
+    gpu_world: World, transport: str, also_read: bool
+) -> None:
+    """On two GPUs, both transports: the projection's early start gives what the attention's own
+    exchange gives (cuDNN's backward may sum in another order: close, not always equal)."""
+    if transport == "copy-engine" and torch.version.hip:
+        pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
+    inputs = _handoff_inputs(A2A_GPU_SHAPE)
+    case = dict(also_read=also_read, transport=transport, dtype=torch.bfloat16, **inputs)
+    on = gpu_world.run("handoff_case", handoff=True, **case)
+    off = gpu_world.run("handoff_case", handoff=False, **case)
+    for with_handoff, without in zip(on, off, strict=True):
+        assert with_handoff["taken"] == [not also_read] * 2 and without["taken"] == []
+        assert with_handoff["copy_engine"] is (transport == "copy-engine")
+        for name in ("out", "dq", "dk", "dv", "dw"):
+            torch.testing.assert_close(with_handoff[name], without[name], atol=2e-2, rtol=2e-2)

@@ -127,6 +127,11 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     assert result["gather_output_refused"] and result["unknown_value_refused"]
     assert result["telinear_forward_diff"] == 0.0 and result["telinear_bias_returned"]
     assert result["telinear_main_grad_diff"] < 1e-5 and result["telinear_flagged"]
+    # the a2a handoff: claimed only when offered and the weight trains; begin before post
+    assert result["row_handoff_events"] == [
+        "not claimed", "claimed", "begin", "post", "not claimed"
+    ]  # fmt: skip
+    assert result["row_handoff_diff"] < 1e-6 and result["row_handoff_frozen_diff"] < 1e-6
     assert result["telinear_extra_state"] == ["torch.uint8", 0]  # TE's value without FP8
     assert result["zero_centered_init"] and result["zero_centered_diff"] < 1e-5
     assert result["ln_param_order"] == ["layer_norm_weight", "weight"]  # TE's order

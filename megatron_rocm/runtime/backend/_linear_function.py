@@ -1,0 +1,70 @@
+"""``y = x W^T`` with Megatron's weight-gradient contract and no tensor-parallel communication.
+
+Used by the duplicated ``TELinear`` and by ``TERowParallelLinear`` without tensor parallelism
+when its input is an a2a attention output it can hand the backward exchange to
+(``_cp_handoff``). Kept free of Megatron imports so the CP tests run it on bare torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rocm.runtime.backend._cp_handoff import Handoff
+from megatron_rocm.runtime.kernels.grad_accum import (
+    main_grad_for_wgrad,
+    wgrad_gemm_accum_fp16,
+    wgrad_gemm_accum_fp32,
+)
+
+
+class LinearFunction(torch.autograd.Function):
+    """``y = x W^T`` whose weight gradient goes straight into ``main_grad`` when asked.
+
+    Mirrors Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with no TP
+    communication: with gradient-accumulation fusion the wgrad GEMM accumulates into
+    ``weight.main_grad`` and autograd gets a placeholder, flagged ``grad_added_to_main_grad``
+    so Megatron's DDP hooks do not add it again. With a ``handoff`` the input gradient starts
+    the attention's exchange before the weight-gradient GEMM, whose transfers run beside it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse_wgrad, handoff=None):  # noqa: ANN001, ANN205 - autograd
+        ctx.save_for_backward(x, weight)
+        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
+        ctx.fuse_wgrad = fuse_wgrad and (
+            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+        )
+        ctx.handoff = handoff
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
+        x, weight = ctx.saved_tensors
+        handoff: Handoff | None = ctx.handoff
+        grad_input = grad_output.matmul(weight)
+        if handoff is not None:
+            handoff.begin(grad_input)
+        grad_weight = _weight_gradient(ctx.fuse_wgrad, x, weight, grad_output)
+        if handoff is not None:
+            handoff.post()
+        return grad_input, grad_weight, None, None
+
+
+def _weight_gradient(fuse: bool, x: torch.Tensor, weight: Any, grad_output: torch.Tensor) -> Any:
+    """The weight's gradient for autograd: computed, or added into ``main_grad`` (then a
+    placeholder where Megatron's DDP expects one, else None)."""
+    if not fuse:
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        return grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))
+    main_grad = main_grad_for_wgrad(weight)
+    if main_grad.dtype == torch.float32:
+        wgrad_gemm_accum_fp32(x, grad_output, main_grad)
+    else:
+        wgrad_gemm_accum_fp16(x, grad_output, main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(main_grad.shape, dtype=x.dtype, device=x.device)
