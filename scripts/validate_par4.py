@@ -54,99 +54,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from par4_report import SHAPE, gpu_names, record, render_table, summary_line  # noqa: E402
+from par4_layouts import DETERMINISTIC, LAYOUTS, NPROC, Layout, baseline  # noqa: E402
+from par4_report import gpu_names, record, render_table  # noqa: E402
+from par4_resume import compare_resumed, run_problem, stage  # noqa: E402
 from validate_distopt_resume import (  # noqa: E402
     DETERMINISTIC_ENV,
     averages_second_log,
-    failure_reason,
     finish,
     has_text,
-    judge,
     losses,
     start,
     stop,
 )
 
 TRAIN_SMALL = HERE / "train_small.py"
-NPROC = 4
 RUN_TIMEOUT = 600  # seconds per train_small.py run; --run-timeout
 PRESET = ["--preset", "llama", "--preset-size", "small"]
-
-
-def moe_flags(ep: int) -> tuple[str, ...]:
-    """8 experts; the flag names are the same from core_v0.12.0 to main."""
-    return (
-        "--num-experts=8",
-        f"--expert-model-parallel-size={ep}",
-        "--moe-grouped-gemm",
-        "--moe-token-dispatcher-type=alltoall",
-        "--moe-router-topk=2",
-        # upstream's default 0.0 leaves the router unbalanced; 1e-2 as examples/mixtral
-        "--moe-aux-loss-coeff=1e-2",
-    )
-
-
-DETERMINISTIC = ("--deterministic-mode",)  # upstream's; DETERMINISTIC_ENV goes with it
-DISTOPT_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One run's parallel layout, as train_small.py options plus pretrain_gpt.py flags."""
-
-    name: str
-    nproc: int = NPROC
-    tp: int = 1
-    sp: bool = False
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    seq_length: int = SHAPE.seq_length
-    micro: int = SHAPE.micro_batch
-    global_batch: int | None = None  # None: the preset's per data-parallel replica
-    flags: tuple[str, ...] = ()  # to pretrain_gpt.py
-    resume: bool = False
-
-    @property
-    def dp(self) -> int:
-        return self.nproc // (self.tp * self.cp * self.pp)
-
-    @property
-    def batch(self) -> int:
-        return self.global_batch or SHAPE.global_batch * self.dp
-
-    def options(self) -> list[str]:
-        """train_small.py options (the flags after its ``--`` come separately)."""
-        opts = ["--nproc", str(self.nproc), "--tp", str(self.tp)]
-        opts += ["--sp"] if self.sp else []
-        opts += ["--pp", str(self.pp), "--vpp", str(self.vpp), "--cp", str(self.cp)]
-        opts += ["--seq-length", str(self.seq_length), "--micro-batch-size", str(self.micro)]
-        return opts + ["--global-batch-size", str(self.batch)]
-
-
-LAYOUTS = {
-    layout.name: layout
-    for layout in (
-        Layout("tp2pp2vpp", tp=2, sp=True, pp=2, vpp=2, micro=1, global_batch=8, resume=True),
-        Layout("tp2cp2", tp=2, sp=True, cp=2, seq_length=16384, micro=1, global_batch=8),
-        Layout("ep4moe", ep=4, flags=moe_flags(4)),
-        Layout("dp4distopt", flags=DISTOPT_FLAGS, resume=True),
-    )
-}
-
-
-def baseline(layout: Layout) -> Layout:
-    """The same model, sequence, micro-batch and batch per data-parallel replica, one GPU."""
-    flags = moe_flags(1) if layout.ep > 1 else ()
-    return Layout(
-        f"{layout.name}-1gpu",
-        nproc=1,
-        seq_length=layout.seq_length,
-        micro=layout.micro,
-        global_batch=layout.batch // layout.dp,
-        flags=flags,
-    )
 
 
 def tree_flags(tree: Path) -> list[str]:
@@ -205,50 +128,6 @@ def resume_steps(tree: Path, layout: Layout, iters: int, out: Path) -> tuple[Ste
     first = step(tree, out, f"{name}-resume-A", layout, iters, [*DETERMINISTIC, *save], env)
     second = step(tree, out, f"{name}-resume-B", layout, iters, [*DETERMINISTIC, *load], env)
     return first, second
-
-
-def stage(out: Path, name: str, save_at: int) -> str | None:
-    """Copy run A's checkpoint of ``save_at`` alone into B's folder; the reason if it can't."""
-    saved = out / f"{name}-ckpt-A" / f"iter_{save_at:07d}"
-    staged = out / f"{name}-ckpt-B"
-    if not saved.is_dir():
-        return f"no checkpoint {saved}"
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir(parents=True)
-    shutil.copytree(saved, staged / saved.name)
-    (staged / "latest_checkpointed_iteration.txt").write_text(str(save_at))
-    return None
-
-
-def run_problem(rc: int, lines: list[str], resumed: bool = False) -> str | None:
-    """Why a train_small.py run of a resume check failed, or None. Any non-zero exit fails
-    it (a rank that crashed or a watchdog that fired after the last loss line too), except,
-    for the resumed run (``resumed``), train_small's own verdict that its loss did not fall:
-    half a run may not, and what that run must do is match run A, which the verdict checks."""
-    if rc == 0:
-        return None
-    problems = (summary_line(lines) or {}).get("problems", [])
-    if resumed and problems and all(p.startswith("loss did not decrease") for p in problems):
-        return None
-    return failure_reason(rc, lines) or (problems or [f"train_small.py exited {rc}"])[0]
-
-
-def compare_resumed(
-    straight: dict[int, float], rc: int, lines: list[str], save_at: int, averaged: bool
-) -> dict:
-    """Run B's verdict from its exit status and output, against run A's losses."""
-    span = range(save_at + 1, max(straight) + 1)
-    resumed = losses(lines)
-    result: dict = {
-        "straight": [straight[i] for i in span],
-        "resumed": [resumed.get(i) for i in span],
-    }
-    why = run_problem(rc, lines, resumed=True)
-    if why or None in result["resumed"] or min(resumed, default=0) != save_at + 1:
-        why = why or f"exit {rc}, iterations {sorted(resumed)}"
-        return {**result, "status": "fail", "detail": f"run B (fresh process, load): {why}"}
-    status, detail = judge(result["straight"], result["resumed"], averaged, first=save_at + 1)
-    return {**result, "status": status, "detail": detail}
 
 
 def check_resume(
