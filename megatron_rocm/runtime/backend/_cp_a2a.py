@@ -48,8 +48,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
-from megatron_rocm.runtime.backend._cp_copy_engine import Arrival, CopyEngineLink, Layout, link_for
-from megatron_rocm.runtime.backend._cp_handoff import Handoff, handoffs_enabled, offer
+from megatron_rocm.runtime.backend._cp_copy_engine import (
+    Arrival,
+    CopyEngineLink,
+    Layout,
+    group_key,
+    link_for,
+)
+from megatron_rocm.runtime.backend._cp_handoff import Handoff, handoffs_enabled, offer, settle_open
 from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
@@ -194,6 +200,7 @@ class PreparedScatter:
         stages: int,
         link: CopyEngineLink | None,
     ) -> None:
+        settle_open(group_key(shards.group))  # a started exchange nobody took: complete it
         self.shards, self.stages, self.link = shards, stages, link
         self.wholes: list[Tensor] = []
         self.per_ranks: list[Tensor] = []
@@ -250,6 +257,9 @@ class PreparedScatter:
         self._posted = True
 
     def _pull(self, link: CopyEngineLink) -> list[Arrival]:
+        """One batch of copies per stage. They need only the barrier, which the side stream
+        queued after the packing and the buffers' allocation: whatever the current stream
+        queued since (the projection's weight-gradient GEMM, under a handoff) runs beside."""
         shards = self.shards
         boxes = {j: link.peer_outbox(self.layout, j) for j, _ in shards.peers}
         return [
@@ -258,7 +268,7 @@ class PreparedScatter:
                 for j, _ in shards.peers
                 for whole, box in zip(self.wholes, boxes[j], strict=True)
                 for i in range(shards.pieces)
-            ])
+            ], after_current=False)
             for n in range(self.stages)
         ]  # fmt: skip
 
@@ -301,6 +311,7 @@ class Gather:
         like: Tensor,
         link: CopyEngineLink | None = None,
     ) -> None:
+        settle_open(group_key(shards.group))
         self.shards, self.link = shards, link
         s, b = shards.pieces * shards.piece_len, like.shape[1]
         self.outputs = [like.new_empty(s, b, heads * dim) for heads, dim in shapes]
@@ -453,7 +464,7 @@ def a2a_attention(
                 shards = Shards(group, grad.shape[0], causal)
                 return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
 
-            handoff = Handoff(begin)
+            handoff = Handoff(begin, group_key(group))
     output = UlyssesAttention.apply(
         query, key, value, group, causal, scale, dropout_p, kernel, stages, link, handoff
     )

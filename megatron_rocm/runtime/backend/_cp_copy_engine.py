@@ -134,7 +134,7 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     attention), from ``MEGATRON_ROCM_CP_A2A_TRANSPORT``; under ``auto`` every reason not to
     use copy engines is logged once, and ``copy-engine`` that cannot work is an error.
     """
-    key = _key(group)
+    key = group_key(group)
     if key in _links:
         return _links[key]
     group = group if group is not None else dist.group.WORLD
@@ -160,14 +160,16 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     return link
 
 
-def _key(group: Any) -> tuple[str, int]:
+def group_key(group: Any) -> tuple[str, int]:
+    """A CP group's name and identity (``None``: the default group), as its exchanges are
+    keyed."""
     group = group if group is not None else dist.group.WORLD
     return group.group_name, id(group)
 
 
 def uses_copy_engines(group: Any) -> bool:
     """Whether ``group``'s a2a exchanges were decided to go by copy engines."""
-    return _links.get(_key(group)) is not None
+    return _links.get(group_key(group)) is not None
 
 
 def decide_again() -> None:
@@ -302,11 +304,18 @@ class CopyEngineLink:
         for t in tensors:
             t.record_stream(self.stream)
 
-    def copy(self, pairs: list[tuple[Tensor, Tensor]], keep: tuple[Tensor, ...] = ()) -> Arrival:
-        """Copy each ``(dst, src)`` on the side stream (after the current stream's work so
-        far); ``keep`` are tensors of the current stream's allocator read there."""
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
+    def copy(
+        self,
+        pairs: list[tuple[Tensor, Tensor]],
+        keep: tuple[Tensor, ...] = (),
+        after_current: bool = True,
+    ) -> Arrival:
+        """Copy each ``(dst, src)`` on the side stream, after the current stream's work so far
+        unless ``after_current`` is False (the caller knows the side stream already waited for
+        everything the copies need); ``keep`` are tensors of the current stream's allocator
+        read there."""
+        if after_current:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src)

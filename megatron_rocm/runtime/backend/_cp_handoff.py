@@ -27,15 +27,21 @@ Every rank of the CP group runs the same modules in the same order, so every ran
 same path and the exchanges stay paired. ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns handoffs off.
 
 Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/results.md, nineteenth session): 0.8% off
-each iteration through the process group (NCCL; RCCL's path on ROCm), 0.1% on copy engines,
-whose pulls were mostly short already.
+each iteration through the process group (NCCL; RCCL's path on ROCm). On copy engines 0.1%,
+measured while the pulls still waited for the weight-gradient GEMM (``CopyEngineLink.copy``
+made its side stream wait for the current stream); they no longer do, unmeasured yet.
+
+A started exchange that no attention takes (its backward left out of the graph autograd runs,
+or another exchange of the group comes first, e.g. a forward recomputed in the backward) is
+settled before the group's next exchange (``settle_open``): with copy engines, a second scatter
+before the gather would pack the outbox while a peer may still pull from it.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
@@ -82,23 +88,34 @@ class Handoff:
     """One a2a attention output and the exchange its backward starts with.
 
     ``begin`` (given by the attention) prepares that exchange from a gradient; the linear
-    calls it, then ``post``; the attention's backward calls ``take``.
+    calls it, then ``post``; the attention's backward calls ``take``. ``link`` names the CP
+    group's exchanges: while one is started and not taken, ``settle_open`` completes it before
+    any other exchange of the group starts.
     """
 
-    def __init__(self, begin: Callable[[Tensor], Exchange]) -> None:
+    def __init__(self, begin: Callable[[Tensor], Exchange], link: Hashable) -> None:
         self._begin = begin
+        self.link = link
         self._output: weakref.ref | None = None
         self._version = -1
         self._started: tuple[Tensor, int, Exchange] | None = None
 
     def offered_for(self, x: Tensor) -> bool:
-        """Whether ``x`` is the offered output (or a view of it alike), untouched since."""
+        """Whether ``x`` is the offered output (or a view of it alike, still in the graph: not
+        detached), untouched since."""
         output = self._output() if self._output is not None else None
-        return output is not None and same_view(x, output) and x._version == self._version
+        return (
+            output is not None
+            and x.requires_grad
+            and same_view(x, output)
+            and x._version == self._version
+        )
 
     def begin(self, grad: Tensor) -> None:
         """Pack ``grad`` (the gradient of the output) for the exchange and queue its barrier."""
+        settle_open(self.link)
         self._started = (grad, grad._version, self._begin(grad))
+        _open[self.link] = self
 
     def post(self) -> None:
         """Queue the started exchange's transfers (after the caller's own GEMM)."""
@@ -108,7 +125,7 @@ class Handoff:
     def take(self, grad: Tensor) -> Any | None:
         """The started exchange's result if it carries ``grad``, else None (after settling a
         started one, so the caller can exchange ``grad`` itself)."""
-        started, self._started = self._started, None
+        started = self._forget()
         if started is None:
             return None
         sent, version, exchange = started
@@ -116,6 +133,28 @@ class Handoff:
             return exchange.result()
         exchange.settle()
         return None
+
+    def _forget(self) -> tuple[Tensor, int, Exchange] | None:
+        started, self._started = self._started, None
+        if _open.get(self.link) is self:
+            del _open[self.link]
+        return started
+
+
+# per CP group: the handoff whose exchange is started and not taken yet
+_open: dict[Hashable, Handoff] = {}
+
+
+def settle_open(link: Hashable) -> None:
+    """Complete the exchange a handoff started on ``link`` that its attention never took (its
+    backward was left out of the graph autograd ran, or something exchanges on the group
+    first, such as a recomputed forward), so that the next exchange finds the group's
+    buffers free. Every rank runs the same graph, so every rank settles at the same point."""
+    handoff = _open.get(link)
+    if handoff is not None:
+        started = handoff._forget()
+        if started is not None:
+            started[2].settle()
 
 
 _offered: Handoff | None = None

@@ -42,7 +42,8 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
         x, weight = ctx.saved_tensors
-        handoff: Handoff | None = ctx.handoff
+        # no input gradient asked for: the attention's backward will not run to take it
+        handoff: Handoff | None = ctx.handoff if ctx.needs_input_grad[0] else None
         grad_input = grad_output.matmul(weight)
         if handoff is not None:
             handoff.begin(grad_input)

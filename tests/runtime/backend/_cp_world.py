@@ -519,16 +519,19 @@ def handoff_case(
     weight: torch.Tensor,
     handoff: bool,
     also_read: bool = False,
+    prune_first: bool = False,
     transport: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """a2a attention whose output feeds ``LinearFunction`` as ``TERowParallelLinear`` does at
     one TP rank (claiming the attention's handoff), two steps in a row; ``also_read``: the loss
-    reads the attention's output a second time, so the gradient it gets is not the linear's.
+    reads the attention's output a second time, so the gradient it gets is not the linear's;
+    ``prune_first``: the first step asks autograd only for the weight's and the attention
+    output's gradients, so the attention's backward never runs to take the exchange.
 
     Returns the last step's output and gradients (q, k, v, weight), per step whether the
-    attention's backward took the exchange the linear started (``taken``), and how many
-    batches were posted to the process group."""
+    attention's backward took the exchange the linear started (``taken``), how many started
+    exchanges were settled, and how many batches were posted to the process group."""
     from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine, _cp_handoff
     from megatron_rocm.runtime.backend._linear_function import LinearFunction
 
@@ -539,6 +542,7 @@ def handoff_case(
         _cp_copy_engine.decide_again()
     taken: list[bool] = []
     posted, post, take = [], _cp_a2a.post, _cp_handoff.Handoff.take
+    settled, settle = [], _cp_a2a.PreparedScatter.settle
 
     def spying_take(self: Any, grad: torch.Tensor) -> Any:
         result = take(self, grad)
@@ -547,9 +551,10 @@ def handoff_case(
 
     _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
     _cp_handoff.Handoff.take = spying_take
+    _cp_a2a.PreparedScatter.settle = lambda self: settled.append(1) or settle(self)
     cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
     try:
-        for _ in range(2):  # after a settled exchange, the next ones must stay paired too
+        for n in range(2):  # after a settled exchange, the next ones must stay paired too
             q, k, v = (shard(tensors[n], cp, rank).to(device, dtype).requires_grad_()
                        for n in "qkv")  # fmt: skip
             w = weight.to(device, dtype).requires_grad_()
@@ -559,14 +564,20 @@ def handoff_case(
             y = LinearFunction.apply(out, w, False, _cp_handoff.claim(out))
             if also_read:
                 y = y + out * 0.5
-            y.backward(shard(tensors["grad"], cp, rank).to(device, dtype))
+            grad = shard(tensors["grad"], cp, rank).to(device, dtype)
+            if prune_first and n == 0:
+                torch.autograd.grad(y, [w, out], grad)
+            else:
+                y.backward(grad)
     finally:
         _cp_a2a.post, _cp_handoff.Handoff.take = post, take
+        _cp_a2a.PreparedScatter.settle = settle
         os.environ.pop(_cp_handoff.HANDOFF_ENV, None)
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
     grads = {"out": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dw": w.grad}
     return {
         "taken": taken,
+        "settled": len(settled),
         "posts": len(posted),
         "copy_engine": _cp_copy_engine.uses_copy_engines(None),
         **{n: t.float().cpu() for n, t in grads.items()},

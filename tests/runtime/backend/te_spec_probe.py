@@ -233,41 +233,76 @@ def _raises(fn, text: str) -> bool:
 
 
 def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
-    """TERowParallelLinear at one TP rank: an input an a2a attention offered is claimed and the
-    backward starts the attention's exchange between its GEMMs; same numbers as upstream's
-    forward, which any other input (or a frozen weight) still takes."""
-    from megatron_rocm.runtime.backend import _cp_handoff
+    """TERowParallelLinear at one TP rank: an input an a2a attention offered runs on
+    ``LinearFunction``, whose backward starts the attention's exchange before the weight
+    gradient and posts it after; the same numbers as upstream's forward, which any other input,
+    a frozen weight or a layer that is more than a GEMM still takes."""
+    from megatron_rocm.runtime.backend import _cp_handoff, _linear_function
     from megatron_rocm.runtime.backend.te_names import TERowParallelLinear
 
     events: list[str] = []
 
-    class Exchange:
+    class Exchange:  # no attention takes it here: each run forgets its own (``_open``)
         def post(self) -> None:
             events.append("post")
 
-    def run(offered: bool, frozen: bool = False) -> list[torch.Tensor]:
+    apply, weight_gradient = (
+        _linear_function.LinearFunction.apply,
+        _linear_function._weight_gradient,
+    )
+
+    def spying_apply(*args):  # noqa: ANN002, ANN202
+        events.append("ours")
+        return apply(*args)
+
+    def spying_weight_gradient(*args):  # noqa: ANN002, ANN202
+        events.append("wgrad")
+        return weight_gradient(*args)
+
+    def run(offered: bool, bias: str = "none", change: str = "") -> list[torch.Tensor]:
         torch.manual_seed(5)
-        row = TERowParallelLinear(8, 6, input_is_parallel=True, **common)
-        row.weight.requires_grad_(not frozen)
+        kw = {**common, "bias": bias != "none", "skip_bias_add": bias == "skipped"}
+        row = TERowParallelLinear(8, 6, input_is_parallel=True, **kw)
+        if row.bias is not None:
+            torch.nn.init.normal_(row.bias)
         row.weight.main_grad = torch.zeros(6, 8)
         row.weight.grad_added_to_main_grad = False
+        if change == "frozen":
+            row.weight.requires_grad_(False)
+        elif change:  # a layer that is more than a GEMM here
+            setattr(row, change, True)
         x = torch.randn(5, 2, 8, requires_grad=True)
-        handoff = _cp_handoff.Handoff(lambda grad: events.append("begin") or Exchange())
+        handoff = _cp_handoff.Handoff(lambda grad: events.append("begin") or Exchange(), "probe")
         if offered:
             _cp_handoff.offer(handoff, x)
-        y, bias = row(x)
-        events.append("claimed" if offered and _cp_handoff._offered is None else "not claimed")
+        events.append(f"{bias}/{change or 'plain'}")
+        y, returned = row(x)
         _cp_handoff._offered = None
-        y.backward(torch.ones_like(y))
-        return [y.detach(), x.grad, row.weight.main_grad]
+        if returned is not None:
+            y = y + returned
+        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+        _cp_handoff._open.clear()
+        return [
+            y.detach(),
+            x.grad,
+            row.weight.main_grad,
+            torch.tensor(row.weight.grad_added_to_main_grad),
+        ]
 
-    upstream, ours = run(False), run(True)
-    frozen = run(True, frozen=True)
-    return {
-        "row_handoff_events": events,
-        "row_handoff_diff": max((a - b).abs().max().item() for a, b in zip(upstream, ours)),
-        "row_handoff_frozen_diff": (upstream[1] - frozen[1]).abs().max().item(),
-    }
+    _linear_function.LinearFunction.apply = spying_apply
+    _linear_function._weight_gradient = spying_weight_gradient
+    diffs = []
+    try:
+        for bias in ("none", "added", "skipped"):
+            upstream, ours = run(False, bias), run(True, bias)
+            diffs += [(a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)]
+        run(True, change="frozen")
+        run(True, change="sequence_parallel")
+        run(True, "skipped", change="explicit_expert_comm")  # upstream asserts skip_bias_add
+    finally:
+        _linear_function.LinearFunction.apply = apply
+        _linear_function._weight_gradient = weight_gradient
+    return {"row_handoff_events": events, "row_handoff_diff": max(diffs)}
 
 
 def modules_case() -> dict:

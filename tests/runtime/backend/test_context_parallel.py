@@ -939,23 +939,35 @@ def _handoff_inputs(shape: tuple[int, ...] = GQA) -> dict:
     return {"tensors": _inputs(shape, torch.float32), "weight": weight}
 
 
-@pytest.mark.parametrize("also_read", [False, True])
+# case -> (taken per step, settled exchanges, posted batches with / without the handoff)
+HANDOFF_CASES = {
+    "plain": ({}, [True, True], 0, (8, 8)),
+    # the loss reads the output too: the started exchange is settled, a fresh one made
+    "also_read": ({"also_read": True}, [False, False], 2, (10, 8)),
+    # the first step's attention backward never runs: settled before the second step's
+    "prune_first": ({"prune_first": True}, [True], 1, (7, 6)),
+}
+
+
+@pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_the_projection_starts_a2a_backward_exchange_with_the_same_results(
     worlds,  # noqa: ANN001
-    also_read: bool,
+    case: str,
 ) -> None:
     """The output projection starts the attention's first backward exchange between its two
     GEMMs, and the attention takes it: results bit for bit those of the exchange made by the
-    attention itself. When the loss also reads the attention's output, the gradient the
-    attention gets is not the projection's: the started exchange is settled (one more batch
-    posted), a fresh one made, and the next step's exchanges still pair up."""
+    attention itself. An exchange started for another gradient than the one the attention gets,
+    or for an attention whose backward never runs, is settled (completed unread) before the
+    group's next exchange, and the exchanges after it still pair up (per step: two batches
+    posted forward, two backward, one more for a started exchange that is settled)."""
+    options, taken, settled, posts = HANDOFF_CASES[case]
     inputs = _handoff_inputs()
-    on = worlds(2).run("handoff_case", handoff=True, also_read=also_read, **inputs)
-    off = worlds(2).run("handoff_case", handoff=False, also_read=also_read, **inputs)
+    on = worlds(2).run("handoff_case", handoff=True, **options, **inputs)
+    off = worlds(2).run("handoff_case", handoff=False, **options, **inputs)
     for with_handoff, without in zip(on, off, strict=True):
-        assert with_handoff["taken"] == [not also_read] * 2 and without["taken"] == []
-        # per step: two batches forward, two backward, and one more for a settled exchange
-        assert (with_handoff["posts"], without["posts"]) == (10 if also_read else 8, 8)
+        assert with_handoff["taken"] == taken and without["taken"] == []
+        assert (with_handoff["settled"], without["settled"]) == (settled, 0)
+        assert (with_handoff["posts"], without["posts"]) == posts
         assert with_handoff["dq"].abs().sum() > 0
         for name in ("out", "dq", "dk", "dv", "dw"):
             assert torch.equal(with_handoff[name], without[name]), name
@@ -992,11 +1004,12 @@ def test_only_the_offered_output_untouched_is_claimed_and_only_once(
     from megatron_rocm.runtime.backend import _cp_handoff
 
     monkeypatch.setattr(_cp_handoff, "_offered", None)
-    output = torch.randn(4, 2, 6)
-    handoff = _cp_handoff.Handoff(lambda grad: _Exchange([]))
+    output = torch.randn(4, 2, 6, requires_grad=True) * 1  # an op's result, as attention's
+    handoff = _cp_handoff.Handoff(lambda grad: _Exchange([]), "cp")
     _cp_handoff.offer(handoff, output)
     assert _cp_handoff.claim(output.clone()) is None  # same values, other memory
     assert _cp_handoff.claim(output.view(4, 12)) is None  # another shape
+    assert _cp_handoff.claim(output.detach()) is None  # out of the graph: no backward to take
     assert _cp_handoff.claim(output.view(4, 2, 6)) is handoff  # a view alike
     assert _cp_handoff.claim(output) is None  # claimed already
     _cp_handoff.offer(handoff, output)
@@ -1004,11 +1017,14 @@ def test_only_the_offered_output_untouched_is_claimed_and_only_once(
     assert _cp_handoff.claim(output) is None
 
 
-def test_a_started_exchange_is_taken_for_its_gradient_and_settled_for_another() -> None:
+def test_a_started_exchange_is_taken_for_its_gradient_and_settled_for_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from megatron_rocm.runtime.backend import _cp_handoff
 
+    monkeypatch.setattr(_cp_handoff, "_open", {})
     log: list[str] = []
-    handoff = _cp_handoff.Handoff(lambda grad: log.append("begin") or _Exchange(log))
+    handoff = _cp_handoff.Handoff(lambda grad: log.append("begin") or _Exchange(log), "cp")
     grad = torch.randn(4, 2, 6)
     assert handoff.take(grad) is None and log == []  # nothing started: the caller exchanges
     handoff.begin(grad)
@@ -1021,24 +1037,50 @@ def test_a_started_exchange_is_taken_for_its_gradient_and_settled_for_another() 
     grad.mul_(2)  # changed in place after the exchange packed it
     assert handoff.take(grad) is None and log[-1] == "settle"
     assert handoff.take(grad) is None and log[-1] == "settle"  # once only
+    assert _cp_handoff._open == {}
+
+
+def test_an_exchange_nobody_takes_is_settled_before_the_groups_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A started exchange whose attention backward never runs (left out of the graph autograd
+    ran) is completed before the next exchange of its group, and only of its group."""
+    from megatron_rocm.runtime.backend import _cp_handoff
+
+    monkeypatch.setattr(_cp_handoff, "_open", {})
+    log: list[str] = []
+    first = _cp_handoff.Handoff(lambda grad: log.append("begin 1") or _Exchange(log), "cp")
+    other = _cp_handoff.Handoff(lambda grad: log.append("begin 2") or _Exchange(log), "cp-b")
+    first.begin(torch.randn(3))
+    other.begin(torch.randn(3))
+    _cp_handoff.settle_open("cp-c")  # another group: nothing to do
+    assert log == ["begin 1", "begin 2"]
+    _cp_handoff.settle_open("cp")  # the group's next exchange
+    assert log[-1] == "settle" and first.take(torch.randn(3)) is None
+    second = _cp_handoff.Handoff(lambda grad: log.append("begin 3") or _Exchange(log), "cp-b")
+    second.begin(torch.randn(3))  # a handoff's own start settles the group's open one first
+    assert log == ["begin 1", "begin 2", "settle", "settle", "begin 3"]
+    assert other.take(torch.randn(3)) is None
+    assert list(_cp_handoff._open) == ["cp-b"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["copy-engine", "process-group"])
-@pytest.mark.parametrize("also_read", [False, True])
+@pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_gpu_the_projection_starts_a2a_backward_exchange(
-    gpu_world: World, transport: str, also_read: bool
+    gpu_world: World, transport: str, case: str
 ) -> None:
     """On two GPUs, both transports: the projection's early start gives what the attention's own
     exchange gives (cuDNN's backward may sum in another order: close, not always equal)."""
     if transport == "copy-engine" and torch.version.hip:
         pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
+    options, taken, settled, _ = HANDOFF_CASES[case]
     inputs = _handoff_inputs(A2A_GPU_SHAPE)
-    case = dict(also_read=also_read, transport=transport, dtype=torch.bfloat16, **inputs)
-    on = gpu_world.run("handoff_case", handoff=True, **case)
-    off = gpu_world.run("handoff_case", handoff=False, **case)
+    run = dict(transport=transport, dtype=torch.bfloat16, **options, **inputs)
+    on = gpu_world.run("handoff_case", handoff=True, **run)
+    off = gpu_world.run("handoff_case", handoff=False, **run)
     for with_handoff, without in zip(on, off, strict=True):
-        assert with_handoff["taken"] == [not also_read] * 2 and without["taken"] == []
+        assert with_handoff["taken"] == taken and with_handoff["settled"] == settled
         assert with_handoff["copy_engine"] is (transport == "copy-engine")
         for name in ("out", "dq", "dk", "dv", "dw"):
             torch.testing.assert_close(with_handoff[name], without[name], atol=2e-2, rtol=2e-2)
