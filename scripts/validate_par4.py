@@ -36,9 +36,9 @@ Stdout: one JSON line per run and per resume verdict, then one with the result a
 path. The Markdown scaling table (tokens/s per GPU at the median iteration after the first 3,
 against the one-GPU baseline; ``par4_report.py``) goes to ``--table`` (default
 OUT/par4-table.md), names the GPU and is rewritten after every run, so a call stopped from
-outside still leaves the rows that finished. A run not ended after ``--run-timeout`` seconds is stopped, its ranks too. Exit status: 0
-every run and verdict passed, 1 any failed, 2 bad input. Progress goes to stderr, each run's
-output to OUT/NAME.out.
+outside still leaves the rows that finished. A run not ended after ``--run-timeout`` seconds
+is stopped, its ranks too. Exit status: 0 every run and verdict passed, 1 any failed, 2 bad
+input. Progress goes to stderr, each run's output to OUT/NAME.out.
 """
 
 from __future__ import annotations
