@@ -26,11 +26,15 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   the heads bound for a peer into its outbox, which the peer pulls from, and pushes a peer's
   results straight into the peer's inbox. The layout of every piece is the same either way.
 
-* **The backward's first exchange starts in the output projection.** Its input gradient is
-  what the exchange sends; the projection queues the packing before its weight-gradient GEMM,
-  with the process group's transfers (their kernels then ahead of the GEMM's) or the copy
-  engines' barrier, and the copy engines' pulls after it, so the transfers run beside that GEMM
-  (``_cp_handoff``, ``PreparedScatter``; ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns it off).
+* **The output projection overlaps two of the four exchanges.** The forward's last one lands
+  while the projection computes over the rank's own heads: the attention returns its output
+  before the peers' heads are in it (``_cp_early_output``; anything else that reads it first
+  lands them). The backward's first one starts in the projection's backward: its input
+  gradient is what the exchange sends; the projection queues the packing before its
+  weight-gradient GEMM, with the process group's transfers (their kernels then ahead of the
+  GEMM's) or the copy engines' barrier, and the copy engines' pulls after it, so the transfers
+  run beside that GEMM (``_cp_handoff``, ``PreparedScatter``). ``MEGATRON_ROCM_CP_A2A_HANDOFF``
+  picks them (``1`` both, ``forward``, ``backward``, ``0`` neither).
 
 Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
 probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
@@ -55,7 +59,13 @@ from megatron_rocm.runtime.backend._cp_copy_engine import (
     group_key,
     link_for,
 )
-from megatron_rocm.runtime.backend._cp_handoff import Handoff, handoffs_enabled, offer, settle_open
+from megatron_rocm.runtime.backend._cp_early_output import hand_on_early, untracked
+from megatron_rocm.runtime.backend._cp_handoff import (
+    Handoff,
+    handoff_directions,
+    offer,
+    settle_open,
+)
 from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
@@ -315,8 +325,8 @@ class Gather:
         self.shards, self.link = shards, link
         s, b = shards.pieces * shards.piece_len, like.shape[1]
         self.outputs = [like.new_empty(s, b, heads * dim) for heads, dim in shapes]
-        self._parts = [
-            shards.by_head(out.unflatten(2, (heads, dim)), stages)
+        self._parts = [  # a late finish writes after autograd has made the output its own
+            shards.by_head(untracked(out).unflatten(2, (heads, dim)), stages)
             for out, (heads, dim) in zip(self.outputs, shapes, strict=True)
         ]
         piece = (shards.pieces, shards.piece_len, b)
@@ -386,7 +396,10 @@ class UlyssesAttention(torch.autograd.Function):
         stages: int,
         link: CopyEngineLink | None,
         handoff: Handoff | None = None,
+        early: list[Gather] | None = None,
     ):
+        """``early``: a list to leave the output's exchange in, unfinished (for
+        ``_cp_early_output``), instead of finishing it here."""
         shards = Shards(group, query.shape[0], causal)
         wholes, pending = shards.scatter((query, key, value), stages, link)
         gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query, link)
@@ -401,7 +414,11 @@ class UlyssesAttention(torch.autograd.Function):
             outs.append(out)
             lses.append(lse)
             states.append(state)
-        (output,) = gather.finish()
+        if early is None:
+            (output,) = gather.finish()
+        else:  # the rank's own heads are in place; the peers' land later
+            early.append(gather)
+            (output,) = gather.outputs
         ctx.save_for_backward(*wholes, *outs, *lses)
         shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
         ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, states, shapes)
@@ -433,7 +450,7 @@ class UlyssesAttention(torch.autograd.Function):
         dq, dk, dv = (
             out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def a2a_attention(
@@ -455,9 +472,10 @@ def a2a_attention(
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
     link = link_for(group, query.device)
+    directions = handoff_directions()
     handoff = None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        if handoffs_enabled():
+    if "backward" in directions and torch.is_grad_enabled():
+        if any(t.requires_grad for t in (query, key, value)):
             douts_shape = (heads, value.shape[3])
 
             def begin(grad: Tensor) -> PreparedScatter:
@@ -465,9 +483,17 @@ def a2a_attention(
                 return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
 
             handoff = Handoff(begin, group_key(group))
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    early: list[Gather] | None = [] if "forward" in directions and not compiling else None
     output = UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, stages, link, handoff
+        query, key, value, group, causal, scale, dropout_p, kernel, stages, link, handoff, early
     )
     if handoff is not None:
         offer(handoff, output)
-    return output
+    if not early:
+        return output
+    (gather,) = early
+    width = output.shape[-1] // size
+    rank = dist.get_rank(group)
+    own_heads = slice(rank * width, (rank + 1) * width)
+    return hand_on_early(output, own_heads, gather.finish, group_key(group))

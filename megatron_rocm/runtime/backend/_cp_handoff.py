@@ -24,12 +24,12 @@ A handoff moves the start to where the input gradient is queued:
    ``settle``\\ s the started exchange and makes its own.
 
 Every rank of the CP group runs the same modules in the same order, so every rank takes the
-same path and the exchanges stay paired. ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns handoffs off.
+same path and the exchanges stay paired. ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns handoffs off
+(``backward`` keeps this one only, ``forward`` the forward's, ``_cp_early_output``).
 
-Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/results.md, nineteenth session): 0.8% off
-each iteration through the process group (NCCL; RCCL's path on ROCm). On copy engines 0.1%,
-measured while the pulls still waited for the weight-gradient GEMM (``CopyEngineLink.copy``
-made its side stream wait for the current stream); they no longer do, unmeasured yet.
+Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/results.md, nineteenth and twentieth
+sessions): 0.8% off each iteration through the process group (NCCL; RCCL's path on ROCm), 0.2%
+on copy engines.
 
 A started exchange that no attention takes (its backward left out of the graph autograd runs,
 or another exchange of the group comes first, e.g. a forward recomputed in the backward) is
@@ -46,18 +46,31 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_rocm.runtime.backend._cp_early_output import land
+
 Tensor = torch.Tensor
 
 HANDOFF_ENV = "MEGATRON_ROCM_CP_A2A_HANDOFF"
 
 
-def handoffs_enabled() -> bool:
-    """Whether ``MEGATRON_ROCM_CP_A2A_HANDOFF`` lets the projection start the exchange (``1``,
-    the default) or not (``0``); anything else is an error."""
+_DIRECTIONS = {
+    "1": frozenset({"forward", "backward"}),
+    "0": frozenset(),
+    "forward": frozenset({"forward"}),
+    "backward": frozenset({"backward"}),
+}
+
+
+def handoff_directions() -> frozenset[str]:
+    """Which of the attention's exchanges ``MEGATRON_ROCM_CP_A2A_HANDOFF`` lets the projection
+    overlap: ``backward`` (it starts the backward's first exchange, here), ``forward`` (it
+    computes over the rank's own heads while the forward's last exchange lands,
+    ``_cp_early_output``), ``1`` both (the default) or ``0`` neither; anything else is an
+    error."""
     text = os.environ.get(HANDOFF_ENV, "").strip() or "1"
-    if text not in ("0", "1"):
-        raise ValueError(f"{HANDOFF_ENV}={text!r} is not 0 or 1")
-    return text == "1"
+    if text not in _DIRECTIONS:
+        raise ValueError(f"{HANDOFF_ENV}={text!r} is not 0, 1, forward or backward")
+    return _DIRECTIONS[text]
 
 
 class Exchange(Protocol):
@@ -149,7 +162,10 @@ def settle_open(link: Hashable) -> None:
     """Complete the exchange a handoff started on ``link`` that its attention never took (its
     backward was left out of the graph autograd ran, or something exchanges on the group
     first, such as a recomputed forward), so that the next exchange finds the group's
-    buffers free. Every rank runs the same graph, so every rank settles at the same point."""
+    buffers free; and land the group's early output nobody has read yet
+    (``_cp_early_output``). Every rank runs the same graph, so every rank settles at the same
+    point."""
+    land(link)
     handoff = _open.get(link)
     if handoff is not None:
         started = handoff._forget()

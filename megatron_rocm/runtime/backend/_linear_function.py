@@ -1,8 +1,10 @@
 """``y = x W^T`` with Megatron's weight-gradient contract and no tensor-parallel communication.
 
 Used by the duplicated ``TELinear`` and by ``TERowParallelLinear`` without tensor parallelism
-when its input is an a2a attention output it can hand the backward exchange to
-(``_cp_handoff``). Kept free of Megatron imports so the CP tests run it on bare torch.
+when its input is an a2a attention output whose exchanges it can overlap
+(``project_attention_output``: the forward's last one lands while it computes over the rank's
+own heads, ``_cp_early_output``; it starts the backward's first one, ``_cp_handoff``). Kept
+free of Megatron imports so the CP tests run it on bare torch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend._cp_handoff import Handoff
+from megatron_rocm.runtime.backend._cp_early_output import Landing, take
+from megatron_rocm.runtime.backend._cp_handoff import Handoff, claim
 from megatron_rocm.runtime.kernels.grad_accum import (
     main_grad_for_wgrad,
     wgrad_gemm_accum_fp16,
@@ -27,17 +30,23 @@ class LinearFunction(torch.autograd.Function):
     ``weight.main_grad`` and autograd gets a placeholder, flagged ``grad_added_to_main_grad``
     so Megatron's DDP hooks do not add it again. With a ``handoff`` the input gradient starts
     the attention's exchange before the weight-gradient GEMM, whose transfers run beside it.
+    With a ``landing`` the input's peers' heads are still on their way (``_cp_early_output``).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, fuse_wgrad, handoff=None):  # noqa: ANN001, ANN205 - autograd
+    def forward(ctx, x, weight, fuse_wgrad, handoff=None, landing=None):  # noqa: ANN001, ANN205
+        if landing is None:
+            output = torch.matmul(x, weight.t())
+        else:  # x is the early output's view; the math reads the output itself
+            x = landing.output
+            output = _matmul_while_landing(x, weight, landing)
         ctx.save_for_backward(x, weight)
         # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
         ctx.fuse_wgrad = fuse_wgrad and (
             hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
         )
         ctx.handoff = handoff
-        return torch.matmul(x, weight.t())
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
@@ -50,7 +59,34 @@ class LinearFunction(torch.autograd.Function):
         grad_weight = _weight_gradient(ctx.fuse_wgrad, x, weight, grad_output)
         if handoff is not None:
             handoff.post()
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None, None, None
+
+
+def project_attention_output(x: torch.Tensor, weight: Any, fuse_wgrad: bool) -> Any:
+    """``x W^T`` on ``LinearFunction`` with the handoffs of the a2a attention whose output
+    ``x`` is (its early output, its backward's first exchange), or None when ``x`` has none
+    (the caller computes as usual)."""
+    landing = take(x)
+    # the handoff is offered for the plain output: reading the early view would land it now
+    handoff = claim(landing.output if landing is not None else x)
+    if landing is None and handoff is None:
+        return None
+    return LinearFunction.apply(x, weight, fuse_wgrad, handoff, landing)
+
+
+def _matmul_while_landing(x: torch.Tensor, weight: Any, landing: Landing) -> torch.Tensor:
+    """``x W^T`` as the GEMM over the input columns in place (the rank's own heads), then, once
+    the rest have landed, the GEMMs over them added to it: the peers' heads travel meanwhile.
+    In bf16 the first partial sum is rounded once more, as a tensor-parallel row linear's
+    partial sums are before their all-reduce."""
+    rows = x.reshape(-1, x.shape[-1])
+    try:
+        output = torch.mm(rows[:, landing.ready], weight[:, landing.ready].t())
+    finally:  # land even if the GEMM fails: every rank's exchanges must stay paired
+        landing.finish()
+    for cols in landing.arriving():  # as mm's dtype under autocast, which addmm_ does not apply
+        output.addmm_(rows[:, cols].to(output.dtype), weight[:, cols].t().to(output.dtype))
+    return output.view(*x.shape[:-1], weight.shape[0])
 
 
 def _weight_gradient(fuse: bool, x: torch.Tensor, weight: Any, grad_output: torch.Tensor) -> Any:

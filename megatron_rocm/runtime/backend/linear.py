@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_rocm.runtime.backend._cp_handoff import claim
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs
-from megatron_rocm.runtime.backend._linear_function import LinearFunction
+from megatron_rocm.runtime.backend._linear_function import (
+    LinearFunction,
+    project_attention_output,
+)
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -131,15 +133,15 @@ class TERowParallelLinear(RowParallelLinear):
             )
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Upstream's forward, except where the input is an a2a attention output offered to
-        this layer (``_cp_handoff``) and nothing but the GEMM is in play (one TP rank, a
-        trainable weight, no CPU offloading): then the same GEMM whose backward starts the
+        """Upstream's forward, except where the input is an a2a attention output with
+        handoffs for this layer (``_cp_early_output``, ``_cp_handoff``) and nothing but the GEMM
+        is in play (one TP rank, a trainable weight, no CPU offloading): then the same GEMM,
+        over the rank's own heads while the peers' land, and whose backward starts the
         attention's exchange ahead of the weight gradient."""
-        handoff = claim(input_) if self._gemm_only() else None
-        if handoff is None:
-            return super().forward(input_)
         fuse = bool(self.gradient_accumulation_fusion)
-        output = LinearFunction.apply(input_, self.weight, fuse, handoff)
+        output = project_attention_output(input_, self.weight, fuse) if self._gemm_only() else None
+        if output is None:
+            return super().forward(input_)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

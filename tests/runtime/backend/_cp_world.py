@@ -15,6 +15,7 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -437,12 +438,72 @@ def a2a_order_case(*, tensors: dict[str, torch.Tensor]) -> list[str]:
     try:
         cp, rank = dist.get_world_size(), dist.get_rank()
         q, k, v = (shard(tensors[n], cp, rank) for n in "qkv")
-        context_parallel_attention(
+        out = context_parallel_attention(
             q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
         )
+        out.sum()  # read: the peers' heads land (unpacked) before anything reads the output
     finally:
         _cp_a2a.post, _cp_a2a.copy_wide = post, copy_wide
     return events
+
+
+def early_output_case(
+    *, tensors: dict[str, torch.Tensor], transport: str | None = None
+) -> dict[str, Any]:
+    """a2a's output returned early (the default) and read by a reshape and a matmul, against
+    the output finished inside the attention (``MEGATRON_ROCM_CP_A2A_HANDOFF=backward``); then
+    an early output nobody reads, followed by the group's next exchange. Memory is handed out
+    filled with NaN (torch's deterministic mode), so columns read before they land show."""
+    from megatron_rocm.runtime.backend import _cp_copy_engine, _cp_early_output, _cp_handoff
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
+    if transport is not None:
+        os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
+        _cp_copy_engine.decide_again()
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v = (shard(tensors[n], cp, rank).to(_device()) for n in "qkv")
+
+    def attend(handoff: str) -> torch.Tensor:
+        os.environ[_cp_handoff.HANDOFF_ENV] = handoff
+        try:
+            return context_parallel_attention(
+                q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+            )
+        finally:
+            os.environ.pop(_cp_handoff.HANDOFF_ENV, None)
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        result = _early_reads(attend)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+    return {
+        **result,
+        "open_after": len(_cp_early_output._landings),
+        "copy_engine": _cp_copy_engine.uses_copy_engines(None),
+    }
+
+
+def _early_reads(attend: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    finished = attend("backward")
+    early = attend("1")
+    early_type = type(early).__name__
+    flat = early.reshape(finished.shape[0], 1, -1)  # the first read: lands the peers' heads
+    read = flat.matmul(torch.eye(flat.shape[-1], dtype=flat.dtype, device=flat.device))
+    unread = attend("1")  # lands when the next exchange starts
+    attend("backward")
+    return {
+        "early_type": early_type,
+        "finished_type": type(finished).__name__,
+        "read": read.view_as(finished).cpu(),
+        "finished": finished.cpu(),
+        "after_unread": unread.as_subclass(torch.Tensor).cpu(),  # reads no torch function
+    }
 
 
 def two_streams_case(
@@ -517,32 +578,39 @@ def handoff_case(
     *,
     tensors: dict[str, torch.Tensor],
     weight: torch.Tensor,
-    handoff: bool,
+    handoff: str,
     also_read: bool = False,
     prune_first: bool = False,
     transport: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """a2a attention whose output feeds ``LinearFunction`` as ``TERowParallelLinear`` does at
-    one TP rank (claiming the attention's handoff), two steps in a row; ``also_read``: the loss
+    """a2a attention whose output feeds the projection as ``TERowParallelLinear`` does at one
+    TP rank (``project_attention_output``), two steps in a row, ``handoff`` the value of
+    ``MEGATRON_ROCM_CP_A2A_HANDOFF``; ``also_read``: the loss
     reads the attention's output a second time, so the gradient it gets is not the linear's;
     ``prune_first``: the first step asks autograd only for the weight's and the attention
     output's gradients, so the attention's backward never runs to take the exchange.
 
     Returns the last step's output and gradients (q, k, v, weight), per step whether the
     attention's backward took the exchange the linear started (``taken``), how many started
-    exchanges were settled, and how many batches were posted to the process group."""
-    from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine, _cp_handoff
-    from megatron_rocm.runtime.backend._linear_function import LinearFunction
+    exchanges were settled, how many batches were posted to the process group, and how many
+    early outputs the projection computed on while they landed (``split``)."""
+    from megatron_rocm.runtime.backend import (
+        _cp_a2a,
+        _cp_copy_engine,
+        _cp_handoff,
+        _linear_function,
+    )
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
-    os.environ[_cp_handoff.HANDOFF_ENV] = "1" if handoff else "0"
+    os.environ[_cp_handoff.HANDOFF_ENV] = handoff
     if transport is not None:
         os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
         _cp_copy_engine.decide_again()
     taken: list[bool] = []
     posted, post, take = [], _cp_a2a.post, _cp_handoff.Handoff.take
     settled, settle = [], _cp_a2a.PreparedScatter.settle
+    split, matmul = [], _linear_function._matmul_while_landing
 
     def spying_take(self: Any, grad: torch.Tensor) -> Any:
         result = take(self, grad)
@@ -552,6 +620,7 @@ def handoff_case(
     _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
     _cp_handoff.Handoff.take = spying_take
     _cp_a2a.PreparedScatter.settle = lambda self: settled.append(1) or settle(self)
+    _linear_function._matmul_while_landing = lambda *args: split.append(1) or matmul(*args)
     cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
     try:
         for n in range(2):  # after a settled exchange, the next ones must stay paired too
@@ -561,7 +630,9 @@ def handoff_case(
             out = context_parallel_attention(
                 q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
             )
-            y = LinearFunction.apply(out, w, False, _cp_handoff.claim(out))
+            y = _linear_function.project_attention_output(out, w, False)
+            if y is None:
+                y = _linear_function.LinearFunction.apply(out, w, False)
             if also_read:
                 y = y + out * 0.5
             grad = shard(tensors["grad"], cp, rank).to(device, dtype)
@@ -572,6 +643,7 @@ def handoff_case(
     finally:
         _cp_a2a.post, _cp_handoff.Handoff.take = post, take
         _cp_a2a.PreparedScatter.settle = settle
+        _linear_function._matmul_while_landing = matmul
         os.environ.pop(_cp_handoff.HANDOFF_ENV, None)
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
     grads = {"out": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dw": w.grad}
@@ -579,6 +651,7 @@ def handoff_case(
         "taken": taken,
         "settled": len(settled),
         "posts": len(posted),
+        "split": len(split),
         "copy_engine": _cp_copy_engine.uses_copy_engines(None),
         **{n: t.float().cpu() for n, t in grads.items()},
     }

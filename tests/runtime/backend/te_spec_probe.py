@@ -236,8 +236,10 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
     """TERowParallelLinear at one TP rank: an input an a2a attention offered runs on
     ``LinearFunction``, whose backward starts the attention's exchange before the weight
     gradient and posts it after; the same numbers as upstream's forward, which any other input,
-    a frozen weight or a layer that is more than a GEMM still takes."""
-    from megatron_rocm.runtime.backend import _cp_handoff, _linear_function
+    a frozen weight or a layer that is more than a GEMM still takes. An early output (the
+    peers' half of its columns landing later) is computed on while it lands: upstream's
+    numbers but for the order of the sums (``row_early_diff``)."""
+    from megatron_rocm.runtime.backend import _cp_early_output, _cp_handoff, _linear_function
     from megatron_rocm.runtime.backend.te_names import TERowParallelLinear
 
     events: list[str] = []
@@ -259,7 +261,9 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
         events.append("wgrad")
         return weight_gradient(*args)
 
-    def run(offered: bool, bias: str = "none", change: str = "") -> list[torch.Tensor]:
+    def run(
+        offered: bool, bias: str = "none", change: str = "", early: bool = False
+    ) -> list[torch.Tensor]:
         torch.manual_seed(5)
         kw = {**common, "bias": bias != "none", "skip_bias_add": bias == "skipped"}
         row = TERowParallelLinear(8, 6, input_is_parallel=True, **kw)
@@ -275,13 +279,24 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
         handoff = _cp_handoff.Handoff(lambda grad: events.append("begin") or Exchange(), "probe")
         if offered:
             _cp_handoff.offer(handoff, x)
-        events.append(f"{bias}/{change or 'plain'}")
-        y, returned = row(x)
+        events.append(f"{bias}/{change or 'plain'}{'/early' if early else ''}")
+        given = x
+        if early:  # columns 4-7 land later: NaN until then, so a GEMM reading them early shows
+            arriving = x.detach()[..., 4:].clone()
+            _cp_early_output.untracked(x)[..., 4:] = float("nan")
+
+            def land() -> None:
+                events.append("landed")
+                _cp_early_output.untracked(x)[..., 4:] = arriving
+
+            given = _cp_early_output.hand_on_early(x, slice(0, 4), land, "probe")
+        y, returned = row(given)
         _cp_handoff._offered = None
         if returned is not None:
             y = y + returned
         y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
         _cp_handoff._open.clear()
+        _cp_early_output._landings.clear()
         return [
             y.detach(),
             x.grad,
@@ -299,10 +314,24 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
         run(True, change="frozen")
         run(True, change="sequence_parallel")
         run(True, "skipped", change="explicit_expert_comm")  # upstream asserts skip_bias_add
+        early_diffs = []
+        for bias in ("none", "added"):
+            upstream, ours = run(False, bias), run(True, bias, early=True)
+            early_diffs += [
+                (a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)
+            ]
+        # upstream's path: it lands on upstream's first read of its input
+        upstream = run(False, change="sequence_parallel")
+        ours = run(True, change="sequence_parallel", early=True)
+        early_diffs += [(a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)]
     finally:
         _linear_function.LinearFunction.apply = apply
         _linear_function._weight_gradient = weight_gradient
-    return {"row_handoff_events": events, "row_handoff_diff": max(diffs)}
+    return {
+        "row_handoff_events": events,
+        "row_handoff_diff": max(diffs),
+        "row_early_diff": max(early_diffs),
+    }
 
 
 def modules_case() -> dict:

@@ -962,25 +962,79 @@ def test_the_projection_starts_a2a_backward_exchange_with_the_same_results(
     posted forward, two backward, one more for a started exchange that is settled)."""
     options, taken, settled, posts = HANDOFF_CASES[case]
     inputs = _handoff_inputs()
-    on = worlds(2).run("handoff_case", handoff=True, **options, **inputs)
-    off = worlds(2).run("handoff_case", handoff=False, **options, **inputs)
+    on = worlds(2).run("handoff_case", handoff="backward", **options, **inputs)
+    off = worlds(2).run("handoff_case", handoff="0", **options, **inputs)
     for with_handoff, without in zip(on, off, strict=True):
         assert with_handoff["taken"] == taken and without["taken"] == []
         assert (with_handoff["settled"], without["settled"]) == (settled, 0)
         assert (with_handoff["posts"], without["posts"]) == posts
+        assert (with_handoff["split"], without["split"]) == (0, 0)
         assert with_handoff["dq"].abs().sum() > 0
         for name in ("out", "dq", "dk", "dv", "dw"):
             assert torch.equal(with_handoff[name], without[name]), name
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "true"])
-def test_the_handoff_switch_is_0_or_1(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+@pytest.mark.parametrize("case", list(HANDOFF_CASES))
+def test_the_projection_computes_while_the_a2a_output_lands(
+    worlds,  # noqa: ANN001
+    case: str,
+) -> None:
+    """With the forward handoff too (the default), the attention returns its output before the
+    peers' heads have landed and the projection computes over the rank's own heads meanwhile,
+    once per step: the same gradients bit for bit (the landed output is the same tensor, the
+    input gradient the same GEMM), the backward's exchange taken or settled as without it, the
+    output equal but for the order of the GEMM's sums."""
+    options, taken, settled, posts = HANDOFF_CASES[case]
+    inputs = _handoff_inputs()
+    both = worlds(2).run("handoff_case", handoff="1", **options, **inputs)
+    backward = worlds(2).run("handoff_case", handoff="backward", **options, **inputs)
+    for with_forward, without in zip(both, backward, strict=True):
+        assert (with_forward["split"], without["split"]) == (2, 0)
+        assert with_forward["taken"] == taken and with_forward["settled"] == settled
+        assert with_forward["posts"] == posts[0]
+        for name in ("dq", "dk", "dv", "dw"):
+            assert torch.equal(with_forward[name], without[name]), name
+        torch.testing.assert_close(with_forward["out"], without["out"], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(with_forward["out"], torch.zeros_like(without["out"]))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_an_early_output_lands_before_anything_reads_it(worlds, cp: int) -> None:  # noqa: ANN001
+    """Whatever reads the attention's early output first (here a reshape, as upstream does for
+    packed sequences, then a plain matmul) sees the peers' heads: equal to the output of the
+    exchange finished inside the attention; and one nobody reads lands before the group's next
+    exchange, which still pairs up. At cp=4 the middle ranks' peers' heads land on both sides
+    of their own."""
+    results = worlds(cp).run("early_output_case", tensors=_inputs(GQA, torch.float32))
+    for result in results:
+        assert result["early_type"] == "EarlyOutput" and result["finished_type"] == "Tensor"
+        assert not result["finished"].isnan().any()
+        assert torch.equal(result["read"], result["finished"])
+        assert torch.equal(result["after_unread"], result["finished"])
+        assert result["open_after"] == 0
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", "both"])
+def test_the_handoff_switch_names_its_directions(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     from megatron_rocm.runtime.backend import _cp_handoff
 
+    for text, directions in (
+        ("1", {"forward", "backward"}),
+        ("0", set()),
+        ("", {"forward", "backward"}),
+    ):
+        monkeypatch.setenv(_cp_handoff.HANDOFF_ENV, text)
+        assert _cp_handoff.handoff_directions() == directions
+    monkeypatch.setenv(_cp_handoff.HANDOFF_ENV, "forward")
+    assert _cp_handoff.handoff_directions() == {"forward"}
     monkeypatch.setenv(_cp_handoff.HANDOFF_ENV, value)
     with pytest.raises(ValueError) as failure:
-        _cp_handoff.handoffs_enabled()
-    assert str(failure.value) == f"MEGATRON_ROCM_CP_A2A_HANDOFF={value!r} is not 0 or 1"
+        _cp_handoff.handoff_directions()
+    assert str(failure.value) == (
+        f"MEGATRON_ROCM_CP_A2A_HANDOFF={value!r} is not 0, 1, forward or backward"
+    )
 
 
 class _Exchange:
@@ -1066,21 +1120,45 @@ def test_an_exchange_nobody_takes_is_settled_before_the_groups_next(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["copy-engine", "process-group"])
+def test_gpu_an_early_output_lands_before_anything_reads_it(
+    gpu_world: World, transport: str
+) -> None:
+    """On two GPUs, both transports: a reader that is not the projection sees the whole output,
+    and one nobody reads lands before the group's next exchange."""
+    if transport == "copy-engine" and torch.version.hip:
+        pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
+    shape = A2A_GPU_SHAPE
+    results = gpu_world.run(
+        "early_output_case", tensors=_inputs(shape, torch.float32), transport=transport
+    )
+    for result in results:
+        assert result["early_type"] == "EarlyOutput" and result["open_after"] == 0
+        assert result["copy_engine"] is (transport == "copy-engine")
+        assert not result["finished"].isnan().any()
+        assert torch.equal(result["read"], result["finished"])
+        assert torch.equal(result["after_unread"], result["finished"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["copy-engine", "process-group"])
 @pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_gpu_the_projection_starts_a2a_backward_exchange(
     gpu_world: World, transport: str, case: str
 ) -> None:
-    """On two GPUs, both transports: the projection's early start gives what the attention's own
-    exchange gives (cuDNN's backward may sum in another order: close, not always equal)."""
+    """On two GPUs, both transports: the projection computing while the output lands and
+    starting the backward's exchange gives what the attention's own exchanges give (cuDNN's
+    backward may sum in another order, and bf16 rounds the projection's first partial sum:
+    close, not always equal)."""
     if transport == "copy-engine" and torch.version.hip:
         pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
     options, taken, settled, _ = HANDOFF_CASES[case]
     inputs = _handoff_inputs(A2A_GPU_SHAPE)
     run = dict(transport=transport, dtype=torch.bfloat16, **options, **inputs)
-    on = gpu_world.run("handoff_case", handoff=True, **run)
-    off = gpu_world.run("handoff_case", handoff=False, **run)
+    on = gpu_world.run("handoff_case", handoff="1", **run)
+    off = gpu_world.run("handoff_case", handoff="0", **run)
     for with_handoff, without in zip(on, off, strict=True):
         assert with_handoff["taken"] == taken and with_handoff["settled"] == settled
+        assert (with_handoff["split"], without["split"]) == (2, 0)
         assert with_handoff["copy_engine"] is (transport == "copy-engine")
         for name in ("out", "dq", "dk", "dv", "dw"):
             torch.testing.assert_close(with_handoff[name], without[name], atol=2e-2, rtol=2e-2)

@@ -135,8 +135,13 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
         "none/plain", "none/plain", *ours, "added/plain", "added/plain", *ours,
         "skipped/plain", "skipped/plain", *ours,
         "none/frozen", "none/sequence_parallel", "skipped/explicit_expert_comm",
+        # an early output: the GEMM over its columns in place, then it lands, then the rest
+        "none/plain", "none/plain/early", "ours", "landed", "begin", "wgrad", "post",
+        "added/plain", "added/plain/early", "ours", "landed", "begin", "wgrad", "post",
+        "none/sequence_parallel", "none/sequence_parallel/early", "landed",
     ]  # fmt: skip
     assert result["row_handoff_diff"] == 0.0
+    assert result["row_early_diff"] < 1e-5  # NaN (read before landing) fails it too
     assert result["telinear_extra_state"] == ["torch.uint8", 0]  # TE's value without FP8
     assert result["zero_centered_init"] and result["zero_centered_diff"] < 1e-5
     assert result["ln_param_order"] == ["layer_norm_weight", "weight"]  # TE's order
