@@ -1014,6 +1014,52 @@ def test_an_early_output_lands_before_anything_reads_it(worlds, cp: int) -> None
         assert result["open_after"] == 0
 
 
+def _early_input(link: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """An fp32 early output of 8 columns whose last 4 are NaN until they land, its full
+    values, and a log of the landing."""
+    from megatron_rocm.runtime.backend._cp_early_output import hand_on_early, untracked
+
+    full = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(11))
+    x, log = full.clone(), []
+    untracked(x)[..., 4:] = float("nan")
+
+    def land() -> None:
+        log.append("landed")
+        untracked(x)[..., 4:] = full[..., 4:]
+
+    return hand_on_early(x, slice(0, 4), land, link), full, log
+
+
+def test_the_projection_lands_an_early_output_under_autocast() -> None:
+    """Under autocast the own heads' GEMM gives bf16, and the peers' columns are added in bf16
+    too (an in-place addmm would meet fp32 inputs): the result is autocast's GEMM's."""
+    from megatron_rocm.runtime.backend._linear_function import project_attention_output
+
+    weight = torch.randn(6, 8, generator=torch.Generator().manual_seed(12))
+    view, full, log = _early_input("autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = project_attention_output(view, weight, False)
+        reference = torch.matmul(full, weight.t())
+    assert log == ["landed"] and y.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_failing_gemm_still_lands_the_early_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank must land the exchange where the others do: a GEMM that fails between taking
+    the landing and finishing it still lands it, then the error goes on."""
+    from megatron_rocm.runtime.backend import _cp_early_output
+    from megatron_rocm.runtime.backend._linear_function import project_attention_output
+
+    def failing_mm(*args: object) -> None:
+        raise RuntimeError("out of memory")
+
+    view, _, log = _early_input("failing")
+    monkeypatch.setattr(torch, "mm", failing_mm)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        project_attention_output(view, torch.randn(6, 8), False)
+    assert log == ["landed"] and "failing" not in _cp_early_output._landings
+
+
 @pytest.mark.parametrize("value", ["yes", "2", "true", "both"])
 def test_the_handoff_switch_names_its_directions(
     monkeypatch: pytest.MonkeyPatch, value: str
