@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -395,11 +396,13 @@ class UlyssesAttention(torch.autograd.Function):
         kernel: BlockKernel,
         stages: int,
         link: CopyEngineLink | None,
+        scatter_gradient: Callable[[Tensor], PreparedScatter],
         handoff: Handoff | None = None,
         early: list[Gather] | None = None,
     ):
-        """``early``: a list to leave the output's exchange in, unfinished (for
-        ``_cp_early_output``), instead of finishing it here."""
+        """``scatter_gradient``: the backward's first exchange, of the output's gradient (the
+        one ``handoff`` may have started already); ``early``: a list to leave the output's
+        exchange in, unfinished (for ``_cp_early_output``), instead of finishing it here."""
         shards = Shards(group, query.shape[0], causal)
         wholes, pending = shards.scatter((query, key, value), stages, link)
         gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query, link)
@@ -422,7 +425,7 @@ class UlyssesAttention(torch.autograd.Function):
         ctx.save_for_backward(*wholes, *outs, *lses)
         shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
         ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, states, shapes)
-        ctx.handoff = handoff
+        ctx.scatter_gradient, ctx.handoff = scatter_gradient, handoff
         return output
 
     @staticmethod
@@ -434,9 +437,7 @@ class UlyssesAttention(torch.autograd.Function):
         handoff: Handoff | None = ctx.handoff
         taken = handoff.take(grad_output) if handoff is not None else None
         if taken is None:  # nobody started it (or with another gradient): exchange it here
-            douts_shape = (shapes[0][0], shapes[2][1])  # query heads, value head dim
-            grad = grad_output.unflatten(2, douts_shape)
-            taken = PreparedScatter(shards, (grad,), stages, link).result()
+            taken = ctx.scatter_gradient(grad_output).result()
         (douts,), pending = taken
         gather = Gather(shards, stages, shapes, grad_output, link)
         for n in range(stages):
@@ -450,7 +451,7 @@ class UlyssesAttention(torch.autograd.Function):
         dq, dk, dv = (
             out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def a2a_attention(
@@ -472,22 +473,23 @@ def a2a_attention(
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
     link = link_for(group, query.device)
+    douts_shape = (heads, value.shape[3])
+
+    def scatter_gradient(grad: Tensor) -> PreparedScatter:
+        shards = Shards(group, grad.shape[0], causal)
+        return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
+
     directions = handoff_directions()
     handoff = None
     if "backward" in directions and torch.is_grad_enabled():
         if any(t.requires_grad for t in (query, key, value)):
-            douts_shape = (heads, value.shape[3])
-
-            def begin(grad: Tensor) -> PreparedScatter:
-                shards = Shards(group, grad.shape[0], causal)
-                return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
-
-            handoff = Handoff(begin, group_key(group))
+            handoff = Handoff(scatter_gradient, group_key(group))
     compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
     early: list[Gather] | None = [] if "forward" in directions and not compiling else None
     output = UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, stages, link, handoff, early
-    )
+        query, key, value, group, causal, scale, dropout_p, kernel, stages, link,
+        scatter_gradient, handoff, early,
+    )  # fmt: skip
     if handoff is not None:
         offer(handoff, output)
     if not early:

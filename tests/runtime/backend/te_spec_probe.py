@@ -304,26 +304,21 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
             torch.tensor(row.weight.grad_added_to_main_grad),
         ]
 
+    def gap(bias: str = "none", change: str = "", early: bool = False) -> list[float]:
+        """Per result, how far ours is from upstream's run of the same layer."""
+        upstream, ours = run(False, bias, change), run(True, bias, change, early)
+        return [(a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)]
+
     _linear_function.LinearFunction.apply = spying_apply
     _linear_function._weight_gradient = spying_weight_gradient
-    diffs = []
     try:
-        for bias in ("none", "added", "skipped"):
-            upstream, ours = run(False, bias), run(True, bias)
-            diffs += [(a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)]
+        diffs = [d for bias in ("none", "added", "skipped") for d in gap(bias)]
         run(True, change="frozen")
         run(True, change="sequence_parallel")
         run(True, "skipped", change="explicit_expert_comm")  # upstream asserts skip_bias_add
-        early_diffs = []
-        for bias in ("none", "added"):
-            upstream, ours = run(False, bias), run(True, bias, early=True)
-            early_diffs += [
-                (a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)
-            ]
+        early_diffs = [d for bias in ("none", "added") for d in gap(bias, early=True)]
         # upstream's path: it lands on upstream's first read of its input
-        upstream = run(False, change="sequence_parallel")
-        ours = run(True, change="sequence_parallel", early=True)
-        early_diffs += [(a.float() - b.float()).abs().max().item() for a, b in zip(upstream, ours)]
+        early_diffs += gap(change="sequence_parallel", early=True)
     finally:
         _linear_function.LinearFunction.apply = apply
         _linear_function._weight_gradient = weight_gradient
