@@ -213,8 +213,6 @@ def bench_length(
             label += "" if stages == "default" else f"_s{stages}"
             label += "" if transport == "auto" else f"_{transport}"
             record = {"case": label, "L": length, "kernel": kernel.name, "kv_heads": kv_heads}
-            if comm == "a2a":
-                record["stages"] = _cp_a2a.stage_count(heads, groups, cp)
             record = _timed_cp_case(
                 record, comm, cp_leaves, local["g"], expected, single_ms, scale, iters, device,
                 ops,
@@ -222,6 +220,7 @@ def bench_length(
             if comm == "a2a":
                 used = _cp_copy_engine.uses_copy_engines(None)  # the cases run on WORLD
                 record["transport"] = "copy-engine" if used else "process-group"
+                record["stages"] = _cp_a2a.stage_count(heads, groups, cp, copy_engines=used)
             yield record
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
     os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)

@@ -15,10 +15,15 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   largest count that splits them evenly). Every group's exchange is posted at once and group
   ``n``'s attention starts as soon as its own has arrived, while later groups' are in flight;
   its output leaves while group ``n + 1`` is computed, and backward does the same. Only the
-  first group's inputs and the last group's output then wait on the links. The default is one
-  group: on NVLink (2 x H200, Llama-2-70B's 64/8 heads at 16k) the exchanges take a tenth of the
-  attention's time, and two or four groups measured no faster (docs/results.md, fifteenth
-  session); links several times slower, as between some AMD GPUs, are what groups are for.
+  first group's inputs and the last group's output then wait on the links. Unset, the count
+  follows the transport (``default_stages``): one group on copy engines, which only NVLink
+  within a host gets, where the exchanges take a tenth of the attention's time and groups
+  measured no faster; two through the process group, which is what RCCL on ROCm and groups
+  spanning hosts take, over links several times slower than NVLink. On two H100s with
+  NVLink's peer-to-peer turned off (``NCCL_P2P_DISABLE=1``, a stand-in for such links) two
+  groups took 3.1% off each training iteration of Llama-2-70B's heads at 16k, four no more;
+  on NVLink itself through the process group they cost 0.3% (docs/results.md, twenty-first
+  session).
 
 * **Copy engines within a host.** Where every rank of the group is on one host (CUDA), the
   exchanges are copies through symmetric memory on the GPUs' copy engines instead of NCCL
@@ -74,7 +79,13 @@ from megatron_rocm.runtime.backend._cp_ring import bhsd
 Tensor = torch.Tensor
 
 STAGES_ENV = "MEGATRON_ROCM_CP_A2A_STAGES"
-DEFAULT_STAGES = 1
+COPY_ENGINE_STAGES = 1  # NVLink within a host: little to hide, groups measured no faster
+PROCESS_GROUP_STAGES = 2  # RCCL, other hosts: slower links, where two groups paid
+
+
+def default_stages(copy_engines: bool) -> int:
+    """The head groups a transport gets when ``MEGATRON_ROCM_CP_A2A_STAGES`` is unset."""
+    return COPY_ENGINE_STAGES if copy_engines else PROCESS_GROUP_STAGES
 
 
 def parse_stage_count(text: str) -> int | None:
@@ -83,22 +94,23 @@ def parse_stage_count(text: str) -> int | None:
     return int(text) if text.isdigit() and int(text) >= 1 else None
 
 
-def requested_stages() -> int:
-    """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (``DEFAULT_STAGES`` if unset)."""
+def requested_stages(default: int) -> int:
+    """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (``default`` if unset)."""
     text = os.environ.get(STAGES_ENV, "").strip()
     if not text:
-        return DEFAULT_STAGES
+        return default
     count = parse_stage_count(text)
     if count is None:
         raise ValueError(f"{STAGES_ENV}={text!r} is not a positive whole number of head groups")
     return count
 
 
-def stage_count(heads: int, groups: int, cp_size: int) -> int:
-    """Head groups to pipeline: the requested count, lowered until it splits the kv heads each
-    rank gets (all query heads when the kv heads do not split over the ranks: expanded)."""
+def stage_count(heads: int, groups: int, cp_size: int, copy_engines: bool) -> int:
+    """Head groups to pipeline: the requested count (``default_stages`` of the transport if
+    none is), lowered until it splits the kv heads each rank gets (all query heads when the
+    kv heads do not split over the ranks: expanded)."""
     kv_heads = heads if groups % cp_size else groups
-    return math.gcd(requested_stages(), kv_heads // cp_size)
+    return math.gcd(requested_stages(default_stages(copy_engines)), kv_heads // cp_size)
 
 
 def a2a_unsupported(heads: int, groups: int, cp_size: int) -> str | None:
@@ -468,11 +480,11 @@ def a2a_attention(
     """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` over head-split exchanges."""
     size = dist.get_world_size(group)
     heads, groups = query.shape[2], key.shape[2]
-    stages = stage_count(heads, groups, size)
+    link = link_for(group, query.device)
+    stages = stage_count(heads, groups, size, copy_engines=link is not None)
     if groups % size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-    link = link_for(group, query.device)
     douts_shape = (heads, value.shape[3])
 
     def scatter_gradient(grad: Tensor) -> PreparedScatter:

@@ -655,3 +655,47 @@ def handoff_case(
         "copy_engine": _cp_copy_engine.uses_copy_engines(None),
         **{n: t.float().cpu() for n, t in grads.items()},
     }
+
+
+def missing_peer_case(*, tensors: dict[str, torch.Tensor], absent: int, timeout_s: float) -> Any:
+    """a2a on copy engines over a group whose collective timeout is ``timeout_s``: every rank
+    exchanges once, then every rank but ``absent`` exchanges again, which ``absent`` never
+    joins. Returns ``"absent"`` on that rank; on the others, how the second exchange ended
+    (the error's type and first line, or ``None``) and how many seconds it took. The link's
+    barrier traps its kernel, so this process's CUDA context is unusable afterwards."""
+    import time
+
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
+    os.environ[_cp_copy_engine.TRANSPORT_ENV] = "copy-engine"
+    _cp_copy_engine.decide_again()
+    group = dist.new_group(list(range(dist.get_world_size())),
+                           timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    q, k, v = (shard(tensors[n], cp, rank).to(device, torch.bfloat16) for n in "qkv")
+
+    def exchange() -> torch.Tensor:
+        with torch.no_grad():
+            out = context_parallel_attention(
+                q, k, v, cp_group=group, causal=True, softmax_scale=None, comm_type="a2a"
+            )
+            return out + 0  # a read: the output lands
+
+    try:
+        exchange()
+        torch.cuda.synchronize(device)
+        assert _cp_copy_engine.uses_copy_engines(group)
+        dist.barrier()  # both ranks' first exchange is over before one of them leaves
+        if rank == absent:
+            return "absent"
+        start = time.monotonic()
+        error = None
+        try:
+            exchange()
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - what ended it is the result
+            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        return {"error": error, "seconds": time.monotonic() - start}
+    finally:
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)

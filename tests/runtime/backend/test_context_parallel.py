@@ -515,7 +515,7 @@ def test_strided_cp_subgroups(worlds, comm_type: str) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     ("cp", "shape", "stages", "used"),
     [
-        (2, (16, 2, 8, 4, 8, 8), None, 1),  # the default: one group
+        (2, (16, 2, 8, 4, 8, 8), None, 2),  # unset, through the process group: two groups
         (2, (16, 2, 8, 4, 8, 8), 2, 2),
         (2, (16, 1, 8, 8, 8, 8), 4, 4),
         (2, (16, 1, 8, 8, 8, 6), 3, 1),  # 4 kv heads per rank do not split in 3: one group
@@ -540,7 +540,24 @@ def test_a2a_stages_must_be_a_positive_whole_number(
 
     monkeypatch.setenv(_cp_a2a.STAGES_ENV, value)
     with pytest.raises(ValueError, match=f"MEGATRON_ROCM_CP_A2A_STAGES={value!r} is not a pos"):
-        _cp_a2a.stage_count(8, 8, 2)
+        _cp_a2a.stage_count(8, 8, 2, copy_engines=False)
+
+
+def test_a2a_head_groups_follow_the_transport_unless_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset: one group on copy engines (NVLink within a host), two through the process group
+    (RCCL, other hosts), lowered to what the kv heads split into; asked: the count asked."""
+    from megatron_rocm.runtime.backend import _cp_a2a
+
+    monkeypatch.delenv(_cp_a2a.STAGES_ENV, raising=False)
+    assert _cp_a2a.stage_count(64, 8, 2, copy_engines=True) == 1
+    assert _cp_a2a.stage_count(64, 8, 2, copy_engines=False) == 2
+    assert _cp_a2a.stage_count(64, 8, 8, copy_engines=False) == 1  # one kv head per rank
+    monkeypatch.setenv(_cp_a2a.STAGES_ENV, "1")
+    assert _cp_a2a.stage_count(64, 8, 2, copy_engines=False) == 1
+    monkeypatch.setenv(_cp_a2a.STAGES_ENV, "4")
+    assert _cp_a2a.stage_count(64, 8, 2, copy_engines=True) == 4
 
 
 @pytest.mark.parametrize("comm_type", COMM)
@@ -1208,3 +1225,24 @@ def test_gpu_the_projection_starts_a2a_backward_exchange(
         assert with_handoff["copy_engine"] is (transport == "copy-engine")
         for name in ("out", "dq", "dk", "dv", "dw"):
             torch.testing.assert_close(with_handoff[name], without[name], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_a_peer_that_never_reaches_the_barrier_fails_it_after_the_group_timeout() -> None:
+    """A rank left alone in an a2a exchange on copy engines (its peer gone, as after a crash)
+    does not spin: its barrier traps after the CP group's own timeout, and the process gets a
+    CUDA error instead of hanging. Its own world: the trap leaves the CUDA context unusable."""
+    if torch.cuda.device_count() < 2 or torch.version.hip:
+        pytest.skip("needs 2 CUDA GPUs (copy engines are not measured on ROCm yet)")
+    timeout_s = 5.0
+    world = World(2, backend="nccl")
+    try:
+        alone, absent = world.run(
+            "missing_peer_case", timeout=120, tensors=_inputs(A2A_GPU_SHAPE, torch.float32),
+            absent=1, timeout_s=timeout_s,
+        )  # fmt: skip
+    finally:
+        world.close()
+    assert absent == "absent"
+    assert alone["error"] is not None and "CUDA" in alone["error"].upper(), alone
+    assert timeout_s <= alone["seconds"] < timeout_s + 60, alone
