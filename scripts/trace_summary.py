@@ -15,7 +15,10 @@ Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler``
 
 ``--against`` compares two ranks of one iteration: in a step that ends in a collective every
 rank waits for the slowest, so the kernels one rank spends longer on say where the step's
-imbalance comes from, and each rank's exposed communication says how long it waited.
+imbalance comes from, and each rank's exposed communication says how long it waited. The same
+kernels are also paired call by call: ranks that exchange at every layer lose what each
+stretch between exchanges took longer on the other rank, so differences that alternate
+between the ranks cost time that the totals do not show.
 
 A full-depth model's op table (``scripts/profile_step.py --ops``) says what each kernel costs;
 this says what the *iteration* costs beyond its kernels, which is where the step time that
@@ -174,7 +177,44 @@ def compare(ours: list[dict], theirs: list[dict], top: int) -> str:
         lines.append(
             f"| {name[:80]} | {a / 1e3:.2f} ({na}) | {b / 1e3:.2f} ({nb}) | {(b - a) / 1e3:+.2f} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + pace(ours, theirs, top))
+
+
+def pace(ours: list[dict], theirs: list[dict], top: int) -> list[str]:
+    """The same compute kernels call by call: where the two ranks' differences alternate.
+
+    Ranks that exchange at every layer wait for each other at each exchange, so what one rank
+    loses is the sum, over the stretches between exchanges, of how much longer the other took,
+    not the difference of their totals. A kernel whose calls are sometimes longer on one rank
+    and sometimes on the other (clocks under a power cap, say) shows a summed per-call
+    difference well above its net one. Kernels are paired by name and call order, where both
+    ranks called them equally often.
+    """
+    calls: list[dict[str, list[float]]] = [defaultdict(list), defaultdict(list)]
+    for side, kernels in enumerate((ours, theirs)):
+        for e in kernels:
+            if family(e["name"]) not in COMMUNICATION:
+                calls[side][e["name"]].append(e.get("dur", 0))
+    rows = []
+    for name, mine in calls[0].items():
+        other = calls[1].get(name, [])
+        if len(other) == len(mine):
+            deltas = [b - a for a, b in zip(mine, other, strict=True)]
+            rows.append((sum(map(abs, deltas)), sum(deltas), max(deltas, key=abs), name))
+    summed, net = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    lines = [
+        f"Paired calls: {summed / 1e3:.1f} ms of per-call differences, {net / 1e3:+.1f} ms net"
+        " (other - this); the rest alternates between the ranks.",
+        "",
+        "| kernel | calls | net other - this ms | per-call differences summed ms | largest ms |",
+        "|---|---|---|---|---|",
+    ]
+    for total, delta, largest, name in sorted(rows, key=lambda r: -r[0])[:top]:
+        lines.append(
+            f"| {name[:80]} | {len(calls[0][name])} | {delta / 1e3:+.2f} | {total / 1e3:.2f} |"
+            f" {largest / 1e3:+.2f} |"
+        )
+    return lines
 
 
 def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:

@@ -153,3 +153,25 @@ def test_a_second_trace_without_kernels_is_one_line_and_exit_1(tmp_path: Path, c
     assert trace_summary.main([str(fast), "--against", str(empty)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["trace_summary: a trace has no GPU events to compare"]
+
+
+def test_paired_calls_show_differences_that_alternate_between_the_ranks() -> None:
+    """One rank's GEMM is slower on the first call, the other's on the second: the totals are
+    equal, the per-call differences are not; the exchange is not paired, a kernel called a
+    different number of times on the two ranks neither."""
+    ms = 1000
+    ours = trace_summary.gpu_kernels([
+        _kernel("nvjet_sm90_gemm", 0, 100 * ms),
+        _kernel("ncclDevKernel_SendRecv(x)", 100 * ms, 10 * ms),
+        _kernel("nvjet_sm90_gemm", 200 * ms, 130 * ms),
+        _kernel("triton_poi_fused_add_0", 400 * ms, 5 * ms),
+    ])  # fmt: skip
+    theirs = trace_summary.gpu_kernels([
+        _kernel("nvjet_sm90_gemm", 0, 130 * ms),
+        _kernel("ncclDevKernel_SendRecv(x)", 130 * ms, 40 * ms),
+        _kernel("nvjet_sm90_gemm", 200 * ms, 100 * ms),
+    ])  # fmt: skip
+    lines = trace_summary.pace(ours, theirs, top=5)
+    assert lines[0].startswith("Paired calls: 60.0 ms of per-call differences, +0.0 ms net")
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["| nvjet_sm90_gemm | 2 | +0.00 | 60.00 | +30.00 |"]
