@@ -149,8 +149,8 @@ def exposure(kernels: list[dict]) -> dict[str, float]:
 
 
 def compare(ours: list[dict], theirs: list[dict], top: int) -> str:
-    """Two ranks' iterations side by side: families, exposure, and the kernels whose total
-    time differs most (same name on both ranks)."""
+    """Two ranks' iterations side by side: families, exposure, the kernels whose total time
+    differs most (same name on both ranks), and the same kernels call by call (``pace``)."""
     lines = ["| family | this rank ms | other rank ms | other - this |", "|---|---|---|---|"]
     fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])
@@ -181,37 +181,48 @@ def compare(ours: list[dict], theirs: list[dict], top: int) -> str:
 
 
 def pace(ours: list[dict], theirs: list[dict], top: int) -> list[str]:
-    """The same compute kernels call by call: where the two ranks' differences alternate.
+    """The same compute kernels call by call: how much longer each rank took where it was the
+    slower one.
 
-    Ranks that exchange at every layer wait for each other at each exchange, so what one rank
-    loses is the sum, over the stretches between exchanges, of how much longer the other took,
-    not the difference of their totals. A kernel whose calls are sometimes longer on one rank
-    and sometimes on the other (clocks under a power cap, say) shows a summed per-call
-    difference well above its net one. Kernels are paired by name and call order, where both
-    ranks called them equally often.
+    Ranks that exchange at every layer wait for each other at each exchange, so a rank can
+    lose time to the other even where the totals say the other is the faster: a kernel whose
+    calls are sometimes longer on one rank and sometimes on the other (clocks under a power
+    cap, say) costs both. Summed over the calls where the *other* rank took longer, the
+    differences bound what this rank can have waited for it (and the converse): a bound, since
+    differences of kernels between the same two exchanges may cancel. Kernels are paired by
+    name and call order, where both ranks called them equally often; the rest are counted.
     """
     calls: list[dict[str, list[float]]] = [defaultdict(list), defaultdict(list)]
     for side, kernels in enumerate((ours, theirs)):
         for e in kernels:
             if family(e["name"]) not in COMMUNICATION:
                 calls[side][e["name"]].append(e.get("dur", 0))
-    rows = []
-    for name, mine in calls[0].items():
-        other = calls[1].get(name, [])
-        if len(other) == len(mine):
-            deltas = [b - a for a, b in zip(mine, other, strict=True)]
-            rows.append((sum(map(abs, deltas)), sum(deltas), max(deltas, key=abs), name))
-    summed, net = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    rows: list[tuple[float, float, float, str]] = []  # other slower, this slower, largest, name
+    unpaired = [0, 0.0]
+    for name in set(calls[0]) | set(calls[1]):
+        mine, other = calls[0].get(name, []), calls[1].get(name, [])
+        if len(mine) != len(other):
+            unpaired[0] += 1
+            unpaired[1] += sum(mine) + sum(other)
+            continue
+        deltas = [b - a for a, b in zip(mine, other, strict=True)]
+        rows.append((
+            sum(d for d in deltas if d > 0), -sum(d for d in deltas if d < 0),
+            max(deltas, key=abs), name,
+        ))  # fmt: skip
+    other_slower, this_slower = sum(r[0] for r in rows), sum(r[1] for r in rows)
     lines = [
-        f"Paired calls: {summed / 1e3:.1f} ms of per-call differences, {net / 1e3:+.1f} ms net"
-        " (other - this); the rest alternates between the ranks.",
+        f"Paired calls: the other rank took {other_slower / 1e3:.1f} ms longer where it was"
+        f" slower, this rank {this_slower / 1e3:.1f} ms where it was (net"
+        f" {(other_slower - this_slower) / 1e3:+.1f} ms); {unpaired[0]} kernel name(s),"
+        f" {unpaired[1] / 1e3:.1f} ms, called unequally often, not paired.",
         "",
-        "| kernel | calls | net other - this ms | per-call differences summed ms | largest ms |",
+        "| kernel | calls | other slower by ms | this slower by ms | largest ms |",
         "|---|---|---|---|---|",
     ]
-    for total, delta, largest, name in sorted(rows, key=lambda r: -r[0])[:top]:
+    for longer, shorter, largest, name in sorted(rows, key=lambda r: -(r[0] + r[1]))[:top]:
         lines.append(
-            f"| {name[:80]} | {len(calls[0][name])} | {delta / 1e3:+.2f} | {total / 1e3:.2f} |"
+            f"| {name[:80]} | {len(calls[0][name])} | {longer / 1e3:.2f} | {shorter / 1e3:.2f} |"
             f" {largest / 1e3:+.2f} |"
         )
     return lines

@@ -94,11 +94,11 @@ def parse_stage_count(text: str) -> int | None:
     return int(text) if text.isdigit() and int(text) >= 1 else None
 
 
-def requested_stages(default: int) -> int:
-    """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (``default`` if unset)."""
+def requested_stages() -> int | None:
+    """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (None if it is unset)."""
     text = os.environ.get(STAGES_ENV, "").strip()
     if not text:
-        return default
+        return None
     count = parse_stage_count(text)
     if count is None:
         raise ValueError(f"{STAGES_ENV}={text!r} is not a positive whole number of head groups")
@@ -110,7 +110,8 @@ def stage_count(heads: int, groups: int, cp_size: int, copy_engines: bool) -> in
     none is), lowered until it splits the kv heads each rank gets (all query heads when the
     kv heads do not split over the ranks: expanded)."""
     kv_heads = heads if groups % cp_size else groups
-    return math.gcd(requested_stages(default_stages(copy_engines)), kv_heads // cp_size)
+    asked = requested_stages()
+    return math.gcd(asked or default_stages(copy_engines), kv_heads // cp_size)
 
 
 def a2a_unsupported(heads: int, groups: int, cp_size: int) -> str | None:
@@ -480,6 +481,7 @@ def a2a_attention(
     """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` over head-split exchanges."""
     size = dist.get_world_size(group)
     heads, groups = query.shape[2], key.shape[2]
+    requested_stages()  # a bad value fails here, before the transport's collectives
     link = link_for(group, query.device)
     stages = stage_count(heads, groups, size, copy_engines=link is not None)
     if groups % size:  # kv heads cannot be split evenly: give every query head its own

@@ -14,6 +14,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -92,7 +93,7 @@ def parity_case(
     partition: list[list[int]] | None = None,
     layout: str = "zigzag",
     fused: bool = False,
-    a2a_stages: int | None = None,
+    a2a_stages: int | str | None = None,
     a2a_transport: str | None = None,
 ) -> dict[str, Any]:
     """Run CP attention on this rank's shard of the full q/k/v; return output and grads, how
@@ -663,8 +664,6 @@ def missing_peer_case(*, tensors: dict[str, torch.Tensor], absent: int, timeout_
     joins. Returns ``"absent"`` on that rank; on the others, how the second exchange ended
     (the error's type and first line, or ``None``) and how many seconds it took. The link's
     barrier traps its kernel, so this process's CUDA context is unusable afterwards."""
-    import time
-
     from megatron_rocm.runtime.backend import _cp_copy_engine
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
