@@ -331,6 +331,8 @@ TOY = {
     "tests/unit_tests/conftest.py": "# toy conftest\n",
     "tests/unit_tests/test_a.py": """
         import os
+        import time
+
         import pytest
 
         def test_pass():
@@ -349,6 +351,9 @@ TOY = {
             pass
 
         def test_rank1_only():
+            # rank 1 lags: rank 0 ends its session first, with test_fail failed
+            if os.environ.get("RANK") == "1":
+                time.sleep(3)
             assert os.environ.get("RANK") != "1", "only rank 1 sees this"
 
         def test_own_tmpdir(tmp_path_factory):

@@ -8,7 +8,7 @@ happens, so the driver knows which tests finished, which one was running when th
 died, and can start a new process for the rest.
 
 What it does NOT do: it never skips, xfails, edits or re-judges a test. Its only influence on
-the run is *deselection*, the same thing ``--deselect`` does: node ids listed in
+which tests run is *deselection*, the same thing ``--deselect`` does: node ids listed in
 ``$MROCM_UT_DESELECT`` (tests already recorded by an earlier process) and, where
 ``$MROCM_UT_EXCLUDE`` holds a regular expression, tests whose node id matches it (FP8/FP4
 tests, which the selection leaves out by definition). Each deselection is recorded with its
@@ -164,5 +164,12 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Log the end, then let a rank whose tests merely failed exit 0: torchrun stops every
+    other rank as soon as one exits non-zero, so a rank that finished first with a failure
+    would cut off a slower rank's last tests, verdicts and all (the driver reads every
+    verdict from these logs, not from exit codes). A crash, an interrupt or a usage error
+    keeps its code."""
     if _log is not None:
         _log.write("end", exit=int(exitstatus))
+        if exitstatus == pytest.ExitCode.TESTS_FAILED:
+            session.exitstatus = pytest.ExitCode.OK
