@@ -956,6 +956,11 @@ def _handoff_inputs(shape: tuple[int, ...] = GQA) -> dict:
     return {"tensors": _inputs(shape, torch.float32), "weight": weight}
 
 
+# shape -> head groups a2a runs through the process group (gloo here, RCCL on ROCm) when
+# none are asked for: one kv head per rank gives one; two kv heads per rank two, and every
+# batch one group posts becomes one per group
+HANDOFF_SHAPES = {"one_group": (GQA, 1), "two_groups": ((16, 2, 8, 4, 8, 8), 2)}
+
 # case -> (taken per step, settled exchanges, posted batches with / without the handoff)
 HANDOFF_CASES = {
     "plain": ({}, [True, True], 0, (8, 8)),
@@ -966,71 +971,60 @@ HANDOFF_CASES = {
 }
 
 
+@pytest.mark.parametrize("layout", list(HANDOFF_SHAPES))
 @pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_the_projection_starts_a2a_backward_exchange_with_the_same_results(
     worlds,  # noqa: ANN001
     case: str,
+    layout: str,
 ) -> None:
     """The output projection starts the attention's first backward exchange between its two
     GEMMs, and the attention takes it: results bit for bit those of the exchange made by the
     attention itself. An exchange started for another gradient than the one the attention gets,
     or for an attention whose backward never runs, is settled (completed unread) before the
-    group's next exchange, and the exchanges after it still pair up (per step: two batches
-    posted forward, two backward, one more for a started exchange that is settled)."""
+    group's next exchange, and the exchanges after it still pair up (per step and head group:
+    two batches posted forward, two backward, one more for a started exchange that is
+    settled); with one head group and with two."""
     options, taken, settled, posts = HANDOFF_CASES[case]
-    inputs = _handoff_inputs()
+    shape, groups = HANDOFF_SHAPES[layout]
+    inputs = _handoff_inputs(shape)
     on = worlds(2).run("handoff_case", handoff="backward", **options, **inputs)
     off = worlds(2).run("handoff_case", handoff="0", **options, **inputs)
     for with_handoff, without in zip(on, off, strict=True):
         assert with_handoff["taken"] == taken and without["taken"] == []
         assert (with_handoff["settled"], without["settled"]) == (settled, 0)
-        assert (with_handoff["posts"], without["posts"]) == posts
+        assert (with_handoff["posts"], without["posts"]) == tuple(groups * n for n in posts)
         assert (with_handoff["split"], without["split"]) == (0, 0)
         assert with_handoff["dq"].abs().sum() > 0
         for name in ("out", "dq", "dk", "dv", "dw"):
             assert torch.equal(with_handoff[name], without[name]), name
 
 
+@pytest.mark.parametrize("layout", list(HANDOFF_SHAPES))
 @pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_the_projection_computes_while_the_a2a_output_lands(
     worlds,  # noqa: ANN001
     case: str,
+    layout: str,
 ) -> None:
     """With the forward handoff too (the default), the attention returns its output before the
     peers' heads have landed and the projection computes over the rank's own heads meanwhile,
     once per step: the same gradients bit for bit (the landed output is the same tensor, the
     input gradient the same GEMM), the backward's exchange taken or settled as without it, the
-    output equal but for the order of the GEMM's sums."""
+    output equal but for the order of the GEMM's sums; with one head group and with two."""
     options, taken, settled, posts = HANDOFF_CASES[case]
-    inputs = _handoff_inputs()
+    shape, groups = HANDOFF_SHAPES[layout]
+    inputs = _handoff_inputs(shape)
     both = worlds(2).run("handoff_case", handoff="1", **options, **inputs)
     backward = worlds(2).run("handoff_case", handoff="backward", **options, **inputs)
     for with_forward, without in zip(both, backward, strict=True):
         assert (with_forward["split"], without["split"]) == (2, 0)
         assert with_forward["taken"] == taken and with_forward["settled"] == settled
-        assert with_forward["posts"] == posts[0]
+        assert with_forward["posts"] == groups * posts[0]
         for name in ("dq", "dk", "dv", "dw"):
             assert torch.equal(with_forward[name], without[name]), name
         torch.testing.assert_close(with_forward["out"], without["out"], rtol=1e-5, atol=1e-5)
         assert not torch.equal(with_forward["out"], torch.zeros_like(without["out"]))
-
-
-@pytest.mark.parametrize("case", list(HANDOFF_CASES))
-def test_both_handoffs_with_two_head_groups(worlds, case: str) -> None:  # noqa: ANN001
-    """Two kv heads per rank through the process group (gloo here, RCCL on ROCm) run two head
-    groups when none are asked for: both handoffs still give the gradients of the attention's
-    own exchanges bit for bit and its output but for the order of the GEMM's sums, with one
-    batch per group wherever one group posts one."""
-    options, taken, settled, posts = HANDOFF_CASES[case]
-    inputs = _handoff_inputs((16, 2, 8, 4, 8, 8))
-    both = worlds(2).run("handoff_case", handoff="1", **options, **inputs)
-    neither = worlds(2).run("handoff_case", handoff="0", **options, **inputs)
-    for with_handoffs, without in zip(both, neither, strict=True):
-        assert with_handoffs["taken"] == taken and with_handoffs["settled"] == settled
-        assert (with_handoffs["posts"], without["posts"]) == (2 * posts[0], 2 * posts[1])
-        for name in ("dq", "dk", "dv", "dw"):
-            assert torch.equal(with_handoffs[name], without[name]), name
-        torch.testing.assert_close(with_handoffs["out"], without["out"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("value", ["0", "two"])
