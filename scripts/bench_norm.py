@@ -1,6 +1,7 @@
 """Benchmark the norms (kernels.norm, Triton) against torch's fused kernels, one GPU.
 
     python scripts/bench_norm.py [--shapes 32768x1536,16384x4096] [--programs 1,2,4,8] [--json F]
+                                 [--cuda-graph]
     TRITON_INTERPRET=1 python scripts/bench_norm.py --smoke   # tiny CPU run, checks it works
 
 Inputs: the 0.85B Llama's residual stream (s 2048 x micro-batch 16 = 32768 rows of 1536, bf16)
@@ -15,7 +16,9 @@ module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_
 depths (the shipped ones are ``_norm_triton.PROGRAMS_PER_SM`` and ``BACKWARD_STAGES``), to
 re-tune them on new hardware.
 
-Each time is the median of ``triton.testing.do_bench``; ``%`` is the bandwidth reached against
+Each time is the median of ``triton.testing.do_bench``, or with ``--cuda-graph`` of CUDA-graph
+replays (``do_bench_cudagraph``): a norm's kernel takes about 0.1 ms, no longer than the Python
+that launches it, so without graphs the whole-op rows time the host as much as the kernel; ``%`` is the bandwidth reached against
 the ideal byte count (forward: read x, write y; backward: read x and dy, write dx) as a share of
 the copy bandwidth measured in the same run (read + write).
 """
@@ -41,15 +44,16 @@ from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
+CUDA_GRAPH = False  # --cuda-graph: time graph replays, without the host's launch overhead
 STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
 
 
 def bench(fn: Callable[[], object]) -> float:
-    return bench_timing.median_ms(fn, DEVICE)
+    return bench_timing.median_ms(fn, DEVICE, cuda_graph=CUDA_GRAPH and DEVICE != "cpu")
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    return bench_timing.copy_bandwidth(nbytes, DEVICE)
+    return bench_timing.copy_bandwidth(nbytes, DEVICE, cuda_graph=CUDA_GRAPH and DEVICE != "cpu")
 
 
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
@@ -59,9 +63,14 @@ def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
     norm_module.TRITON_NORMS = ("LayerNorm", "RMSNorm")  # time the kernel on both norms
     try:
         dy = torch.randn_like(x)
-        fwd = bench(lambda: norm(x))
-        y = norm(x)
         params = list(norm.parameters())
+        fwd = bench(lambda: norm(x))
+        if CUDA_GRAPH and DEVICE != "cpu":
+            # Autograd runs each backward op on its forward op's stream, so a graph captured on
+            # a side stream must hold the forward too: the backward is the difference.
+            both = bench(lambda: torch.autograd.grad(norm(x), [x, *params], dy))
+            return fwd, both - fwd
+        y = norm(x)
         bwd = bench(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True))
         return fwd, bwd
     finally:
@@ -100,13 +109,17 @@ def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE
+    global DEVICE, CUDA_GRAPH
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="32768x1536,16384x4096,8192x8192")
     parser.add_argument("--programs", default="1,2,4,8", help="backward programs per SM to time")
     parser.add_argument("--json", type=Path, help="write the rows here (JSON lines)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="time CUDA-graph replays (no launch overhead)"
+    )
     a = parser.parse_args(argv)
+    CUDA_GRAPH = a.cuda_graph
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     programs = [int(p) for p in a.programs.split(",")]
     if a.smoke:
@@ -116,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     label = "cpu (interpreter)" if DEVICE == "cpu" else torch.cuda.get_device_name(0)
     copy_gbs = copy_bandwidth(max(r * c for r, c in shapes) * 2)
-    print(f"# {label}, copy bandwidth {copy_gbs:.0f} GB/s")
+    timing = "CUDA-graph replays" if CUDA_GRAPH else "do_bench"
+    print(f"# {label}, copy bandwidth {copy_gbs:.0f} GB/s, {timing}")
     print(
         "| norm | rows x cols | torch fwd ms (%) | triton fwd ms (%) | torch bwd ms (%) "
         "| triton bwd ms (%) |"
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for normalization in ("RMSNorm", "LayerNorm"):
         for shape in shapes:
             r = row(shape, normalization, copy_gbs, programs)
-            r["device"] = label
+            r["device"], r["cuda_graph"] = label, CUDA_GRAPH
             rows.append(r)
             print(
                 f"| {normalization} | {r['shape']} | {r['torch_fwd_ms']} ({r['torch_fwd_pct']}) "
