@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
 
 _NORMS = ("LayerNorm", "RMSNorm")
-# The norms the Triton kernel serves on a GPU. Its LayerNorm is correct (tested), but its
-# timings at the hidden sizes that matter disagree between runs (scripts/bench_norm.py, H100:
-# forward 0.30, 0.08 and 0.11 ms against torch's steady 0.10 at 32768 x 1536; the whole-op
-# timing is host-bound there, docs/kernels.md), so LayerNorm stays on torch's kernel until it
-# is timed without the host and shown faster.
+# The norms the Triton kernel serves on a GPU. Its LayerNorm is correct (tested) and, timed
+# alone without the host (CUDA graphs, H100), faster than torch's at every hidden size
+# measured; but a model A/B (GPT 0.85B, LayerNorm routed here) ran slower, without a control
+# to say whether the kernel was why (docs/kernels.md), so LayerNorm stays on torch's kernel
+# until a controlled run in a model shows it faster.
 TRITON_NORMS = ("RMSNorm",)
 
 
