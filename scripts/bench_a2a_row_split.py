@@ -1,28 +1,33 @@
 """Could an a2a rank start its attention on the query rows it already holds? One GPU, no CP.
 
     python scripts/bench_a2a_row_split.py [--length 16384] [--heads 32/4] [--kernels cudnn,flash]
-        [--iters 20] [--json FILE]
+        [--rep-ms 100] [--json FILE]
     python scripts/bench_a2a_row_split.py --cpu   # tiny fp32 run on the CPU: checks the script
 
 After Ulysses' first exchange (``_cp_a2a``) a rank holds the whole sequence for its share of the
 heads (``--heads``: query/kv heads per rank, 32/4 is Llama-2-70B's 64/8 at cp 2). Its own two
-zigzag chunks of those heads never travel: only the other ranks' query chunks, ~80% of the
-exchange's bytes with 8:1 grouped kv heads, do. Attention rows are independent, so the rows of
-the rank's own chunks could run while the rest arrive, hiding most of the exchange. This times
-what splitting the rows costs, forward and backward, against one causal call over the whole
-sequence (``whole``), with the sequence in four zigzag chunks (cp 2):
+zigzag chunks of those heads never travel; of what does, the other rank's query chunks are
+~80% of the bytes with 8:1 grouped kv heads, its key/value chunks the rest. Attention rows are
+independent, so once the small key/value part has landed (the rank's last chunk attends to the
+other rank's keys), the rows of its own chunks could run while the other rank's queries
+arrive, hiding most of the exchange. This times what splitting the rows that way costs,
+forward and backward, against one causal call over the whole sequence (``whole``). The
+sequence is in four zigzag chunks (cp 2); the split has three row groups, the fewest that keep
+one rank's rows apart from the other's: chunk 0, chunks 1-2, chunk 3 (``ROW_GROUPS``).
 
-* ``merge``: each chunk's rows as a full block over the keys before it plus the causal diagonal
+* ``merge``: each group's rows as a full block over the keys before it plus the causal diagonal
   block, merged by log-sum-exp (``SoftmaxMerger``) and differentiated with the merged output
   and lse, as the ring does: any block kernel can run it;
-* ``bottom_right``: one causal call per chunk over its key prefix, which needs a kernel that
+* ``bottom_right``: one causal call per group over its key prefix, which needs a kernel that
   aligns a short query block's causal mask to the bottom right. Checked at run time
-  (``causal_alignment``); cuDNN's op aligns it to the top left, so only flash runs this.
+  (``causal_alignment``): on H100, cuDNN's op (through torch's causal flag; an explicit mask
+  is not tried) aligns it to the top left and flash to the bottom right.
 
-One JSON line per (kernel, case): forward and backward ms (medians), ``overhead_ms`` against
-``whole``, and the largest difference from ``whole`` in the output and in each gradient.
-Splitting pays only if ``overhead_ms`` is well below the exchange it would hide (about 0.2 ms
-per layer on NVLink copy engines, docs/results.md).
+Gradients of the split cases are summed in fp32. One JSON line per (kernel, case): forward and
+backward ms (medians of ``triton.testing.do_bench``), ``overhead_ms`` against ``whole``, and
+the largest difference from ``whole`` in the output and in each gradient. Splitting pays only
+if ``overhead_ms`` is well below the exchange it would hide (about 0.2 ms per layer on NVLink
+copy engines, docs/results.md).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
     SoftmaxMerger,
 )
 
-CHUNKS = 4  # Megatron's zigzag at cp 2: two chunks per rank
+CHUNKS = 4  # Megatron's zigzag at cp 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+ROW_GROUPS = ((0, 1), (1, 3), (3, 4))  # [start, end) in chunks: one rank's rows, the other's
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # (query rows, key range, causal, the rows' final output, their final lse, the kernel's state)
 Block = tuple[slice, slice, bool, torch.Tensor, torch.Tensor, object]
@@ -105,47 +111,50 @@ class Attention:
 
         return lambda: self._call(self.q, everything, True), backward, saved[0]
 
-    def _rows(self, c: int) -> slice:
-        return slice(c * self.piece, (c + 1) * self.piece)
+    def _rows(self, group: tuple[int, int]) -> slice:
+        return slice(group[0] * self.piece, group[1] * self.piece)
 
     def merge(self) -> tuple[Callable[[], object], Callable[[], Grads], torch.Tensor]:
-        """Per chunk: a full block over the keys before it and the diagonal, merged by lse."""
-        out = torch.empty_like(self.q)
-        blocks: list[Block] = []
-
-        def forward() -> None:
-            blocks.clear()
-            for c in range(CHUNKS):
-                rows = self._rows(c)
-                q, parts = self.q[:, :, rows], [(rows, True)]
-                if c:
-                    parts.insert(0, (slice(0, rows.start), False))
-                results = [self._call(q, keys, causal) for keys, causal in parts]
-                merger = SoftmaxMerger(q, q.shape[-1])
-                for i, (o, lse, _) in enumerate(results):
-                    merger.add(slice(None), o, lse, first=i == 0)
-                out[:, :, rows] = merger.out
-                for (keys, causal), (_, _, state) in zip(parts, results, strict=True):
-                    blocks.append((rows, keys, causal, out[:, :, rows], merger.lse, state))
-
-        forward()
-        return forward, lambda: self._split_backward(blocks), out
+        """Per row group: a full block over the keys before it and the diagonal, merged by lse."""
+        return self._split(self._merged_rows)
 
     def bottom_right(self) -> tuple[Callable[[], object], Callable[[], Grads], torch.Tensor]:
-        """Per chunk: one causal call over its key prefix (a bottom-right aligned kernel)."""
+        """Per row group: one causal call over its key prefix (a bottom-right aligned kernel)."""
+        return self._split(self._prefix_rows)
+
+    def _split(
+        self, rows_of: Callable[[slice, torch.Tensor, list[Block]], None]
+    ) -> tuple[Callable[[], object], Callable[[], Grads], torch.Tensor]:
+        """A forward that runs ``rows_of`` for every row group (it writes their output and lists
+        its blocks), the backward of those blocks, and the output."""
         out = torch.empty_like(self.q)
         blocks: list[Block] = []
 
         def forward() -> None:
             blocks.clear()
-            for c in range(CHUNKS):
-                rows, keys = self._rows(c), slice(0, (c + 1) * self.piece)
-                o, lse, state = self._call(self.q[:, :, rows], keys, True)
-                out[:, :, rows] = o
-                blocks.append((rows, keys, True, o, lse, state))
+            for group in ROW_GROUPS:
+                rows_of(self._rows(group), out, blocks)
 
         forward()
         return forward, lambda: self._split_backward(blocks), out
+
+    def _merged_rows(self, rows: slice, out: torch.Tensor, blocks: list[Block]) -> None:
+        q, parts = self.q[:, :, rows], [(rows, True)]
+        if rows.start:
+            parts.insert(0, (slice(0, rows.start), False))
+        results = [self._call(q, keys, causal) for keys, causal in parts]
+        merger = SoftmaxMerger(q, q.shape[-1])
+        for i, (o, lse, _) in enumerate(results):
+            merger.add(slice(None), o, lse, first=i == 0)
+        out[:, :, rows] = merger.out
+        for (keys, causal), (_, _, state) in zip(parts, results, strict=True):
+            blocks.append((rows, keys, causal, out[:, :, rows], merger.lse, state))
+
+    def _prefix_rows(self, rows: slice, out: torch.Tensor, blocks: list[Block]) -> None:
+        keys = slice(0, rows.stop)
+        o, lse, state = self._call(self.q[:, :, rows], keys, True)
+        out[:, :, rows] = o
+        blocks.append((rows, keys, True, o, lse, state))
 
     def _split_backward(self, blocks: list[Block]) -> Grads:
         """Every block's gradients, given its rows' final output and lse, summed in fp32."""
@@ -160,6 +169,8 @@ class Attention:
 
 
 def run_kernel(name: str, a: argparse.Namespace, device: str, dtype: torch.dtype) -> list[dict]:
+    """The records of one block kernel: ``whole`` first, then each split it can run, each
+    compared with ``whole`` (or one record saying why the kernel cannot run here)."""
     kernel = KERNELS[name]
     heads, kv_heads = (int(n) for n in a.heads.split("/"))
     attention = Attention(kernel, a.length, heads, kv_heads, device, dtype)
@@ -173,7 +184,7 @@ def run_kernel(name: str, a: argparse.Namespace, device: str, dtype: torch.dtype
     for case in cases:
         forward, backward, out = getattr(attention, case)()
         grads = backward()
-        timing = {"rep": a.iters * 5} if device != "cpu" else {}
+        timing = {"rep": a.rep_ms} if device != "cpu" else {}
         record = {
             "kernel": name, "case": case, "device": label, "length": a.length, "heads": a.heads,
             "causal_alignment": alignment,
@@ -188,8 +199,8 @@ def run_kernel(name: str, a: argparse.Namespace, device: str, dtype: torch.dtype
                 record["fwd_ms"] + record["bwd_ms"] - base["fwd_ms"] - base["bwd_ms"], 4
             )
             record["max_abs_err"] = {
-                name: (mine.float() - theirs).abs().max().item()
-                for name, mine, theirs in zip(
+                what: (mine.float() - theirs).abs().max().item()
+                for what, mine, theirs in zip(
                     ("out", "dq", "dk", "dv"),
                     (out, *grads),
                     (reference[0], *reference[1]),
@@ -207,9 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernels", help="block kernels to time (default cudnn,flash; math with --cpu)"
     )
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--rep-ms", type=int, default=100, help="milliseconds do_bench spends on each timing"
+    )
     parser.add_argument("--json", type=Path, help="write the records here (JSON lines)")
-    parser.add_argument("--cpu", action="store_true", help="tiny fp32 run on the CPU")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="tiny fp32 run on the CPU (length 256, heads 4/2, the math kernel unless --kernels)",
+    )
     a = parser.parse_args(argv)
     if a.cpu:
         device, dtype, a.length, a.heads = "cpu", torch.float32, 256, "4/2"

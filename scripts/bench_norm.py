@@ -18,9 +18,11 @@ re-tune them on new hardware.
 
 Each time is the median of ``triton.testing.do_bench``, or with ``--cuda-graph`` of CUDA-graph
 replays (``do_bench_cudagraph``): a norm's kernel takes about 0.1 ms, no longer than the Python
-that launches it, so without graphs the whole-op rows time the host as much as the kernel; ``%`` is the bandwidth reached against
-the ideal byte count (forward: read x, write y; backward: read x and dy, write dx) as a share of
-the copy bandwidth measured in the same run (read + write).
+that launches it, so without graphs the whole-op rows time the host as much as the kernel. Under
+graphs the whole-op backward is the replay of forward and backward less the forward's, which
+can read a little low (the forward leaves part of ``x`` in L2 for the backward). ``%`` is the
+bandwidth reached against the ideal byte count (forward: read x, write y; backward: read x and
+dy, write dx) as a share of the copy bandwidth measured in the same run (read + write).
 """
 
 from __future__ import annotations
@@ -45,15 +47,22 @@ from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
 CUDA_GRAPH = False  # --cuda-graph: time graph replays, without the host's launch overhead
+
+
+def graphs() -> bool:
+    """Whether times are CUDA-graph replays (``--cuda-graph`` on a GPU; the CPU has none)."""
+    return CUDA_GRAPH and DEVICE != "cpu"
+
+
 STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
 
 
 def bench(fn: Callable[[], object]) -> float:
-    return bench_timing.median_ms(fn, DEVICE, cuda_graph=CUDA_GRAPH and DEVICE != "cpu")
+    return bench_timing.median_ms(fn, DEVICE, cuda_graph=graphs())
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    return bench_timing.copy_bandwidth(nbytes, DEVICE, cuda_graph=CUDA_GRAPH and DEVICE != "cpu")
+    return bench_timing.copy_bandwidth(nbytes, DEVICE, cuda_graph=graphs())
 
 
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
@@ -65,7 +74,7 @@ def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
         dy = torch.randn_like(x)
         params = list(norm.parameters())
         fwd = bench(lambda: norm(x))
-        if CUDA_GRAPH and DEVICE != "cpu":
+        if graphs():
             # Autograd runs each backward op on its forward op's stream, so a graph captured on
             # a side stream must hold the forward too: the backward is the difference.
             both = bench(lambda: torch.autograd.grad(norm(x), [x, *params], dy))
@@ -129,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     label = "cpu (interpreter)" if DEVICE == "cpu" else torch.cuda.get_device_name(0)
     copy_gbs = copy_bandwidth(max(r * c for r, c in shapes) * 2)
-    timing = "CUDA-graph replays" if CUDA_GRAPH else "do_bench"
+    timing = (
+        "CUDA-graph replays" if graphs() else "one wall-clock sample" if a.smoke else "do_bench"
+    )
     print(f"# {label}, copy bandwidth {copy_gbs:.0f} GB/s, {timing}")
     print(
         "| norm | rows x cols | torch fwd ms (%) | triton fwd ms (%) | torch bwd ms (%) "
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for normalization in ("RMSNorm", "LayerNorm"):
         for shape in shapes:
             r = row(shape, normalization, copy_gbs, programs)
-            r["device"], r["cuda_graph"] = label, CUDA_GRAPH
+            r["device"], r["cuda_graph"] = label, graphs()
             rows.append(r)
             print(
                 f"| {normalization} | {r['shape']} | {r['torch_fwd_ms']} ({r['torch_fwd_pct']}) "
