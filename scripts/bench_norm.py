@@ -46,15 +46,13 @@ from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
+STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
 CUDA_GRAPH = False  # --cuda-graph: time graph replays, without the host's launch overhead
 
 
 def graphs() -> bool:
     """Whether times are CUDA-graph replays (``--cuda-graph`` on a GPU; the CPU has none)."""
     return CUDA_GRAPH and DEVICE != "cpu"
-
-
-STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
 
 
 def bench(fn: Callable[[], object]) -> float:
