@@ -9,7 +9,7 @@ and two wider hidden sizes, for RMSNorm and LayerNorm, through ``FusedNorm`` (wh
 tree's norms and the native backend's ``TELayerNormColumnParallelLinear`` run).
 
 Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs on a GPU; the
-bench routes LayerNorm there too, to measure it: ``norm.TRITON_NORMS``); ``torch`` is the same
+bench routes LayerNorm there too, to measure it: ``MEGATRON_ROCM_TRITON_NORMS``); ``torch`` is the same
 module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_norm``).
 ``backward`` is ``torch.autograd.grad`` of the output w.r.t. the input and the params.
 ``--programs`` times the Triton backward alone at other programs-per-SM counts and pipelining
@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_timing  # noqa: E402
 
 from megatron_rocm.runtime.kernels import _norm_triton as tri  # noqa: E402
-from megatron_rocm.runtime.kernels import norm as norm_module  # noqa: E402
 from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
-from megatron_rocm.runtime.kernels.norm import FusedNorm  # noqa: E402
+from megatron_rocm.runtime.kernels.norm import TRITON_NORMS_ENV, FusedNorm  # noqa: E402
 
 DEVICE = "cuda"
 STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
@@ -65,9 +64,9 @@ def copy_bandwidth(nbytes: int) -> float:
 
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
     """(forward ms, backward ms) of ``norm`` under ``MEGATRON_ROCM_KERNELS=mode``."""
+    saved = {name: os.environ.get(name) for name in ("MEGATRON_ROCM_KERNELS", TRITON_NORMS_ENV)}
     os.environ["MEGATRON_ROCM_KERNELS"] = mode
-    served = norm_module.TRITON_NORMS
-    norm_module.TRITON_NORMS = ("LayerNorm", "RMSNorm")  # time the kernel on both norms
+    os.environ[TRITON_NORMS_ENV] = "LayerNorm,RMSNorm"  # time the kernel on both norms
     try:
         dy = torch.randn_like(x)
         params = list(norm.parameters())
@@ -81,8 +80,11 @@ def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
         bwd = bench(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True))
         return fwd, bwd
     finally:
-        os.environ.pop("MEGATRON_ROCM_KERNELS", None)
-        norm_module.TRITON_NORMS = served
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: list[int]) -> dict:

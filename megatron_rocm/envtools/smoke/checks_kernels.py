@@ -203,7 +203,7 @@ def _norm_check(ctx: Context, normalization: str) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    served = "norm" if normalization in k.TRITON_NORMS else None  # LayerNorm: torch's kernel
+    served = "norm" if normalization in k.triton_norms() else None  # LayerNorm: torch's kernel
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 
 

@@ -21,6 +21,8 @@ cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -29,12 +31,34 @@ import torch.nn.functional as F
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
 
 _NORMS = ("LayerNorm", "RMSNorm")
-# The norms the Triton kernel serves on a GPU. Its LayerNorm is correct (tested) and, timed
-# alone without the host (CUDA graphs, H100), faster than torch's at every hidden size
-# measured; but a model A/B (GPT 0.85B, LayerNorm routed here) ran slower, without a control
-# to say whether the kernel was why (docs/kernels.md), so LayerNorm stays on torch's kernel
-# until a controlled run in a model shows it faster.
+# The norms the Triton kernel serves on a GPU by default. Its LayerNorm is correct (tested)
+# and, timed alone without the host (CUDA graphs, H100), faster than torch's at every hidden
+# size measured; but a model A/B (GPT 0.85B, LayerNorm routed here) ran slower, without a
+# control to say whether the kernel was why (docs/kernels.md), so LayerNorm stays on torch's
+# kernel until a controlled run in a model shows it faster. TRITON_NORMS_ENV overrides it.
 TRITON_NORMS = ("RMSNorm",)
+TRITON_NORMS_ENV = "MEGATRON_ROCM_TRITON_NORMS"
+
+
+def triton_norms() -> tuple[str, ...]:
+    """The norms the Triton kernel serves: ``MEGATRON_ROCM_TRITON_NORMS`` (a comma-separated
+    subset of LayerNorm, RMSNorm, for A/B runs in a model with nothing else changed) or, unset,
+    ``TRITON_NORMS``. A name outside that set raises, so a typo cannot silently benchmark the
+    default; ``MEGATRON_ROCM_KERNELS=reference:norm`` still puts every norm on torch's path."""
+    text = os.environ.get(TRITON_NORMS_ENV, "").strip()
+    return _parse_norm_names(text) if text else TRITON_NORMS
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_norm_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in _NORMS]
+    if unknown or not names:
+        raise ValueError(
+            f"{TRITON_NORMS_ENV}={text!r}: expected a comma-separated subset of "
+            f"{', '.join(_NORMS)} (got {', '.join(unknown) or 'none'})"
+        )
+    return names
 
 
 class FusedNorm(torch.nn.Module):
@@ -130,7 +154,7 @@ def apply_norm(
     # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
     if gamma.dtype != x.dtype and x.dtype == torch.float32:
         gamma = gamma.to(x.dtype)
-    if normalization in TRITON_NORMS and use_triton(x, kernel="norm"):
+    if normalization in triton_norms() and use_triton(x, kernel="norm"):
         reason = _triton_unsupported(x, gamma, bias)
         if reason is None:
             return _TritonNorm.apply(x, gamma, bias, eps, normalization == "RMSNorm")

@@ -233,6 +233,60 @@ def test_triton_serves_rmsnorm_and_torch_layernorm(
     assert len(calls) == launches
 
 
+@triton_test
+@pytest.mark.parametrize(
+    ("setting", "launches"),
+    [("LayerNorm", {"LayerNorm": 1, "RMSNorm": 0}), ("RMSNorm,LayerNorm", dict.fromkeys(NORMS, 1))],
+)
+def test_triton_norms_setting_routes_the_named_norms(
+    monkeypatch: pytest.MonkeyPatch, setting: str, launches: dict[str, int]
+) -> None:
+    """``MEGATRON_ROCM_TRITON_NORMS`` replaces the default routing, for A/B runs in a model."""
+    from megatron_rocm.runtime.kernels import _norm_triton
+
+    monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
+    calls: list[str] = []
+    original = _norm_triton.norm_forward
+    for normalization in NORMS:
+        monkeypatch.setattr(
+            _norm_triton,
+            "norm_forward",
+            lambda *a, _n=normalization: calls.append(_n) or original(*a),
+        )
+        FusedNorm(64, normalization=normalization, device=DEVICE)(torch.randn(4, 64, device=DEVICE))
+    assert {n: calls.count(n) for n in NORMS} == launches
+
+
+@pytest.mark.parametrize(
+    ("setting", "served"),
+    [
+        (None, ("RMSNorm",)),
+        ("", ("RMSNorm",)),
+        ("LayerNorm", ("LayerNorm",)),
+        (" RMSNorm , LayerNorm ", ("RMSNorm", "LayerNorm")),
+    ],
+)
+def test_triton_norms_setting_parses(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, served: tuple[str, ...]
+) -> None:
+    if setting is None:
+        monkeypatch.delenv(norm_module.TRITON_NORMS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
+    assert norm_module.triton_norms() == served
+
+
+@pytest.mark.parametrize("setting", ["layernorm", ",", "RMSNorm,ScaleNorm"])
+def test_triton_norms_setting_typo_raises(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
+    with pytest.raises(
+        ValueError, match="MEGATRON_ROCM_TRITON_NORMS=.*subset of LayerNorm, RMSNorm"
+    ):
+        norm_module.triton_norms()
+    with pytest.raises(ValueError, match="MEGATRON_ROCM_TRITON_NORMS"):
+        FusedNorm(8, normalization="RMSNorm")(torch.randn(2, 8))
+
+
 @pytest.mark.parametrize(
     ("setting", "forced"),
     [
