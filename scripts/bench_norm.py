@@ -9,7 +9,7 @@ and two wider hidden sizes, for RMSNorm and LayerNorm, through ``FusedNorm`` (wh
 tree's norms and the native backend's ``TELayerNormColumnParallelLinear`` run).
 
 Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs on a GPU; the
-bench routes LayerNorm there too, to measure it: ``MEGATRON_ROCM_TRITON_NORMS``); ``torch`` is the same
+bench routes LayerNorm there too, through ``MEGATRON_ROCM_TRITON_NORMS``); ``torch`` is the same
 module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_norm``).
 ``backward`` is ``torch.autograd.grad`` of the output w.r.t. the input and the params.
 ``--programs`` times the Triton backward alone at other programs-per-SM counts and pipelining
@@ -65,9 +65,9 @@ def copy_bandwidth(nbytes: int) -> float:
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
     """(forward ms, backward ms) of ``norm`` under ``MEGATRON_ROCM_KERNELS=mode``."""
     saved = {name: os.environ.get(name) for name in ("MEGATRON_ROCM_KERNELS", TRITON_NORMS_ENV)}
-    os.environ["MEGATRON_ROCM_KERNELS"] = mode
-    os.environ[TRITON_NORMS_ENV] = "LayerNorm,RMSNorm"  # time the kernel on both norms
     try:
+        os.environ["MEGATRON_ROCM_KERNELS"] = mode
+        os.environ[TRITON_NORMS_ENV] = "LayerNorm,RMSNorm"  # time the kernel on both norms
         dy = torch.randn_like(x)
         params = list(norm.parameters())
         fwd = bench(lambda: norm(x))

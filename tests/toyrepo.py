@@ -29,7 +29,8 @@ NORM = "megatron/core/norm.py"
 
 def seal(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     """The hermetic test environment (conftest's autouse fixture; module-scoped builders):
-    private HOME and cache, no user git config, fixed identity and dates, no fault injection."""
+    private HOME and cache, no user git config, fixed identity and dates, no fault injection,
+    the default norm routing."""
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
     monkeypatch.delenv("MEGATRON_ROCM_SERIES", raising=False)
@@ -46,7 +47,8 @@ def seal(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     monkeypatch.setenv("GIT_AUTHOR_DATE", "2025-01-01T00:00:00+0000")
     monkeypatch.setenv("GIT_COMMITTER_DATE", "2025-01-01T00:00:00+0000")
     monkeypatch.setenv("GIT_EDITOR", "false")
-    for key in ("MEGATRON_ROCM_FAULT", "MEGATRON_ROCM_FAULT_READY"):
+    # no fault injection, and the runtime's default kernel routing
+    for key in ("MEGATRON_ROCM_FAULT", "MEGATRON_ROCM_FAULT_READY", "MEGATRON_ROCM_TRITON_NORMS"):
         monkeypatch.delenv(key, raising=False)
 
 

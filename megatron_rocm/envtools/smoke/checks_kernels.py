@@ -203,7 +203,8 @@ def _norm_check(ctx: Context, normalization: str) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    served = "norm" if normalization in k.triton_norms() else None  # LayerNorm: torch's kernel
+    # by default LayerNorm is on torch's kernel (MEGATRON_ROCM_TRITON_NORMS can move it)
+    served = "norm" if normalization in k.triton_norms() else None
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 
 

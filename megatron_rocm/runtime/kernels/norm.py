@@ -8,9 +8,10 @@ cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 * on a GPU (CUDA or ROCm) RMSNorm runs a Triton kernel
   (:mod:`~megatron_rocm.runtime.kernels._norm_triton`): one read of ``x`` forward, one read of
   ``x`` and ``dy`` backward with ``dw`` summed in the same pass, where torch's backward runs
-  two kernels reading both twice (docs/kernels.md); LayerNorm, other dtype mixes and rows
-  wider than one block use torch's fused ``layer_norm`` / ``rms_norm`` (a fallback's reason is
-  logged once); ``MEGATRON_ROCM_KERNELS=reference[:norm]`` forces torch's;
+  two kernels reading both twice (docs/kernels.md); LayerNorm (unless
+  ``MEGATRON_ROCM_TRITON_NORMS`` names it), other dtype mixes and rows wider than one block use
+  torch's fused ``layer_norm`` / ``rms_norm`` (a fallback's reason is logged once);
+  ``MEGATRON_ROCM_KERNELS=reference[:norm]`` forces torch's;
 * zero-centred gamma stores ``weight - 1`` (initialised to zero) and normalises with
   ``1 + weight``, as Apex and TE do;
 * sequence parallelism needs no change in the math: Megatron all-reduces the grads of params
@@ -56,7 +57,7 @@ def _parse_norm_names(text: str) -> tuple[str, ...]:
     if unknown or not names:
         raise ValueError(
             f"{TRITON_NORMS_ENV}={text!r}: expected a comma-separated subset of "
-            f"{', '.join(_NORMS)} (got {', '.join(unknown) or 'none'})"
+            f"{', '.join(_NORMS)} (got {', '.join(unknown) or 'no names'})"
         )
     return names
 

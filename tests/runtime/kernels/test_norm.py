@@ -174,10 +174,10 @@ def _compare_with_reference(norm: FusedNorm, x: torch.Tensor, zero_centered: boo
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the Triton launches, so a test cannot pass on torch's kernels by accident; the
-    kernel serves both norms here (in production only ``norm.TRITON_NORMS``)."""
+    kernel serves both norms here (by default only ``norm.TRITON_NORMS``)."""
     from megatron_rocm.runtime.kernels import _norm_triton
 
-    monkeypatch.setattr(norm_module, "TRITON_NORMS", NORMS)
+    monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, ",".join(NORMS))
 
     calls = {"forward": 0, "backward": 0}
     for name, key in (("norm_forward", "forward"), ("norm_backward", "backward")):
@@ -235,16 +235,22 @@ def test_triton_serves_rmsnorm_and_torch_layernorm(
 
 @triton_test
 @pytest.mark.parametrize(
-    ("setting", "launches"),
-    [("LayerNorm", {"LayerNorm": 1, "RMSNorm": 0}), ("RMSNorm,LayerNorm", dict.fromkeys(NORMS, 1))],
+    ("setting", "kernels", "launches"),
+    [
+        ("LayerNorm", "auto", {"LayerNorm": 1, "RMSNorm": 0}),
+        ("RMSNorm,LayerNorm", "auto", dict.fromkeys(NORMS, 1)),
+        ("RMSNorm,LayerNorm", "reference:norm", dict.fromkeys(NORMS, 0)),
+    ],
 )
 def test_triton_norms_setting_routes_the_named_norms(
-    monkeypatch: pytest.MonkeyPatch, setting: str, launches: dict[str, int]
+    monkeypatch: pytest.MonkeyPatch, setting: str, kernels: str, launches: dict[str, int]
 ) -> None:
-    """``MEGATRON_ROCM_TRITON_NORMS`` replaces the default routing, for A/B runs in a model."""
+    """``MEGATRON_ROCM_TRITON_NORMS`` replaces the default routing, for A/B runs in a model;
+    ``MEGATRON_ROCM_KERNELS=reference:norm`` still puts every norm on torch's path."""
     from megatron_rocm.runtime.kernels import _norm_triton
 
     monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", kernels)
     calls: list[str] = []
     original = _norm_triton.norm_forward
     for normalization in NORMS:
