@@ -1,7 +1,7 @@
 """Benchmark the norms (kernels.norm, Triton) against torch's fused kernels, one GPU.
 
     python scripts/bench_norm.py [--shapes 32768x1536,16384x4096] [--programs 1,2,4,8] [--json F]
-                                 [--cuda-graph]
+                                 [--cudagraph]
     TRITON_INTERPRET=1 python scripts/bench_norm.py --smoke   # tiny CPU run, checks it works
 
 Inputs: the 0.85B Llama's residual stream (s 2048 x micro-batch 16 = 32768 rows of 1536, bf16)
@@ -16,7 +16,7 @@ module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_
 depths (the shipped ones are ``_norm_triton.PROGRAMS_PER_SM`` and ``BACKWARD_STAGES``), to
 re-tune them on new hardware.
 
-Each time is the median of ``triton.testing.do_bench``, or with ``--cuda-graph`` of CUDA-graph
+Each time is the median of ``triton.testing.do_bench``, or with ``--cudagraph`` of CUDA-graph
 replays (``do_bench_cudagraph``): a norm's kernel takes about 0.1 ms, no longer than the Python
 that launches it, so without graphs the whole-op rows time the host as much as the kernel. Under
 graphs the whole-op backward is the replay of forward and backward less the forward's, which
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +45,11 @@ from megatron_rocm.runtime.kernels.norm import TRITON_NORMS_ENV, FusedNorm  # no
 
 DEVICE = "cuda"
 STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one
-CUDA_GRAPH = False  # --cuda-graph: time graph replays, without the host's launch overhead
+CUDA_GRAPH = False  # --cudagraph: time graph replays, without the host's launch overhead
 
 
 def graphs() -> bool:
-    """Whether times are CUDA-graph replays (``--cuda-graph`` on a GPU; the CPU has none)."""
+    """Whether times are CUDA-graph replays (``--cudagraph`` on a GPU; the CPU has none)."""
     return CUDA_GRAPH and DEVICE != "cpu"
 
 
@@ -64,10 +63,10 @@ def copy_bandwidth(nbytes: int) -> float:
 
 def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
     """(forward ms, backward ms) of ``norm`` under ``MEGATRON_ROCM_KERNELS=mode``."""
-    saved = {name: os.environ.get(name) for name in ("MEGATRON_ROCM_KERNELS", TRITON_NORMS_ENV)}
-    try:
-        os.environ["MEGATRON_ROCM_KERNELS"] = mode
-        os.environ[TRITON_NORMS_ENV] = "LayerNorm,RMSNorm"  # time the kernel on both norms
+    # LayerNorm too: time the kernel on both norms
+    with bench_timing.environment(
+        MEGATRON_ROCM_KERNELS=mode, **{TRITON_NORMS_ENV: "LayerNorm,RMSNorm"}
+    ):
         dy = torch.randn_like(x)
         params = list(norm.parameters())
         fwd = bench(lambda: norm(x))
@@ -79,12 +78,6 @@ def measure(norm: FusedNorm, x: torch.Tensor, mode: str) -> tuple[float, float]:
         y = norm(x)
         bwd = bench(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True))
         return fwd, bwd
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def row(shape: tuple[int, int], normalization: str, copy_gbs: float, programs: list[int]) -> dict:
@@ -125,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the rows here (JSON lines)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     parser.add_argument(
-        "--cuda-graph", action="store_true", help="time CUDA-graph replays (no launch overhead)"
+        "--cudagraph", action="store_true", help="time CUDA-graph replays (no launch overhead)"
     )
     a = parser.parse_args(argv)
-    CUDA_GRAPH = a.cuda_graph
+    CUDA_GRAPH = a.cudagraph
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     programs = [int(p) for p in a.programs.split(",")]
     if a.smoke:

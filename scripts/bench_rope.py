@@ -27,12 +27,10 @@ same run (``dst.copy_(src)``, read + write). Needs only torch and Triton, no net
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,19 +64,6 @@ def bench(fn: Callable[[], object]) -> float:
 
 def copy_bandwidth(nbytes: int) -> float:
     return bench_timing.copy_bandwidth(nbytes, DEVICE, rep=40)
-
-
-@contextlib.contextmanager
-def kernels(mode: str) -> Iterator[None]:
-    old = os.environ.get("MEGATRON_ROCM_KERNELS")
-    os.environ["MEGATRON_ROCM_KERNELS"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MEGATRON_ROCM_KERNELS")
-        else:
-            os.environ["MEGATRON_ROCM_KERNELS"] = old
 
 
 def freqs_table(positions: int) -> torch.Tensor:
@@ -153,7 +138,7 @@ def run_case(case: dict, configs: list[str]) -> list[dict]:
     rows, outputs = [], {}
     for name, (mode, fn, config) in providers.items():
         tri.set_tuning(CONFIGS[config])
-        with kernels(mode):
+        with bench_timing.environment(MEGATRON_ROCM_KERNELS=mode):
             x = t.detach().requires_grad_(True)
             y = fn(x)
             outputs[name] = y.detach()

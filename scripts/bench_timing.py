@@ -3,12 +3,16 @@
 On a GPU a time is the median of ``triton.testing.do_bench`` (or of CUDA-graph replays, which
 leave out the host's launch overhead); the ``--smoke`` runs on the CPU under the Triton
 interpreter take one wall-clock sample after a warm-up call, to check the script works.
+``environment`` sets the runtime's selector variables (``MEGATRON_ROCM_KERNELS``, ...) for one
+provider's timings and puts them back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -35,3 +39,18 @@ def copy_bandwidth(nbytes: int, device: str, **timing: object) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     return 2 * nbytes / median_ms(lambda: dst.copy_(src), device, **timing) / 1e6
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set these environment variables for the block, then restore each (unset if it was)."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        os.environ.update(values)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,3 +35,19 @@ def test_copy_bandwidth_counts_read_and_write(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(bench_timing, "median_ms", two_ms)
     # 1e6 bytes read + 1e6 written in 2 ms: 1 GB/s
     assert bench_timing.copy_bandwidth(1_000_000, "cpu") == pytest.approx(1.0)
+
+
+def test_environment_sets_the_variables_then_restores_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "auto")
+    monkeypatch.delenv("MEGATRON_ROCM_TRITON_NORMS", raising=False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with bench_timing.environment(
+            MEGATRON_ROCM_KERNELS="reference", MEGATRON_ROCM_TRITON_NORMS="LayerNorm"
+        ):
+            assert os.environ["MEGATRON_ROCM_KERNELS"] == "reference"
+            assert os.environ["MEGATRON_ROCM_TRITON_NORMS"] == "LayerNorm"
+            raise RuntimeError("inside")
+    assert os.environ["MEGATRON_ROCM_KERNELS"] == "auto"
+    assert "MEGATRON_ROCM_TRITON_NORMS" not in os.environ
