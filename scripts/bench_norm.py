@@ -8,8 +8,9 @@ Inputs: the 0.85B Llama's residual stream (s 2048 x micro-batch 16 = 32768 rows 
 and two wider hidden sizes, for RMSNorm and LayerNorm, through ``FusedNorm`` (what the patched
 tree's norms and the native backend's ``TELayerNormColumnParallelLinear`` run).
 
-Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs on a GPU; the
-bench routes LayerNorm there too, through ``MEGATRON_ROCM_TRITON_NORMS``); ``torch`` is the same
+Providers: ``triton`` is ``FusedNorm`` on the Triton kernel (what RMSNorm runs on a GPU from
+``norm.TRITON_NORM_MIN_ELEMENTS`` per call; the bench names both norms in
+``MEGATRON_ROCM_TRITON_NORMS``, which routes them at every size); ``torch`` is the same
 module with ``MEGATRON_ROCM_KERNELS=reference`` (torch's ``rms_norm`` / ``layer_norm``).
 ``backward`` is ``torch.autograd.grad`` of the output w.r.t. the input and the params.
 ``--programs`` times the Triton backward alone at other programs-per-SM counts and pipelining

@@ -4,6 +4,7 @@ with a reason (never pass), and collectives catch a corrupted all_reduce over gl
 from __future__ import annotations
 
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -85,6 +86,26 @@ def test_detail_names_the_path_each_kernel_takes(tmp_path: Path, monkeypatch) ->
     out = tmp_path / "r.json"
     assert smoke(".", str(out), None, only=["kernels.norm.layernorm"]) == 0
     assert load(out)["kernels.norm.layernorm"]["detail"].endswith("(torch native, cpu)")
+
+
+@pytest.mark.parametrize(("user", "inside"), [(None, "RMSNorm"), ("LayerNorm", "LayerNorm")])
+def test_norm_check_names_the_default_norms_for_its_small_shapes(
+    monkeypatch: pytest.MonkeyPatch, user: str | None, inside: str
+) -> None:
+    """By default the Triton norm takes only large calls; the smoke check's shapes are small,
+    so it names the default norms while it runs (their kernel is what it compares) and puts
+    the environment back; a user's own setting is left as it is."""
+    from megatron_rocm.envtools.smoke.checks_kernels import _triton_norms_at_every_size
+    from megatron_rocm.runtime.kernels import norm
+
+    if user is None:
+        monkeypatch.delenv(norm.TRITON_NORMS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(norm.TRITON_NORMS_ENV, user)
+    with _triton_norms_at_every_size(norm):
+        assert norm.triton_serves(inside, 15 * 64)
+        assert norm.triton_norms() == (inside,)
+    assert os.environ.get(norm.TRITON_NORMS_ENV) == user
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")

@@ -5,9 +5,11 @@ kernels take their torch path, still worth checking: it is what CPU users and CI
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -171,8 +173,30 @@ def softmax_scaled(ctx: Context) -> str:
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel="softmax")
 
 
+@contextlib.contextmanager
+def _triton_norms_at_every_size(k: ModuleType) -> Iterator[None]:
+    """By default the Triton kernel takes only norm calls of ``TRITON_NORM_MIN_ELEMENTS`` or
+    more, far above this check's shapes; name the default norms for the check's duration (as
+    an explicit ``MEGATRON_ROCM_TRITON_NORMS`` does for every size), so their kernel is what
+    the check compares. A value the user set is kept."""
+    if os.environ.get(k.TRITON_NORMS_ENV, "").strip():
+        yield
+        return
+    os.environ[k.TRITON_NORMS_ENV] = ",".join(k.TRITON_NORMS)
+    try:
+        yield
+    finally:
+        os.environ.pop(k.TRITON_NORMS_ENV, None)
+
+
 def _norm_check(ctx: Context, normalization: str) -> str:
-    k, tally = _kernel("norm"), _Tally()
+    k = _kernel("norm")
+    with _triton_norms_at_every_size(k):
+        return _norm_cases(ctx, normalization, k)
+
+
+def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
+    tally = _Tally()
     for dtype in _dtypes(ctx):
         for hidden in (64, 1000, 4096):
             for zc in (False, True):
@@ -203,7 +227,7 @@ def _norm_check(ctx: Context, normalization: str) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    # by default LayerNorm is on torch's kernel (MEGATRON_ROCM_TRITON_NORMS can move it)
+    # LayerNorm stays on torch's kernel unless MEGATRON_ROCM_TRITON_NORMS names it
     served = "norm" if normalization in k.triton_norms() else None
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 

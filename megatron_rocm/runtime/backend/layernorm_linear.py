@@ -6,8 +6,9 @@ and ``linear_fc1`` own ``layer_norm_weight``/``layer_norm_bias``; the layer's ow
 local spec maps its ``input_layernorm.weight`` onto that name. This module keeps TE's names,
 parameter order and checkpoint layout, so a checkpoint moves between TE and this backend, and
 computes norm then GEMM: the norm is ``kernels.norm.apply_norm`` (RMSNorm on a Triton kernel
-on a GPU; LayerNorm, unless ``MEGATRON_ROCM_TRITON_NORMS`` names it, and RMSNorm elsewhere, on
-torch's fused kernels), the linear is the
+on a GPU for calls of ``TRITON_NORM_MIN_ELEMENTS`` or more; smaller calls, LayerNorm unless
+``MEGATRON_ROCM_TRITON_NORMS`` names it, and RMSNorm elsewhere on torch's fused kernels), the
+linear is the
 running tree's ``ColumnParallelLinear`` (sequence-parallel all-gather of the normalised
 activations, gradient accumulation into ``main_grad``).
 """

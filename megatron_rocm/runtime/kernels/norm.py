@@ -6,12 +6,13 @@ zero-centred gamma, ``persist_layer_norm`` and ``memory_efficient_layer_norm`` a
 cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 
 * on a GPU (CUDA or ROCm) RMSNorm runs a Triton kernel
-  (:mod:`~megatron_rocm.runtime.kernels._norm_triton`): one read of ``x`` forward, one read of
-  ``x`` and ``dy`` backward with ``dw`` summed in the same pass, where torch's backward runs
-  two kernels reading both twice (docs/kernels.md); LayerNorm (unless
-  ``MEGATRON_ROCM_TRITON_NORMS`` names it), other dtype mixes and rows wider than one block use
-  torch's fused ``layer_norm`` / ``rms_norm`` (a fallback's reason is logged once);
-  ``MEGATRON_ROCM_KERNELS=reference[:norm]`` forces torch's;
+  (:mod:`~megatron_rocm.runtime.kernels._norm_triton`) on calls of at least
+  ``TRITON_NORM_MIN_ELEMENTS``: one read of ``x`` forward, one read of ``x`` and ``dy`` backward
+  with ``dw`` summed in the same pass, where torch's backward runs two kernels reading both
+  twice (docs/kernels.md); smaller calls, LayerNorm (unless ``MEGATRON_ROCM_TRITON_NORMS`` names
+  it), other dtype mixes and rows wider than one block use torch's fused ``layer_norm`` /
+  ``rms_norm`` (a fallback's reason is logged once); ``MEGATRON_ROCM_KERNELS=reference[:norm]``
+  forces torch's;
 * zero-centred gamma stores ``weight - 1`` (initialised to zero) and normalises with
   ``1 + weight``, as Apex and TE do;
 * sequence parallelism needs no change in the math: Megatron all-reduces the grads of params
@@ -39,6 +40,16 @@ _NORMS = ("LayerNorm", "RMSNorm")
 # kernel until a controlled run in a model shows it faster. TRITON_NORMS_ENV overrides it.
 TRITON_NORMS = ("RMSNorm",)
 TRITON_NORMS_ENV = "MEGATRON_ROCM_TRITON_NORMS"
+# By default a norm call smaller than this stays on torch's kernel. The Triton path costs the
+# host more per call than torch's C++ op (its Python launcher and the autograd Function: about
+# 0.5 ms more per forward and backward on the lent H100 hosts, twenty-third session), and saves
+# the GPU ~2 us per million elements (the backward). On a step the host bounds, only the host
+# cost counts: the Llama 0.85B at micro-batch 2 (4096 x 1536 per call) ran 12-18% slower with
+# its RMSNorm on Triton; on a step the GPU bounds, only the GPU's: at micro-batch 16 (32768 x
+# 1536) Triton took 2% off. Calls this small come from steps of small GEMMs, which the host
+# bounds, so the threshold sits between the two (docs/kernels.md). An explicit
+# MEGATRON_ROCM_TRITON_NORMS applies to every size.
+TRITON_NORM_MIN_ELEMENTS = 1 << 24
 
 
 def triton_norms() -> tuple[str, ...]:
@@ -48,6 +59,15 @@ def triton_norms() -> tuple[str, ...]:
     default; ``MEGATRON_ROCM_KERNELS=reference:norm`` still puts every norm on torch's path."""
     text = os.environ.get(TRITON_NORMS_ENV, "").strip()
     return _parse_norm_names(text) if text else TRITON_NORMS
+
+
+def triton_serves(normalization: str, elements: int) -> bool:
+    """Whether the Triton kernel takes a ``normalization`` call over ``elements`` elements:
+    any size for a norm ``MEGATRON_ROCM_TRITON_NORMS`` names, else a norm of ``TRITON_NORMS``
+    on calls of ``TRITON_NORM_MIN_ELEMENTS`` or more (the host's cost per call, above)."""
+    if os.environ.get(TRITON_NORMS_ENV, "").strip():
+        return normalization in triton_norms()
+    return normalization in TRITON_NORMS and elements >= TRITON_NORM_MIN_ELEMENTS
 
 
 @functools.lru_cache(maxsize=8)
@@ -155,7 +175,7 @@ def apply_norm(
     # other mix is left to torch, which normalises in fp32 with the fp32 gamma.
     if gamma.dtype != x.dtype and x.dtype == torch.float32:
         gamma = gamma.to(x.dtype)
-    if normalization in triton_norms() and use_triton(x, kernel="norm"):
+    if triton_serves(normalization, x.numel()) and use_triton(x, kernel="norm"):
         reason = _triton_unsupported(x, gamma, bias)
         if reason is None:
             return _TritonNorm.apply(x, gamma, bias, eps, normalization == "RMSNorm")

@@ -218,19 +218,55 @@ def test_triton_parity(
 
 
 @triton_test
-@pytest.mark.parametrize(("normalization", "launches"), [("RMSNorm", 1), ("LayerNorm", 0)])
-def test_triton_serves_rmsnorm_and_torch_layernorm(
-    monkeypatch: pytest.MonkeyPatch, normalization: str, launches: int
+@pytest.mark.parametrize(
+    ("normalization", "rows", "launches"),
+    [("RMSNorm", 4, 1), ("RMSNorm", 3, 0), ("LayerNorm", 4, 0), ("LayerNorm", 8, 0)],
+)
+def test_default_routing_sends_large_rmsnorm_calls_to_triton(
+    monkeypatch: pytest.MonkeyPatch, normalization: str, rows: int, launches: int
 ) -> None:
-    """Production routing: RMSNorm on the Triton kernel, LayerNorm on torch's (faster there)."""
+    """Production routing: RMSNorm calls of ``TRITON_NORM_MIN_ELEMENTS`` or more on the Triton
+    kernel, smaller ones (where the host's cost per call outweighs the GPU's saving) and
+    LayerNorm on torch's. The threshold is lowered to 4 rows of 64 so the interpreter can run it."""
     from megatron_rocm.runtime.kernels import _norm_triton
 
+    monkeypatch.delenv(norm_module.TRITON_NORMS_ENV, raising=False)
+    monkeypatch.setattr(norm_module, "TRITON_NORM_MIN_ELEMENTS", 4 * 64)
     calls = []
     original = _norm_triton.norm_forward
     monkeypatch.setattr(_norm_triton, "norm_forward", lambda *a: calls.append(1) or original(*a))
     norm = FusedNorm(64, normalization=normalization, device=DEVICE)
-    norm(torch.randn(4, 64, device=DEVICE))
+    norm(torch.randn(rows, 64, device=DEVICE))
     assert len(calls) == launches
+
+
+@pytest.mark.parametrize(
+    ("setting", "normalization", "elements", "served"),
+    [
+        (None, "RMSNorm", 1 << 24, True),
+        (None, "RMSNorm", (1 << 24) - 1, False),
+        (None, "LayerNorm", 1 << 30, False),
+        ("RMSNorm", "RMSNorm", 1, True),
+        ("LayerNorm", "LayerNorm", 1, True),
+        ("LayerNorm", "RMSNorm", 1 << 30, False),
+    ],
+)
+def test_triton_serves_by_size_unless_the_norms_are_named(
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
+    normalization: str,
+    elements: int,
+    served: bool,
+) -> None:
+    """Unset, the default norms go to Triton from ``TRITON_NORM_MIN_ELEMENTS`` (2**24) up; a
+    ``MEGATRON_ROCM_TRITON_NORMS`` setting routes the norms it names at every size, and only
+    those."""
+    if setting is None:
+        monkeypatch.delenv(norm_module.TRITON_NORMS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
+    assert norm_module.TRITON_NORM_MIN_ELEMENTS == 1 << 24
+    assert norm_module.triton_serves(normalization, elements) is served
 
 
 @triton_test
@@ -386,6 +422,7 @@ def test_unsupported_mix_falls_back_to_torch_with_the_reason_logged(
     pytest.importorskip("triton")
     monkeypatch.setattr(norm_module, "use_triton", lambda *tensors, kernel=None: True)
     monkeypatch.setattr("megatron_rocm.runtime.kernels._runtime._logged", set())
+    monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, "RMSNorm")  # at this small size too
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     gamma = torch.randn(16, dtype=torch.float32)
     with caplog.at_level("WARNING", logger="megatron_rocm.runtime.kernels"):
