@@ -43,8 +43,9 @@
 #            virtual stages, TP2 x CP2 at 16k, EP4 MoE with grouped GEMM over DP4, DP4 with the
 #            distributed optimizer; the first and the last save and resume in a fresh process;
 #            each against the same model on one GPU: OUT/scale4-REF.md), then smoke's four-GPU
-#            parallel modes and resume checks (SCALE4_ITERS; SCALE4_RUNS; SCALE4_TIMEOUT, seconds
-#            per run, default 240; SCALE4_SMOKE=0 skips the smoke part)
+#            parallel modes and resume checks (SCALE4_ITERS; SCALE4_RUNS; SCALE4_SIZE, the Llama
+#            preset: small or 0.85b; SCALE4_TIMEOUT, seconds per run, default 240;
+#            SCALE4_SMOKE=0 skips the smoke part)
 #   moebench upstream's expert modules on the newest ref, SequentialMLP vs TEGroupedMLP on the
 #            native backend (scripts/bench_moe_experts.py, MOE_EXPERTS default 8 64), and the
 #            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
@@ -318,6 +319,7 @@ stage_scale4() {
   for R in "${REFS[@]}"; do
     (cd "$HERE" && $PY scripts/validate_par4.py "$W/p-$R" --out "$W/scale4-$R" \
        --iters "${SCALE4_ITERS:-30}" ${SCALE4_RUNS:+--runs "$SCALE4_RUNS"} \
+       --preset-size "${SCALE4_SIZE:-small}" \
        --run-timeout "${SCALE4_TIMEOUT:-240}" \
        --table "$OUT/scale4-$R.md" > "$OUT/scale4-$R.jsonl" 2> "$OUT/scale4-$R.err")
     log "scale4 $R: exit $? $(tail -1 "$OUT/scale4-$R.jsonl")"

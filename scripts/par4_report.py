@@ -11,8 +11,6 @@ from typing import Any
 from train_small import SHAPES
 from validate_distopt_resume import failure_reason
 
-SHAPE = SHAPES[("llama", "small")]  # micro 8 and global 8 per data-parallel replica, seq 1024
-
 
 def summary_line(lines: list[str]) -> dict | None:
     """train_small.py's last line: its JSON summary (None when it never got there)."""
@@ -37,6 +35,7 @@ def record(layout: Any, role: str, rc: int, lines: list[str]) -> dict:
     return {
         "run": layout.name,
         "role": role,
+        "preset_size": layout.size,
         "megatron_version": summary.get("megatron_version"),
         "nproc": layout.nproc,
         "tp": layout.tp,
@@ -87,9 +86,11 @@ def render_table(records: list[dict], verdicts: list[dict], gpu: str, iters: int
     runs = {r["run"]: r for r in records}
     resumed = {v["resume"]: v for v in verdicts}
     version = next((r["megatron_version"] for r in records if r.get("megatron_version")), None)
+    size = next((r["preset_size"] for r in records if r.get("preset_size")), "small")
+    shape = SHAPES[("llama", size)]
     lines = [
-        f"GPU: {gpu}. Megatron-LM core {version or 'unknown'}, small Llama ({SHAPE.num_layers} "
-        f"layers, hidden {SHAPE.hidden}), TE spec on the native backend, {iters} iterations; "
+        f"GPU: {gpu}. Megatron-LM core {version or 'unknown'}, {size} Llama ({shape.num_layers} "
+        f"layers, hidden {shape.hidden}), TE spec on the native backend, {iters} iterations; "
         "tokens/s at the median iteration after the first 3.",
         "",
         "| layout | GPUs | tokens/s per GPU | one-GPU tokens/s | per-GPU vs one GPU "

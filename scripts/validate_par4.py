@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Issue 14 on four GPUs: upstream's ``pretrain_gpt.py`` trains a small Llama in four parallel
+"""Issue 14 on four GPUs: upstream's ``pretrain_gpt.py`` trains a Llama in four parallel
 layouts through the TE spec (the native backend), two of them save and resume, and each is
 set against the same model on one GPU.
 
     python scripts/validate_par4.py TREE [--out DIR] [--runs tp2pp2vpp,tp2cp2,ep4moe,dp4distopt]
-        [--iters 30] [--no-resume] [--no-baselines] [--run-timeout S] [--dry-run] [--table FILE]
+        [--preset-size small|0.85b] [--iters 30] [--no-resume] [--no-baselines]
+        [--run-timeout S] [--dry-run] [--table FILE]
 
-Every run is ``scripts/train_small.py TREE --preset llama --preset-size small`` (12 layers,
-hidden 768, mock data, bf16, upstream's fusions, no ``--transformer-impl``) with the layout's
-options; the flags after its ``--`` go to pretrain_gpt.py. Layouts (all on 4 GPUs):
+Every run is ``scripts/train_small.py TREE --preset llama --preset-size SIZE`` (mock data,
+bf16, upstream's fusions, no ``--transformer-impl``) with the layout's options; the flags after
+its ``--`` go to pretrain_gpt.py. ``small`` (the default: 12 layers, hidden 768) is host-bound
+at these micro-batches, so its table says whether the layouts train, resume and match, not how
+they scale; ``0.85b`` (24 layers, hidden 1536) gives every rank micro-batches of 16k tokens
+(8 x 2048, or 1 x 16384 under CP): TP2 x PP2 micro 8 and global 64, TP2 x CP2 as below, EP4
+and DP4 micro 8 per rank, and experts of a quarter of the dense FFN (``par4_layouts``), so
+that the one-GPU baselines fit one 80 GB GPU. The small layouts (all on 4 GPUs):
 
 - ``tp2pp2vpp``: TP2 + SP x PP2, 2 virtual stages per pipeline rank (3 layers each), micro 1,
   global 8 (8 micro-batches for the interleaved schedule).
@@ -54,7 +60,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from par4_layouts import DETERMINISTIC, LAYOUTS, NPROC, Layout, baseline  # noqa: E402
+from par4_layouts import DETERMINISTIC, NPROC, SIZES, Layout, baseline, layouts  # noqa: E402
 from par4_report import gpu_names, record, render_table  # noqa: E402
 from par4_resume import compare_resumed, run_problem, stage  # noqa: E402
 from validate_distopt_resume import (  # noqa: E402
@@ -69,7 +75,6 @@ from validate_distopt_resume import (  # noqa: E402
 
 TRAIN_SMALL = HERE / "train_small.py"
 RUN_TIMEOUT = 600  # seconds per train_small.py run; --run-timeout
-PRESET = ["--preset", "llama", "--preset-size", "small"]
 
 
 def tree_flags(tree: Path) -> list[str]:
@@ -80,7 +85,8 @@ def tree_flags(tree: Path) -> list[str]:
 
 
 def train_command(tree: Path, layout: Layout, iters: int, log: Path, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, str(TRAIN_SMALL), str(tree), *PRESET, "--iters", str(iters)]
+    preset = ["--preset", "llama", "--preset-size", layout.size]
+    cmd = [sys.executable, str(TRAIN_SMALL), str(tree), *preset, "--iters", str(iters)]
     return [*cmd, "--log", str(log), *layout.options(), "--", *layout.flags, *extra]
 
 
@@ -185,8 +191,13 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("tree", type=Path, help="patched Megatron-LM checkout (has pretrain_gpt.py)")
     p.add_argument("--out", type=Path, default=Path("par4"), help="logs, checkpoints (par4)")
+    names = ",".join(layouts())
+    p.add_argument("--runs", default=names, help=f"layouts (default {names})")
     p.add_argument(
-        "--runs", default=",".join(LAYOUTS), help=f"layouts (default {','.join(LAYOUTS)})"
+        "--preset-size",
+        choices=SIZES,
+        default="small",
+        help="the Llama preset the layouts train, sized for it (default small)",
     )
     p.add_argument("--iters", type=int, default=30, help="iterations per run (default 30)")
     p.add_argument("--no-resume", action="store_true", help="skip the save/resume checks")
@@ -214,11 +225,10 @@ Plan = tuple[
 
 
 def plan(
-    tree: Path, out: Path, names: list[str], iters: int, baselines: bool, resume: bool
+    tree: Path, out: Path, chosen: list[Layout], iters: int, baselines: bool, resume: bool
 ) -> Plan:
     """Every run to make, in order."""
-    layouts = [LAYOUTS[n] for n in names]
-    bases = [baseline(x) for x in layouts] if baselines else []
+    bases = [baseline(x) for x in chosen] if baselines else []
     together = [
         step(tree, out, b.name, b, iters, [], {"CUDA_VISIBLE_DEVICES": device})
         for b, device in zip(bases, visible_devices(len(bases)))
@@ -229,7 +239,7 @@ def plan(
             step(tree, out, x.name, x, iters, []),
             resume_steps(tree, x, iters, out) if resume and x.resume else None,
         )
-        for x in layouts
+        for x in chosen
     ]
     return list(zip(bases, together)), each
 
@@ -238,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_cli(argv)
     tree = opts.tree.resolve()
     names = list(dict.fromkeys(n.strip() for n in opts.runs.split(",") if n.strip()))
-    unknown = [n for n in names if n not in LAYOUTS]
+    sized = layouts(opts.preset_size)
+    unknown = [n for n in names if n not in sized]
     if unknown or not names:
-        return fail_usage(f"unknown runs {unknown or opts.runs!r}; choose from {list(LAYOUTS)}")
+        return fail_usage(f"unknown runs {unknown or opts.runs!r}; choose from {list(sized)}")
     if opts.iters < 4:
         return fail_usage("--iters must be 4 or more (3 warm-up iterations, then the timed ones)")
     if opts.run_timeout <= 0:
@@ -251,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail_usage(f"CUDA_VISIBLE_DEVICES names fewer than the {NPROC} GPUs needed")
     out = opts.out.resolve()
     table = (opts.table or out / "par4-table.md").resolve()
-    bases, each = plan(tree, out, names, opts.iters, not opts.no_baselines, not opts.no_resume)
+    chosen = [sized[n] for n in names]
+    bases, each = plan(tree, out, chosen, opts.iters, not opts.no_baselines, not opts.no_resume)
     if opts.dry_run:
         for _, s in bases:
             print(json.dumps({**s.describe(), "together": True}))

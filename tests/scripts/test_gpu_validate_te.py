@@ -231,6 +231,12 @@ def test_a_run_that_writes_no_log_is_not_compared_with_an_older_one(tmp_path: Pa
     assert not (out / "par4-tp2cp2-main.log").exists()
 
 
+def test_scale4_size_picks_the_preset_the_layouts_train(tmp_path: Path) -> None:
+    calls = run_stage(tmp_path, "scale4", REFS="main", SCALE4_SIZE="0.85b", SCALE4_SMOKE="0")
+    par4 = [c for c in calls if "scripts/validate_par4.py" in c]
+    assert len(par4) == 1 and option(par4[0], "--preset-size") == "0.85b"
+
+
 def test_scale4_runs_issue_14_and_smokes_four_gpu_checks_on_every_ref(tmp_path: Path) -> None:
     calls = run_stage(tmp_path, "scale4", REFS="core_v0.19.0 main", SCALE4_RUNS="ep4moe")
     par4 = [c for c in calls if "scripts/validate_par4.py" in c]
@@ -239,6 +245,7 @@ def test_scale4_runs_issue_14_and_smokes_four_gpu_checks_on_every_ref(tmp_path: 
     for call, ref in zip(par4, ("core_v0.19.0", "main")):
         assert option(call, "--runs") == "ep4moe" and option(call, "--iters") == "30"
         assert option(call, "--table").endswith(f"out/scale4-{ref}.md")
+        assert option(call, "--preset-size") == "small"
     assert len(smoke) == 2
     only = smoke[0].split("--only ", 1)[1].split(" --json")[0].split()
     assert only == [

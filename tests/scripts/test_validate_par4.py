@@ -75,7 +75,7 @@ LAYOUT_FLAGS = {
 
 @pytest.mark.parametrize("name", LAYOUT_OPTIONS)
 def test_each_layout_is_a_train_small_command(vp, tree: Path, name: str) -> None:
-    step = vp.step(tree, tree / "out", name, vp.LAYOUTS[name], 30, [])
+    step = vp.step(tree, tree / "out", name, vp.layouts()[name], 30, [])
     options, flags = split(step.cmd)
     assert all(isinstance(arg, str) for arg in step.cmd)  # an argument list, never a shell line
     assert options[:2] == [sys.executable, str(SCRIPTS / "train_small.py")]
@@ -98,7 +98,7 @@ def test_each_layout_is_a_train_small_command(vp, tree: Path, name: str) -> None
 
 def test_the_mask_flag_only_where_the_tree_has_it(vp, tree: Path) -> None:
     (tree / "megatron/training/arguments.py").write_text("")
-    step = vp.step(tree, tree, "dp4distopt", vp.LAYOUTS["dp4distopt"], 30, [])
+    step = vp.step(tree, tree, "dp4distopt", vp.layouts()["dp4distopt"], 30, [])
     assert MASK not in step.cmd
 
 
@@ -128,7 +128,7 @@ def test_train_small_turns_each_command_into_the_layouts_flags(
     vp, tree: Path, capsys, name: str
 ) -> None:
     """The real train_small.py, --dry-run: the pretrain_gpt.py flags the layout means."""
-    options, flags = split(vp.step(tree, tree, name, vp.LAYOUTS[name], 30, []).cmd)
+    options, flags = split(vp.step(tree, tree, name, vp.layouts()[name], 30, []).cmd)
     train_small = sys.modules["train_small"]  # the module validate_par4 imported
     assert train_small.main([*options[2:], "--dry-run", "--", *flags]) == 0
     shown = capsys.readouterr().out.split()
@@ -150,11 +150,93 @@ def test_train_small_turns_each_command_into_the_layouts_flags(
 def test_the_baseline_is_the_same_model_on_one_gpu(vp, name, seq, micro, batch, flags) -> None:
     """Same sequence, micro-batch and batch per data-parallel replica; no parallelism; the
     MoE baseline keeps its 8 experts and grouped GEMM at EP1."""
-    one = vp.baseline(vp.LAYOUTS[name])
+    one = vp.baseline(vp.layouts()[name])
     assert one.name == f"{name}-1gpu"
     assert (one.nproc, one.tp, one.pp, one.vpp, one.cp, one.ep, one.sp) == (1, 1, 1, 1, 1, 1, False)
     assert (one.seq_length, one.micro, one.batch, list(one.flags)) == (seq, micro, batch, flags)
     assert not one.resume
+
+
+LARGE_PRETRAIN = {
+    "tp2pp2vpp": [
+        "--num-layers=24",
+        "--num-layers-per-virtual-pipeline-stage=6",
+        "--seq-length=2048",
+        "--micro-batch-size=8",
+        "--global-batch-size=64",
+    ],
+    "tp2cp2": ["--context-parallel-size=2", "--seq-length=16384", "--micro-batch-size=1"],
+    "ep4moe": [
+        "--expert-model-parallel-size=4",
+        "--moe-ffn-hidden-size=1376",
+        "--micro-batch-size=8",
+        "--global-batch-size=32",
+    ],
+    "dp4distopt": ["--use-distributed-optimizer", "--micro-batch-size=8", "--global-batch-size=32"],
+}
+
+
+@pytest.mark.parametrize("name", LARGE_PRETRAIN)
+def test_the_large_layouts_train_the_0_85b_llama_in_micro_batches_of_16k_tokens(
+    vp, tree: Path, capsys, name: str
+) -> None:
+    """--preset-size 0.85b: the real train_small.py, --dry-run, makes the 0.85B model's flags
+    with micro-batches of 16k tokens per rank (its step at micro-batch 2 is host-bound)."""
+    layout = vp.layouts("0.85b")[name]
+    options, flags = split(vp.step(tree, tree, name, layout, 30, []).cmd)
+    assert options[3:7] == ["--preset", "llama", "--preset-size", "0.85b"]
+    train_small = sys.modules["train_small"]
+    assert train_small.main([*options[2:], "--dry-run", "--", *flags]) == 0
+    shown = capsys.readouterr().out.split()
+    pretrain = set(shown[shown.index("pretrain_gpt.py") + 1 :])
+    assert set(LARGE_PRETRAIN[name]) <= pretrain
+    assert "--hidden-size=1536" in pretrain
+    assert layout.seq_length * layout.micro == 16384
+
+
+@pytest.mark.parametrize(
+    ("name", "seq", "micro", "batch", "moe"),
+    [
+        ("tp2pp2vpp", 2048, 8, 64, False),
+        ("tp2cp2", 16384, 1, 8, False),
+        ("ep4moe", 2048, 8, 8, True),
+        ("dp4distopt", 2048, 8, 8, False),
+    ],
+)
+def test_the_large_baselines_are_the_same_0_85b_model_on_one_gpu(
+    vp, name, seq, micro, batch, moe
+) -> None:
+    one = vp.baseline(vp.layouts("0.85b")[name])
+    assert (one.size, one.nproc, one.tp, one.pp, one.cp, one.ep) == ("0.85b", 1, 1, 1, 1, 1)
+    assert (one.seq_length, one.micro, one.batch) == (seq, micro, batch)
+    expected = [f.replace("=4", "=1") for f in MOE] + ["--moe-ffn-hidden-size=1376"]
+    assert list(one.flags) == (expected if moe else [])
+
+
+def test_a_dry_run_of_the_large_layouts_names_their_preset(vp, tree: Path, capsys) -> None:
+    assert vp.main([str(tree), "--preset-size", "0.85b", "--no-resume", "--dry-run"]) == 0
+    steps = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(steps) == 8  # four baselines, four layouts
+    for step in steps:
+        options = split(step["cmd"])[0]
+        assert options[options.index("--preset-size") + 1] == "0.85b"
+
+
+def test_an_unknown_preset_size_is_refused(vp, tree: Path, capsys) -> None:
+    with pytest.raises(ValueError, match="no par4 layouts for preset size 'gpt'"):
+        vp.layouts("gpt")
+    with pytest.raises(SystemExit) as exit_:
+        vp.main([str(tree), "--preset-size", "70b-slice", "--dry-run"])
+    assert exit_.value.code == 2
+    assert "invalid choice: '70b-slice'" in capsys.readouterr().err
+
+
+def test_the_table_names_the_preset_it_trained(vp) -> None:
+    large = [{**r, "preset_size": "0.85b"} for r in RECORDS]
+    first = vp.render_table(large, [], "4 x NVIDIA H100 80GB HBM3", 30).splitlines()[0]
+    assert "0.85b Llama (24 layers, hidden 1536)" in first
+    small = vp.render_table(RECORDS, [], "unknown", 30).splitlines()[0]
+    assert "small Llama (12 layers, hidden 768)" in small
 
 
 def losses_log(first: int, last: int, loss=lambda i: 10 - i / 10) -> list[str]:
@@ -409,7 +491,7 @@ def test_a_whole_run_reports_each_run_the_verdicts_and_the_table(
     assert "| dp4distopt | 4 | 81,920 | 81,920 | 1.00x | 9.900→7.000 | pass |" in table
     assert "| tp2cp2 | 4 | 327,680 | 1,310,720 | 0.25x | 9.900→7.000 | - |" in table
     # each baseline had a GPU of its own
-    outs = [(fake_runs / f"{n}-1gpu.out").read_text().splitlines()[-1] for n in vp.LAYOUTS]
+    outs = [(fake_runs / f"{n}-1gpu.out").read_text().splitlines()[-1] for n in vp.layouts()]
     assert sorted(json.loads(o)["visible"] for o in outs) == ["0", "1", "2", "3"]
 
 
@@ -440,7 +522,7 @@ def test_a_hung_run_is_stopped_and_named(vp, tree: Path, tmp_path: Path) -> None
     )
     step = vp.Step("stuck", [sys.executable, str(sleeper)], {}, tmp_path / "stuck.out")
     [(rc, lines)] = vp.run_steps([step], timeout=2)
-    record = vp.record(vp.LAYOUTS["tp2cp2"], "layout", rc, lines)
+    record = vp.record(vp.layouts()["tp2cp2"], "layout", rc, lines)
     assert record["ok"] is False
     assert record["problems"] == ["hung: no end after 2 s; last line: iteration 3 of a stuck run"]
 
