@@ -108,6 +108,42 @@ def test_norm_check_names_the_default_norms_for_its_small_shapes(
     assert os.environ.get(norm.TRITON_NORMS_ENV) == user
 
 
+@pytest.mark.parametrize("before", [None, "", "  "])
+def test_norm_check_puts_back_an_empty_setting_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, before: str | None
+) -> None:
+    from megatron_rocm.envtools.smoke.checks_kernels import _triton_norms_at_every_size
+    from megatron_rocm.runtime.kernels import norm
+
+    if before is None:
+        monkeypatch.delenv(norm.TRITON_NORMS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(norm.TRITON_NORMS_ENV, before)
+    with pytest.raises(RuntimeError):
+        with _triton_norms_at_every_size(norm):
+            assert norm.triton_norms() == norm.TRITON_NORMS
+            raise RuntimeError("a failed comparison")
+    assert os.environ.get(norm.TRITON_NORMS_ENV) == before
+
+
+def test_the_norm_check_runs_its_cases_with_the_default_norms_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check itself, not only the helper: its cases see the default norms named."""
+    from megatron_rocm.envtools.smoke import checks_kernels
+    from megatron_rocm.runtime.kernels import norm
+
+    monkeypatch.delenv(norm.TRITON_NORMS_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(
+        checks_kernels,
+        "_norm_cases",
+        lambda ctx, normalization, k: seen.append(os.environ.get(k.TRITON_NORMS_ENV)) or "",
+    )
+    checks_kernels._norm_check(None, "RMSNorm")
+    assert seen == ["RMSNorm"] and norm.TRITON_NORMS_ENV not in os.environ
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> None:
     out = tmp_path / "r.json"

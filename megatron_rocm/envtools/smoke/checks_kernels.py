@@ -179,14 +179,18 @@ def _triton_norms_at_every_size(k: ModuleType) -> Iterator[None]:
     more, far above this check's shapes; name the default norms for the check's duration (as
     an explicit ``MEGATRON_ROCM_TRITON_NORMS`` does for every size), so their kernel is what
     the check compares. A value the user set is kept."""
-    if os.environ.get(k.TRITON_NORMS_ENV, "").strip():
+    before = os.environ.get(k.TRITON_NORMS_ENV)
+    if (before or "").strip():
         yield
         return
     os.environ[k.TRITON_NORMS_ENV] = ",".join(k.TRITON_NORMS)
     try:
         yield
     finally:
-        os.environ.pop(k.TRITON_NORMS_ENV, None)
+        if before is None:
+            os.environ.pop(k.TRITON_NORMS_ENV, None)
+        else:
+            os.environ[k.TRITON_NORMS_ENV] = before
 
 
 def _norm_check(ctx: Context, normalization: str) -> str:
@@ -197,8 +201,9 @@ def _norm_check(ctx: Context, normalization: str) -> str:
 
 def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
     tally = _Tally()
+    hiddens = (64, 1000, 4096)
     for dtype in _dtypes(ctx):
-        for hidden in (64, 1000, 4096):
+        for hidden in hiddens:
             for zc in (False, True):
                 mod = k.FusedNorm(
                     hidden,
@@ -227,8 +232,10 @@ def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
                 _fwd_bwd(tally, label, dtype, mod, ref_fn, [x])
                 for n, p in params.items():
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
-    # LayerNorm stays on torch's kernel unless MEGATRON_ROCM_TRITON_NORMS names it
-    served = "norm" if normalization in k.triton_norms() else None
+    # the routing each call took (LayerNorm stays on torch's unless MEGATRON_ROCM_TRITON_NORMS
+    # names it); the label says triton only if every shape went there
+    routed = [k.triton_serves(normalization, 3 * 5 * hidden) for hidden in hiddens]
+    served = "norm" if all(routed) else None
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 
 

@@ -35,20 +35,23 @@ from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
 _NORMS = ("LayerNorm", "RMSNorm")
 # The norms the Triton kernel serves on a GPU by default. Its LayerNorm is correct (tested)
 # and, timed alone without the host (CUDA graphs, H100), faster than torch's at every hidden
-# size measured; but a model A/B (GPT 0.85B, LayerNorm routed here) ran slower, without a
-# control to say whether the kernel was why (docs/kernels.md), so LayerNorm stays on torch's
-# kernel until a controlled run in a model shows it faster. TRITON_NORMS_ENV overrides it.
+# size measured; but in the GPT 0.85B at micro-batch 2 (4096-row calls) a controlled A/B ran
+# 11-25% slower with it: the host's cost per call, and at that shape its backward's partial
+# sums cost the GPU as much as it saved (docs/kernels.md). So LayerNorm stays on torch's
+# kernel; TRITON_NORMS_ENV overrides it.
 TRITON_NORMS = ("RMSNorm",)
 TRITON_NORMS_ENV = "MEGATRON_ROCM_TRITON_NORMS"
 # By default a norm call smaller than this stays on torch's kernel. The Triton path costs the
-# host more per call than torch's C++ op (its Python launcher and the autograd Function: about
-# 0.5 ms more per forward and backward on the lent H100 hosts, twenty-third session), and saves
-# the GPU ~2 us per million elements (the backward). On a step the host bounds, only the host
-# cost counts: the Llama 0.85B at micro-batch 2 (4096 x 1536 per call) ran 12-18% slower with
-# its RMSNorm on Triton; on a step the GPU bounds, only the GPU's: at micro-batch 16 (32768 x
-# 1536) Triton took 2% off. Calls this small come from steps of small GEMMs, which the host
-# bounds, so the threshold sits between the two (docs/kernels.md). An explicit
-# MEGATRON_ROCM_TRITON_NORMS applies to every size.
+# host more per call than torch's C++ op (the Python around its launches inside the autograd
+# Function: 0.4-0.5 ms more per forward and backward on the lent H100 hosts, twenty-third
+# session), and saves the GPU 2-3 us per million elements at large row counts (the backward).
+# On a step the host bounds only the host's cost counts: the Llama 0.85B at micro-batch 2
+# (4096 x 1536 per call) ran 12-18% slower with its RMSNorm on Triton; on a step the GPU
+# bounds only the GPU's: at micro-batch 16 (32768 x 1536) Triton took 2% off. The threshold
+# sits between those two shapes and assumes that small calls come from steps of small GEMMs,
+# which the host bounds; that is a rule of thumb, not a measurement between them: sequence,
+# tensor and context parallelism shrink a GPU-bound step's calls too, and a faster host moves
+# the line (docs/kernels.md). MEGATRON_ROCM_TRITON_NORMS=RMSNorm routes every size.
 TRITON_NORM_MIN_ELEMENTS = 1 << 24
 
 
