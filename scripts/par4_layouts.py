@@ -91,7 +91,7 @@ def _large() -> tuple[Layout, ...]:
     return (
         Layout(
             "tp2pp2vpp", tp=2, sp=True, pp=2, vpp=2, **{**common, "per_replica": 64}, resume=True
-        ),  # fmt: skip
+        ),
         Layout("tp2cp2", tp=2, sp=True, cp=2, **{**common, "seq_length": 16384, "micro": 1}),
         Layout("ep4moe", ep=4, flags=moe_flags(4, MOE_FFN_0_85B), **common),
         Layout("dp4distopt", flags=DISTOPT_FLAGS, resume=True, **common),
@@ -103,9 +103,6 @@ def layouts(size: str = "small") -> dict[str, Layout]:
     if size not in SIZES:
         raise ValueError(f"no par4 layouts for preset size {size!r}; choose from {SIZES}")
     return {layout.name: layout for layout in (_small() if size == "small" else _large())}
-
-
-LAYOUTS = layouts("small")
 
 
 def baseline(layout: Layout) -> Layout:
