@@ -109,10 +109,10 @@ def baseline(layout: Layout) -> Layout:
     """The same model, sequence, micro-batch and batch per data-parallel replica, one GPU (the
     MoE layout's experts at EP1)."""
     expert_parallel = f"--expert-model-parallel-size={layout.ep}"
-    flags = tuple(
-        "--expert-model-parallel-size=1" if flag == expert_parallel else flag
-        for flag in layout.flags
+    flags = (
+        tuple("--expert-model-parallel-size=1" if f == expert_parallel else f for f in layout.flags)
         if layout.ep > 1
+        else ()
     )
     return Layout(
         f"{layout.name}-1gpu",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
+import math
 import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -201,7 +202,7 @@ def _norm_check(ctx: Context, normalization: str) -> str:
 
 def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
     tally = _Tally()
-    hiddens = (64, 1000, 4096)
+    hiddens, rows = (64, 1000, 4096), (3, 5)
     for dtype in _dtypes(ctx):
         for hidden in hiddens:
             for zc in (False, True):
@@ -217,7 +218,7 @@ def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
                 with torch.no_grad():
                     for p in params.values():
                         p.copy_(torch.randn_like(p) * 0.1 + (0 if zc else 1))
-                x = _leaf((3, 5, hidden), dtype, ctx)
+                x = _leaf((*rows, hidden), dtype, ctx)
                 rp = {n: p.detach().float().requires_grad_() for n, p in params.items()}
                 if normalization == "LayerNorm":
 
@@ -234,7 +235,7 @@ def _norm_cases(ctx: Context, normalization: str, k: ModuleType) -> str:
                     tally.compare(f"{label} d{n}", p.grad, rp[n].grad, dtype)
     # the routing each call took (LayerNorm stays on torch's unless MEGATRON_ROCM_TRITON_NORMS
     # names it); the label says triton only if every shape went there
-    routed = [k.triton_serves(normalization, 3 * 5 * hidden) for hidden in hiddens]
+    routed = [k.triton_serves(normalization, math.prod(rows) * hidden) for hidden in hiddens]
     served = "norm" if all(routed) else None
     return tally.summary(ctx, torch.empty(0, device=ctx.device), triton_kernel=served)
 

@@ -68,8 +68,9 @@ def triton_serves(normalization: str, elements: int) -> bool:
     """Whether the Triton kernel takes a ``normalization`` call over ``elements`` elements:
     any size for a norm ``MEGATRON_ROCM_TRITON_NORMS`` names, else a norm of ``TRITON_NORMS``
     on calls of ``TRITON_NORM_MIN_ELEMENTS`` or more (the host's cost per call, above)."""
-    if os.environ.get(TRITON_NORMS_ENV, "").strip():
-        return normalization in triton_norms()
+    text = os.environ.get(TRITON_NORMS_ENV, "").strip()  # read once: every norm call asks
+    if text:
+        return normalization in _parse_norm_names(text)
     return normalization in TRITON_NORMS and elements >= TRITON_NORM_MIN_ELEMENTS
 
 
