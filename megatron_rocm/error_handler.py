@@ -24,9 +24,17 @@ from megatron_rocm.errors import (
     FatalError,
     Interrupted,
 )
-from megatron_rocm.output import stdout_closed
+from megatron_rocm.output import json_printed, print_json, stdout_closed
 
-__all__ = ["EXIT_INTERNAL", "Result", "error_handler", "log_path"]
+__all__ = [
+    "EXIT_INTERNAL",
+    "Result",
+    "error_handler",
+    "interrupted_code",
+    "interrupted_line",
+    "log_path",
+    "say",
+]
 
 
 @dataclass
@@ -52,7 +60,7 @@ def _write_log(exc: BaseException) -> Path:
     return path
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     """One line on stderr, with control characters escaped so it stays one line."""
     flat = line.replace("\r", "\\r").replace("\n", "\\n")
     try:
@@ -67,32 +75,47 @@ def _os_error_line(e: OSError) -> str:
     return f"error: {what}{where}"
 
 
+def interrupted_code(e: KeyboardInterrupt) -> int:
+    """128 + the signal: SIGINT's unless an ``Interrupted`` names another."""
+    return e.code if isinstance(e, Interrupted) else EXIT_INTERRUPTED
+
+
+def interrupted_line(e: KeyboardInterrupt) -> str:
+    return e.message if isinstance(e, Interrupted) else "interrupted"
+
+
 @contextlib.contextmanager
-def error_handler() -> Iterator[Result]:
-    """Yield a ``Result`` whose ``code`` the caller sets; map exceptions to exit codes."""
+def error_handler(as_json: bool = False) -> Iterator[Result]:
+    """Yield a ``Result`` whose ``code`` the caller sets; map exceptions to exit codes.
+
+    With ``as_json`` (the verb's ``--json``) an error also prints ``{"ok": false, "error":
+    ..., "exit_code": ...}`` on stdout, unless the verb printed its own document first, so a
+    reader of stdout always gets one JSON document."""
     result = Result()
     try:
         yield result
     except FatalError as e:
-        _say(f"error: {e}")
-        result.code = e.code
-    except Interrupted as e:
-        _say(e.message)
-        result.code = e.code
-    except KeyboardInterrupt:
-        _say("interrupted")
-        result.code = EXIT_INTERRUPTED
+        _fail(result, f"error: {e}", e.code, as_json)
+    except KeyboardInterrupt as e:
+        _fail(result, interrupted_line(e), interrupted_code(e), as_json)
     except BrokenPipeError as e:
         if stdout_closed():
             return  # the reader went away (`| head`): not an error, keep the verb's code
         path = _write_log(e)
-        _say(f"{_os_error_line(e)} (details in {path})")
-        result.code = EXIT_ENVIRONMENT
+        _fail(result, f"{_os_error_line(e)} (details in {path})", EXIT_ENVIRONMENT, as_json)
     except OSError as e:
         path = _write_log(e)
-        _say(f"{_os_error_line(e)} (details in {path})")
-        result.code = EXIT_ENVIRONMENT
+        _fail(result, f"{_os_error_line(e)} (details in {path})", EXIT_ENVIRONMENT, as_json)
     except Exception as e:  # noqa: BLE001 - the boundary: anything else is a bug
         path = _write_log(e)
-        _say(f"internal error: {type(e).__name__}: {e} (traceback in {path})")
-        result.code = EXIT_INTERNAL
+        line = f"internal error: {type(e).__name__}: {e} (traceback in {path})"
+        _fail(result, line, EXIT_INTERNAL, as_json)
+
+
+def _fail(result: Result, line: str, code: int, as_json: bool) -> None:
+    """Say ``line`` on stderr, set the exit code and, for ``--json``, the error document."""
+    say(line)
+    result.code = code
+    if as_json and not json_printed():
+        with contextlib.suppress(OSError):
+            print_json({"ok": False, "error": line, "exit_code": code})

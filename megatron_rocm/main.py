@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_rocm import __version__
-from megatron_rocm.error_handler import error_handler
+from megatron_rocm.error_handler import error_handler, interrupted_code, interrupted_line, say
 from megatron_rocm.errors import EXIT_USAGE
 from megatron_rocm.output import pipe_safe_stdout
 
@@ -233,8 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             print("megatron-rocm: error: no command given (see --help)", file=sys.stderr)
             return EXIT_USAGE
-        with error_handler() as result:
-            result.code = _dispatch(args)
+        try:
+            with error_handler(as_json=getattr(args, "json", False) is True) as result:
+                result.code = _dispatch(args)
+        except KeyboardInterrupt as e:  # a signal that landed while the handler was finishing
+            say(interrupted_line(e))
+            return interrupted_code(e)
         return result.code
 
 

@@ -79,8 +79,8 @@ class _PipeSafe(io.TextIOBase):
 @contextlib.contextmanager
 def pipe_safe_stdout() -> Iterator[None]:
     """Install the guard on ``sys.stdout`` for one CLI run; restore the stream afterwards."""
-    global _closed
-    _closed = False
+    global _closed, _json_printed
+    _closed = _json_printed = False
     inner = sys.stdout
     sys.stdout = _PipeSafe(inner)
     try:
@@ -127,9 +127,20 @@ def note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
 
+_json_printed = False
+
+
+def json_printed() -> bool:
+    """Whether this run printed its JSON document already (an error then adds none)."""
+    return _json_printed
+
+
 def print_json(data: Any) -> None:
+    """The run's one JSON document on stdout (``--json``)."""
+    global _json_printed
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+    _json_printed = True
 
 
 def hunk_summary(p: PatchResult) -> str:

@@ -33,7 +33,7 @@ def _request(
         refnames.check_branch(branch)
     if version_override is not None:
         parse_version(version_override)
-    dest_path = Path(refnames.check_text(dest, "--dest") if dest else "Megatron-LM")
+    dest_path = Path(refnames.check_text(dest, "--dest") if dest is not None else "Megatron-LM")
     dest_path = dest_path.expanduser().resolve()
     series = load_series(series_dir)
     fresh = transaction.is_fresh(dest_path)

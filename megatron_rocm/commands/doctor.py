@@ -5,10 +5,9 @@ Exit codes: 0 nothing wrong, 1 problems found, 3 torch is not installed (nothing
 
 from __future__ import annotations
 
-import json
-
 from megatron_rocm.envtools import envcheck
 from megatron_rocm.errors import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK
+from megatron_rocm.output import print_json
 from megatron_rocm.runtime.platform import torch_or_none
 
 
@@ -56,7 +55,10 @@ def doctor(as_json: bool = False) -> int:
                 f"install the ROCm build: {envcheck.ROCM_TORCH_HINT}",
             ),
         )
-    print(json.dumps(snap.to_dict(), indent=2) if as_json else _human(snap))
+    if as_json:
+        print_json(snap.to_dict())
+    else:
+        print(_human(snap))
     if torch is None:
         return EXIT_ENVIRONMENT
     return EXIT_FAILED if snap.problems else EXIT_OK

@@ -8,7 +8,6 @@ sees a clean tree. ``--dry-run`` prints the plan and changes nothing.
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from megatron_rocm.cache import cache_dir
 from megatron_rocm.envtools import build_byproducts, installer
 from megatron_rocm.errors import EXIT_OK
+from megatron_rocm.output import print_json
 
 
 def _workdir() -> Path:
@@ -39,7 +39,7 @@ def install(
     p = installer.plan(tree_dir, editable, _workdir())
     if dry_run:
         if as_json:
-            print(json.dumps({**p.to_dict(), "dry_run": True}, indent=2))
+            print_json({**p.to_dict(), "dry_run": True})
         else:
             _show_plan(p)
             print("dry run: nothing changed")
@@ -50,17 +50,14 @@ def install(
     finally:  # a failed build may have rewritten them too
         restored = build_byproducts.put_back(p.tree, clean)
     if as_json:
-        print(
-            json.dumps(
-                {
-                    **p.to_dict(),
-                    "dry_run": False,
-                    "done": done,
-                    "built": [str(b) for b in built],
-                    "restored": restored,
-                },
-                indent=2,
-            )
+        print_json(
+            {
+                **p.to_dict(),
+                "dry_run": False,
+                "done": done,
+                "built": [str(b) for b in built],
+                "restored": restored,
+            }
         )
     else:
         if restored:

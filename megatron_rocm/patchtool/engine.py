@@ -89,6 +89,26 @@ def resolve_commit(repo: Path, ref: str, where: str | None = None) -> str:
     return commit
 
 
+def patched_below(repo: Path, commit: str) -> str | None:
+    """The newest commit at or below ``commit`` that the series made (its message carries the
+    ``Megatron-ROCm-Patch`` trailer), or None for an upstream commit. Applying on top of such
+    a commit would patch the tree a second time (``--ref HEAD`` in a fork)."""
+    found = gitcmd.git_text(
+        "rev-list", "-n1", f"--grep=^{TRAILER}:", "--end-of-options", commit, cwd=repo
+    )
+    return found or None
+
+
+def refuse_patched(repo: Path, commit: str, ref: str) -> None:
+    """A usage error when ``ref`` names a patched fork's commit rather than upstream's."""
+    made = patched_below(repo, commit)
+    if made:
+        raise UsageError(
+            f"--ref {ref!r} is a patched fork's commit (its history has {made[:12]}, a commit of "
+            "the series); give the upstream tag, branch or commit it was built on"
+        )
+
+
 def repo_scope(repo: Path) -> list[str]:
     out = gitcmd.git("config", "--get-all", SCOPE_CONFIG, cwd=repo, check=False).decode().split()
     return out

@@ -59,6 +59,21 @@ def _strip_prefix(name: str) -> str:
     return name[2:] if name[:2] in ("a/", "b/") else name
 
 
+def _check_tree_path(path: str, origin: str) -> None:
+    """A diff may only name files inside the work tree: relative, no empty, ``.`` or ``..``
+    component, nothing in ``.git``."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or any(part in ("", ".", "..") for part in parts)
+        or any(part.lower() == ".git" for part in parts)
+    ):
+        raise UsageError(
+            f"{origin}: corrupt or malformed diff (path {path!r} is not a file inside the tree)"
+        )
+
+
 def _hunk(h: unidiff.Hunk) -> Hunk:
     old: list[str] = []
     new: list[str] = []
@@ -82,13 +97,25 @@ def _hunk(h: unidiff.Hunk) -> Hunk:
 
 
 def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
-    """Parse a git diff; a malformed or empty one is a usage error naming ``origin``."""
+    """Parse a git diff; a malformed or empty one is a usage error naming ``origin``.
+
+    Malformed includes what the parser would skip without a word: a hunk header it cannot read
+    (its hunk would be dropped, and the patch reported as applied without it) and a path that
+    is not a plain path inside the tree (``git update-index`` ignores a ``.git/`` or absolute
+    one, which made an empty commit called applied)."""
     try:
         patch_set = unidiff.PatchSet(text)
     except unidiff.UnidiffParseError as e:
         raise UsageError(f"{origin}: corrupt or malformed diff ({e})") from None
     if not len(patch_set):
         raise UsageError(f"{origin}: contains no file changes (empty or not a unified diff)")
+    headers = sum(1 for line in text.splitlines() if line.startswith("@@"))
+    readable = sum(len(pf) for pf in patch_set)
+    if headers != readable:
+        raise UsageError(
+            f"{origin}: corrupt or malformed diff ({headers - readable} of its {headers} hunk "
+            "headers cannot be read)"
+        )
     files = []
     for pf in patch_set:
         if getattr(pf, "is_binary_file", False):
@@ -96,6 +123,9 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
         info = str(pf.patch_info or "")
         index = _INDEX_RE.search(info)
         mode = _MODE_RE.search(info)
+        for name in (pf.source_file, pf.target_file):
+            if name != "/dev/null":
+                _check_tree_path(_strip_prefix(name), origin)
         path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
         old_blob = index.group(1) if index and len(index.group(1)) == 40 else None
         fd = FileDiff(

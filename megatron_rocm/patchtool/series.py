@@ -88,16 +88,22 @@ def default_series_dir() -> Path:
     return package / "_patches"
 
 
-def _variant(patch_id: str, raw: dict, folder: Path) -> Variant:
-    where = f"patches/{patch_id}/patch.toml"
+def _variant(raw: object, folder: Path) -> Variant:
+    where = folder / "patch.toml"
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: every [[variant]] must be a table (got {raw!r})")
     if "since" not in raw:
         raise UsageError(f"{where}: every [[variant]] needs 'since'")
     since = release_of(parse_version(str(raw["since"])))
     until = release_of(parse_version(str(raw["until"]))) if raw.get("until") else None
     if until is not None and until <= since:
         raise UsageError(f"{where}: variant range {since}..{until} is empty")
-    skip = bool(raw.get("skip", False))
+    skip = raw.get("skip", False)
+    if not isinstance(skip, bool):
+        raise UsageError(f"{where}: 'skip' must be true or false (got {skip!r})")
     diff = str(raw.get("diff", ""))
+    if diff and (Path(diff).name != diff or diff in (".", "..")):
+        raise UsageError(f"{where}: diff {diff!r} must be a file name inside {folder}")
     if not skip:
         if not diff:
             raise UsageError(f"{where}: variant since {since} names no diff file")
@@ -111,7 +117,7 @@ def _check_overlaps(patch: Patch) -> None:
     for a, b in zip(ordered, ordered[1:]):
         if a.until is None or a.until > b.since:
             raise UsageError(
-                f"patches/{patch.id}/patch.toml: version ranges overlap "
+                f"{patch.folder / 'patch.toml'}: version ranges overlap "
                 f"({a.range_text} and {b.range_text})"
             )
 
@@ -127,7 +133,8 @@ def load_patch(folder: Path, patch_id: str) -> Patch:
     if data.get("id", patch_id) != patch_id:
         raise UsageError(f"{meta}: id {data.get('id')!r} does not match folder {patch_id!r}")
     upstream = str(data.get("upstream", "not-submitted"))
-    if upstream.split()[0] not in UPSTREAM_STATES:
+    words = upstream.split()
+    if not words or words[0] not in UPSTREAM_STATES:
         raise UsageError(f"{meta}: upstream must start with one of {', '.join(UPSTREAM_STATES)}")
     variants = data.get("variant", [])
     if not isinstance(variants, list) or not variants:
@@ -137,7 +144,7 @@ def load_patch(folder: Path, patch_id: str) -> Patch:
         reason=str(data.get("reason", "")).strip() or patch_id,
         upstream=upstream,
         folder=folder,
-        variants=[_variant(patch_id, v, folder) for v in variants],
+        variants=[_variant(v, folder) for v in variants],
     )
     _check_overlaps(patch)
     return patch
@@ -150,8 +157,12 @@ def load_series(folder: str | Path | None = None) -> Series:
     listing = root / "series"
     if not listing.is_file():
         raise UsageError(f"no patch series at {root} (missing {listing.name} file)")
+    try:
+        text = listing.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{listing}: not UTF-8 text") from None
     ids: list[str] = []
-    for raw in listing.read_text(encoding="utf-8").splitlines():
+    for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

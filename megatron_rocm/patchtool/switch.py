@@ -61,6 +61,26 @@ def _private_index(repo: Path, gdir: Path) -> dict[str, str]:
     return env
 
 
+def refuse_orphaning(repo: Path) -> None:
+    """Refuse, changing nothing, when HEAD is detached at a commit that no branch, tag or
+    remote ref holds: switching away would leave commits made there reachable only from the
+    reflog (``git checkout`` would at least warn; apply never drops a user's work)."""
+    if gitcmd.symbolic_head(repo) is not None:
+        return
+    head = gitcmd.rev_parse(repo, "HEAD")
+    if head is None:
+        return
+    held = gitcmd.git_text(
+        "for-each-ref", "--count=1", "--contains", head, "--format=%(refname)", cwd=repo
+    )
+    if not held:
+        raise UsageError(
+            f"HEAD in {repo} is detached at {head[:12]}, which no branch or tag holds; "
+            "keep that work on a branch first (git branch NAME), then run again (nothing was "
+            "changed)"
+        )
+
+
 def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> None:
     """Refuse, changing nothing, when switching the work tree would overwrite a file."""
     env = _private_index(repo, gdir)

@@ -185,6 +185,7 @@ def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path) -> Outcome:
     interrupts.step("cloned")
     ref = ref or upstream.default_ref(repo, where=src.label)
     commit = engine.resolve_commit(repo, ref, where=src.label)
+    engine.refuse_patched(repo, commit, ref)
     interrupts.step("resolved")
     plan = _plan(repo, commit, ref, req)
     interrupts.step("planned")
@@ -232,6 +233,7 @@ def _existing(req: Request, guard: interrupts.Guard) -> Outcome:
                 f"{repo} has uncommitted changes; commit or stash them first (apply never "
                 "overwrites your edits)"
             )
+        switch.refuse_orphaning(repo)
         interrupts.step("verified")
         ref = req.ref or upstream.default_ref(repo)
         commit = engine.find_commit(repo, ref)
@@ -242,6 +244,7 @@ def _existing(req: Request, guard: interrupts.Guard) -> Outcome:
         if commit is None:
             assert req.source is not None
             commit = upstream.fetch_ref(repo, req.source, ref, quiet=req.quiet)
+        engine.refuse_patched(repo, commit, ref)
         interrupts.step("resolved")
         plan = _plan(repo, commit, ref, req)
         interrupts.step("planned")

@@ -41,11 +41,11 @@ def classify(source: str | None) -> Source:
     if source == "pypi":
         return Source("pypi", pypi.DEFAULT_INDEX)
     refnames.check_text(source, "--source")
+    if source.startswith("-"):
+        raise UsageError(f"--source {source!r} starts with '-'; {SOURCE_HINT}")
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*::", source):
         raise UsageError(f"--source {source!r}: remote helpers (<helper>::) are not supported")
     if "://" in source or re.match(r"^[\w.-]+@[\w.-]+:", source):
-        if source.startswith("-"):
-            raise UsageError(f"--source {source!r} starts with '-'; {SOURCE_HINT}")
         return Source("url", source)
     path = Path(source).expanduser()
     if not path.exists():
