@@ -145,7 +145,9 @@ def _fresh(req: Request, guard: interrupts.Guard) -> Outcome | None:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SourceError(f"cannot create {req.dest}: {(e.strerror or str(e)).lower()}") from None
+        blocker = next((p for p in (parent, *parent.parents) if p.is_file()), None)
+        why = f"{blocker} is a file" if blocker else (e.strerror or str(e)).lower()
+        raise SourceError(f"cannot create {req.dest}: {why}") from None
     lock_path = parent / f".{req.dest.name}.{lock.LOCK_NAME}"
     with lock.hold(lock_path, what=str(req.dest)) as held:
         if held.previous:

@@ -203,3 +203,11 @@ def test_a_signal_while_the_handler_exits_is_one_line_and_130(monkeypatch, capsy
     monkeypatch.setattr(main_module, "error_handler", interrupted_on_exit)
     assert main(["list"]) == 130
     assert "interrupted" in _one_line(capsys)
+
+
+def test_a_dest_below_a_file_says_which_file(toy, capsys):
+    root, upstream, series = toy
+    (root / "afile").write_text("keep\n")
+    assert main(apply_argv(upstream, series, root / "afile" / "sub")) == 3
+    assert f"{root / 'afile'} is a file" in _one_line(capsys)
+    assert (root / "afile").read_text() == "keep\n"
