@@ -83,10 +83,12 @@ def resolve_commit(repo: Path, ref: str, where: str | None = None) -> str:
     never a temporary clone the user cannot see)."""
     commit = find_commit(repo, ref)
     if commit is None:
-        raise UsageError(
-            f"unknown ref {ref!r} in {where or repo} (a tag, branch or commit of the source)"
-        )
+        raise unknown_ref(ref, where or str(repo))
     return commit
+
+
+def unknown_ref(ref: str, where: str) -> UsageError:
+    return UsageError(f"unknown ref {ref!r} in {where} (a tag, branch or commit of the source)")
 
 
 def patched_below(repo: Path, commit: str) -> str | None:

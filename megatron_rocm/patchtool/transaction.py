@@ -186,7 +186,11 @@ def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path) -> Outcome:
     upstream.clone_into(src, repo, ref, quiet=req.quiet)
     interrupts.step("cloned")
     ref = ref or upstream.default_ref(repo, where=src.label)
-    commit = engine.resolve_commit(repo, ref, where=src.label)
+    commit = engine.find_commit(repo, ref) or upstream.fetch_as_checked(
+        repo, src, ref, quiet=req.quiet
+    )
+    if commit is None:
+        raise engine.unknown_ref(ref, src.label)
     engine.refuse_patched(repo, commit, ref)
     interrupts.step("resolved")
     plan = _plan(repo, commit, ref, req)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_rocm.cache import cache_dir
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import gitcmd, lock, pypi, refnames, scratch
+from megatron_rocm.patchtool import engine, gitcmd, lock, pypi, refnames, scratch
 
 DEFAULT_URL = "https://github.com/NVIDIA/Megatron-LM.git"
 RELEASE_TAG = re.compile(r"^core_v(\d+)\.(\d+)\.(\d+)$")
@@ -141,6 +141,23 @@ def clone_into(source: Source, dest: Path, ref: str | None, quiet: bool = False)
         for scope in pypi.SCOPES:
             gitcmd.git("config", "--add", "megatron-rocm.scope", scope, cwd=dest)
     return dest
+
+
+def fetch_as_checked(repo: Path, source: Source, ref: str, quiet: bool = False) -> str | None:
+    """``ref`` resolved in a local ``source`` the way ``check`` resolves it there (its
+    remote-tracking branches too, which a clone of it does not copy), fetched into ``repo``;
+    None when the source has no such ref. So what ``check --source DIR`` accepts, ``apply``
+    builds."""
+    if source.kind != "path":
+        return None
+    commit = engine.find_commit(Path(source.location), ref)
+    if commit is None:
+        return None
+    try:
+        gitcmd.fetch(repo, source.location, [commit], quiet=quiet)
+    except gitcmd.GitError as e:
+        raise SourceError(f"cannot fetch {ref!r} from {source.label}: {e.reason}") from None
+    return gitcmd.rev_parse(repo, "FETCH_HEAD")
 
 
 def fetch_ref(repo: Path, source: Source, ref: str, quiet: bool = False) -> str:

@@ -211,3 +211,24 @@ def test_a_dest_below_a_file_says_which_file(toy, capsys):
     assert main(apply_argv(upstream, series, root / "afile" / "sub")) == 3
     assert f"{root / 'afile'} is a file" in _one_line(capsys)
     assert (root / "afile").read_text() == "keep\n"
+
+
+def test_apply_builds_a_branch_the_source_clone_only_tracks_as_check_reads_it(toy, capsys):
+    """A user's clone of upstream has upstream's release branches as ``origin/<name>`` only;
+    ``check --source CLONE --ref <name>`` reads them, so ``apply`` from the same clone must
+    build them too (a clone of the clone would not copy them)."""
+    root, upstream, series = toy
+    run("branch", "core_r0.2.0", "core_v0.2.0", cwd=upstream)
+    clone = root / "users-clone"
+    run("clone", "-q", str(upstream), str(clone), cwd=root)
+    assert "core_r0.2.0" not in run("branch", "--list", cwd=clone)
+    check = ["check", "--source", str(clone), "--series", str(series), "--ref", "core_r0.2.0"]
+    assert main(check) == 0
+    dest = root / "fork"
+    assert main(apply_argv(clone, series, dest, ref="core_r0.2.0")) == 0
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_r0.2.0"
+    base = run("rev-parse", "core_v0.2.0", cwd=upstream)
+    assert run("merge-base", "HEAD", base, cwd=dest) == base
+    capsys.readouterr()
+    assert main(apply_argv(clone, series, root / "other", ref="core_r9.9.9")) == 2
+    assert "unknown ref 'core_r9.9.9'" in _one_line(capsys)
