@@ -54,6 +54,8 @@ def smoke(
     for option, path in (("--json", json_file), ("--junit", junit_file)):
         if path is not None:  # before the run: an unwritable report must not cost the run
             writable(path, option)
+    if not Path(tree_dir).is_dir():  # bad input is said before what this machine lacks
+        megatron_tree(tree_dir)  # raises: not a Megatron-LM tree
     torch = torch_or_none()
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")

@@ -142,6 +142,15 @@ def test_smoke_without_torch(monkeypatch) -> None:
         smoke_cmd.smoke()
 
 
+def test_smoke_says_a_dir_that_is_not_one_before_a_missing_torch(tmp_path, monkeypatch) -> None:
+    """Bad input (exit 2) comes before what the machine lacks (exit 3)."""
+    monkeypatch.setattr(smoke_cmd, "torch_or_none", lambda: None)
+    (tmp_path / "afile").write_text("x\n")
+    for missing in (tmp_path / "afile", tmp_path / "nowhere"):
+        with pytest.raises(UsageError, match="not a Megatron-LM tree"):
+            smoke_cmd.smoke(str(missing))
+
+
 def test_tree_required_only_by_tree_checks(tmp_path: Path) -> None:
     kernels = [runner.Check("kernels.a", _pass)]
     assert smoke_cmd._tree_for(kernels, str(tmp_path)) is None
