@@ -1,7 +1,9 @@
 """``megatron-rocm matrix``: check the series against every selected upstream tag, report it.
 
 Exit codes: 0 every selected ref applies, 1 at least one breaks, 2 usage (e.g. a --tags
-pattern that matches nothing), 3 source problems.
+pattern that matches nothing, several formats with --out naming a file), 3 source problems,
+also a selected ref that could not be checked at all (not a Megatron-LM tree, a patched
+fork's commit) when no ref breaks: the report is written first, with an error row for it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,14 @@ import fnmatch
 import sys
 from pathlib import Path
 
-from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
-from megatron_rocm.output import writable, write_file
+from megatron_rocm.errors import (
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_OK,
+    SourceError,
+    UsageError,
+)
+from megatron_rocm.output import note, writable, write_file
 from megatron_rocm.patchtool import gitcmd, pypi, refnames, upstream
 from megatron_rocm.patchtool.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
 from megatron_rocm.patchtool.report import FORMATS, render, write_reports
@@ -35,6 +43,41 @@ def _pypi_refs(patterns: list[str] | None) -> tuple[Path, list[RefSpec]]:
 
 def _single_file(formats: list[str], out: str) -> bool:
     return len(set(formats)) == 1 and not (Path(out).is_dir() or out.endswith(("/", "\\")))
+
+
+def _check_out(formats: list[str], out: str) -> None:
+    """Fail before the work when --out cannot take what will be written there.
+
+    Why here and not in ``writable``: an existing regular file passes that check (it can be
+    overwritten), but several formats (or a trailing ``/``) need a folder to hold their
+    files, and ``mkdir`` would only say "File exists" after the whole run.
+    """
+    single = _single_file(formats, out)
+    target = Path(out).expanduser()
+    if not single and target.exists() and not target.is_dir():
+        if len(set(formats)) > 1:
+            raise UsageError(f"--out {out} is a file; several --format values need a folder")
+        raise UsageError(f"--out {out} ends with '/' (a folder) but {target} is a file")
+    writable(out, "--out", folder=not single)
+
+
+def exit_code(m: Matrix) -> int:
+    """1 when a checked ref breaks (the series' problem, what CI acts on); else 3 when a ref
+    could not be checked at all (the source's problem: a branch that is not Megatron-LM, a
+    fork's own commit), so a run that checked nothing never passes; else 0."""
+    if m.broken_rows:
+        return EXIT_FAILED
+    if m.error_rows:
+        return EXIT_ENVIRONMENT
+    return EXIT_OK
+
+
+def _note_errors(m: Matrix) -> None:
+    """One line on stderr naming the unchecked refs, so exit 3 never goes unexplained."""
+    rows = m.error_rows
+    if rows:
+        more = f" (+{len(rows) - 1} more; see the report)" if len(rows) > 1 else ""
+        note(f"{len(rows)} ref(s) not checked: {rows[0].name}: {rows[0].error}{more}")
 
 
 def _output(m: Matrix, formats: list[str], out: str | None) -> None:
@@ -77,7 +120,7 @@ def matrix(
     for pattern in tag_patterns or []:
         refnames.check_pattern(pattern)
     if out is not None:  # before the work: an unwritable --out must not cost a whole run
-        writable(out, "--out", folder=not _single_file(formats, out))
+        _check_out(formats, out)
     if version_override is not None:
         parse_version(version_override)
     src = upstream.classify(source)
@@ -100,4 +143,5 @@ def matrix(
         repo, refs, series, source=src.label, version_override=version_override, scan=scan
     )
     _output(m, formats, out)
-    return EXIT_OK if m.ok else EXIT_FAILED
+    _note_errors(m)
+    return exit_code(m)

@@ -13,6 +13,7 @@ import fnmatch
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ MIN_RELEASE = (0, 12, 0)
 DEFAULT_BRANCH = "main"
 SCHEMA = 1
 _KIND_RANK = {"release": 0, "tag": 1, "commit": 2, "branch": 3}
-SKIP, NO_VARIANT = "skip", "no-variant"
+SKIP, NO_VARIANT, ERROR = "skip", "no-variant", "error"
 _QUIET_LABELS = ("clean", "offset", "already-applied", "out-of-scope")
 
 
@@ -128,10 +129,18 @@ class Row:
     spec: RefSpec
     report: RefReport
     tree_version: str = ""  # from package_info.py, even when --megatron-version overrides
+    # Why the ref was not checked at all (not a Megatron-LM tree, a patched fork's commit);
+    # such a row has no patch results and is neither an "apply" nor a "break".
+    error: str = ""
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def breaks(self) -> bool:
+        """Checked, and at least one patch does not apply."""
+        return not self.error and not self.report.ok
 
     def cell(self, patch_id: str) -> PatchResult | None:
         return next((p for p in self.report.patches if p.patch_id == patch_id), None)
@@ -139,14 +148,15 @@ class Row:
     @property
     def sort_key(self) -> tuple:
         """Version order, pre-releases before their release (``core_v0.14.0rc7`` <
-        ``core_v0.14.0``): the version in the name, else the tree's own (``main``)."""
+        ``core_v0.14.0``): the version in the name, else the tree's own (``main``). Refs that
+        were not checked come last: they have no version and no place in the drift order."""
         ver = name_version(self.spec.name)
         if ver is None:
             try:
                 ver = Version(self.tree_version or self.report.version)
             except InvalidVersion:
                 ver = Version("0")
-        return (ver, _KIND_RANK[self.spec.kind], self.spec.name)
+        return (bool(self.error), ver, _KIND_RANK[self.spec.kind], self.spec.name)
 
 
 @dataclass
@@ -164,11 +174,18 @@ class Matrix:
 
     @property
     def ok(self) -> bool:
-        return all(r.report.ok for r in self.rows)
+        """Every selected ref was checked and applies."""
+        return not self.broken_rows and not self.error_rows
 
     @property
     def broken_rows(self) -> list[Row]:
-        return [r for r in self.rows if not r.report.ok]
+        return [r for r in self.rows if r.breaks]
+
+    @property
+    def error_rows(self) -> list[Row]:
+        """Refs that could not be checked: shown with their reason, never counted as breaks
+        (a non-Megatron branch is the source's business, not the series')."""
+        return [r for r in self.rows if r.error]
 
     def first_break(self, patch_id: str) -> str | None:
         """The first ref in version order where the patch does not apply."""
@@ -194,12 +211,13 @@ class Matrix:
 
     def summary(self) -> str:
         """One line for terminals, CI logs and report headers."""
-        n, bad = len(self.rows), self.broken_rows
-        parts = [f"{n} refs x {len(self.patch_ids)} patches: {n - len(bad)} apply"]
+        n, bad, errors = len(self.rows), self.broken_rows, self.error_rows
+        parts = [f"{n} refs x {len(self.patch_ids)} patches: {n - len(bad) - len(errors)} apply"]
         if bad:
-            names = [r.name for r in bad]
-            shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
-            parts[0] += f", {len(bad)} break ({shown})"
+            parts[0] += f", {len(bad)} break ({_some_names(bad)})"
+        if errors:
+            parts[0] += f", {len(errors)} {ERROR} ({_some_names(errors)})"
+        if bad:
             firsts = [f"{p}@{fb}" for p in self.patch_ids if (fb := self.first_break(p))]
             parts.append("first breaks: " + ", ".join(firsts))
         counts = self.label_counts()
@@ -243,9 +261,17 @@ class Matrix:
         }
 
 
+def _some_names(rows: list[Row], limit: int = 4) -> str:
+    """``a, b, c, d +2``: the summary must stay one readable line for thousands of refs."""
+    names = [r.name for r in rows]
+    return ", ".join(names[:limit]) + (f" +{len(names) - limit}" if len(names) > limit else "")
+
+
 def _row_dict(r: Row) -> dict:
     d = r.report.to_dict()
-    d["ref"], d["kind"] = r.name, r.spec.kind
+    d["ref"], d["kind"], d["error"] = r.name, r.spec.kind, r.error
+    if r.error:
+        d["ok"] = False  # not checked is not "applies"; no patches, so never a broken cell
     for p, pd in zip(r.report.patches, d["patches"]):
         pd["status"] = status_of(p)
         for hd in pd["hunks"]:  # hunk text only where someone must read it: keeps JSON small
@@ -298,6 +324,65 @@ def coverage_for(
     return cov
 
 
+def patched_commits(repo: Path, commits: Sequence[str]) -> dict[str, str]:
+    """commit -> the series commit in its history, for each commit a patched fork made.
+
+    Why: such a tree already carries the series, so every patch would read as
+    ``already-applied`` ("droppable"), which is wrong. One ``rev-list`` over all refs first:
+    upstream has no such commit, so the usual run walks the history once, not once per ref;
+    only when that finds one is each ref asked (``engine.patched_below``).
+    """
+    unique = list(dict.fromkeys(commits))
+    if not unique:
+        return {}
+    any_patched = gitcmd.git_text(
+        "rev-list",
+        "-n1",
+        f"--grep=^{engine.TRAILER}:",
+        "--stdin",  # thousands of refs stay off the command line; ids from for-each-ref
+        cwd=repo,
+        input="".join(f"{c}\n" for c in unique).encode(),
+    )
+    if not any_patched:
+        return {}
+    return {c: made for c in unique if (made := engine.patched_below(repo, c))}
+
+
+def _error_row(spec: RefSpec, message: str) -> Row:
+    """A row for a ref that could not be checked: the run goes on, the report says why."""
+    return Row(spec, RefReport(ref=spec.name, commit=spec.commit, version=""), error=message)
+
+
+def _check_ref(
+    repo: Path,
+    cat: gitcmd.CatFile,
+    spec: RefSpec,
+    series: Series,
+    version_override: str | None,
+    patched_by: str | None,
+) -> Row:
+    """One ref's row; a patched fork's commit or a tree that is not Megatron-LM becomes an
+    error row instead of ending the run (``--tags '*'`` meets both)."""
+    if patched_by:
+        return _error_row(
+            spec,
+            f"a patched fork's commit, not upstream (its history has {patched_by[:12]}, "
+            "a commit of the series)",
+        )
+    try:
+        report = engine.plan(repo, cat, spec.commit, series, version_override).report
+    except SourceError as e:  # engine.tree_version: no or unreadable package_info.py
+        return _error_row(spec, str(e))
+    report.ref = spec.name
+    tree = report.version
+    if version_override:
+        try:
+            tree = str(engine.tree_version(cat, spec.commit))
+        except SourceError:
+            pass
+    return Row(spec, report, tree)
+
+
 def build_matrix(
     repo: Path,
     specs: list[RefSpec],
@@ -310,18 +395,12 @@ def build_matrix(
     """Check every ref (in memory) and, when ``scan``, run the CUDA-surface scan alongside."""
     t0 = time.perf_counter()
     job = surface.GrepJob(repo, [s.commit for s in specs]) if scan else None
-    rows: list[Row] = []
+    patched = patched_commits(repo, [s.commit for s in specs])
     with gitcmd.CatFile(repo) as cat:
-        for spec in specs:
-            report = engine.plan(repo, cat, spec.commit, series, version_override).report
-            report.ref = spec.name
-            tree = report.version
-            if version_override:
-                try:
-                    tree = str(engine.tree_version(cat, spec.commit))
-                except SourceError:
-                    pass
-            rows.append(Row(spec, report, tree))
+        rows = [
+            _check_ref(repo, cat, spec, series, version_override, patched.get(spec.commit))
+            for spec in specs
+        ]
     rows.sort(key=lambda r: r.sort_key)
     t1 = time.perf_counter()
     m = Matrix(
@@ -332,9 +411,11 @@ def build_matrix(
     )
     m.timings["check_s"] = t1 - t0
     if job is not None:
+        # error rows are not upstream Megatron trees: their findings would only mislead
+        checked = [r for r in rows if not r.error]
         cache: dict[tuple[str, str], list[FileDiff]] = {}
-        cov = {r.name: coverage_for(series, r.report, cache) for r in rows}
-        m.surface = surface.scan(repo, [(r.name, r.spec.commit) for r in rows], cov, job)
+        cov = {r.name: coverage_for(series, r.report, cache) for r in checked}
+        m.surface = surface.scan(repo, [(r.name, r.spec.commit) for r in checked], cov, job)
         m.timings["scan_s"] = time.perf_counter() - t1
     m.timings["total_s"] = time.perf_counter() - t0
     return m

@@ -43,6 +43,19 @@ def status_info(status: str) -> tuple[str, str, str]:
     return STATUS.get(status, ("fail", "❌", status))
 
 
+def verdict(m: Matrix) -> str:
+    """The banner text: ``all refs apply`` or what went wrong, breaks first. Refs that could
+    not be checked are named apart: they are not the series' failure, but not a pass either."""
+    if m.ok:
+        return "all refs apply"
+    n, parts = len(m.rows), []
+    if m.broken_rows:
+        parts.append(f"{len(m.broken_rows)} of {n} refs break")
+    if m.error_rows:
+        parts.append(f"{len(m.error_rows)} of {n} refs could not be checked")
+    return ", ".join(parts)
+
+
 def slug(*parts: str) -> str:
     """An HTML/Markdown anchor from ref and patch names (branch names may hold '/')."""
     return "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "-", p).strip("-") for p in parts)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from html import escape
 
 from megatron_rocm.patchtool import surface
-from megatron_rocm.patchtool.matrix import Matrix, Row, status_of
+from megatron_rocm.patchtool.matrix import ERROR, Matrix, Row, status_of
 from megatron_rocm.patchtool.report import (
     ATTENTION_KINDS,
     STATUS,
@@ -21,6 +21,7 @@ from megatron_rocm.patchtool.report import (
     short_variant,
     slug,
     status_info,
+    verdict,
 )
 from megatron_rocm.patchtool.results import PatchResult
 
@@ -86,17 +87,28 @@ def _cell(row: Row, p: PatchResult | None) -> str:
     return f'<td class="cell {kind}" title="{_e(p.patch_id)}: {_e(meaning)}">{label}{small}</td>'
 
 
+def _cells(m: Matrix, row: Row) -> list[str]:
+    """The patch columns of a row; a ref that was not checked gets one cell saying why."""
+    if not row.error:
+        return [_cell(row, row.cell(i)) for i in m.patch_ids]
+    kind, _, _ = status_info(ERROR)
+    return [
+        f'<td class="cell {kind}" colspan="{max(1, len(m.patch_ids))}">'
+        f"<b>{ERROR}</b>: {_e(row.error)}</td>"
+    ]
+
+
 def _grid(m: Matrix) -> list[str]:
     out = ['<table class="grid"><thead><tr><th>ref <small>version</small></th>']
     out += [f'<th class="patch">{_e(i)}</th>' for i in m.patch_ids]
     out.append("</tr></thead><tbody>")
     for r in m.rows:
-        cls = "" if r.report.ok else ' class="broken"'
+        cls = "" if r.report.ok and not r.error else ' class="broken"'
         out.append(
             f'<tr{cls}><th class="ref" title="{_e(r.report.commit)}">{_e(r.name)} '
-            f"<small>{_e(r.report.version)}</small></th>"
+            f"<small>{_e(r.report.version or '—')}</small></th>"
         )
-        out += [_cell(r, r.cell(i)) for i in m.patch_ids]
+        out += _cells(m, r)
         out.append("</tr>")
     out.append("</tbody></table>")
     return out
@@ -226,7 +238,6 @@ def _surface(s: surface.SurfaceReport) -> list[str]:
 
 
 def render(m: Matrix) -> str:
-    verdict = "all refs apply" if m.ok else f"{len(m.broken_rows)} of {len(m.rows)} refs break"
     timings = ", ".join(f"{k} {v:.2f}" for k, v in m.timings.items())
     legend = "".join(
         f'<span class="{kind}"><b>{_e(st)}</b> {_e(meaning)}</span>'
@@ -239,7 +250,7 @@ def render(m: Matrix) -> str:
         f"<style>{CSS}</style></head><body>",
         "<h1>megatron-rocm compatibility matrix</h1>",
         f'<div class="banner {"ok" if m.ok else "bad"}"><span class="badge">'
-        f"{'PASS' if m.ok else 'FAIL'}</span><b>{_e(verdict)}</b><br>{_e(m.summary())}</div>",
+        f"{'PASS' if m.ok else 'FAIL'}</span><b>{_e(verdict(m))}</b><br>{_e(m.summary())}</div>",
         f'<div class="meta">source <code>{_e(m.source)}</code> · series '
         f"<code>{_e(m.series.folder)}</code> · generated {_e(m.generated_at)} · {_e(timings)}"
         "</div>",

@@ -1,7 +1,8 @@
 """JUnit XML: one test suite per ref, one test case per patch, for CI test tabs.
 
 A cell that does not apply is a <failure> carrying the failing hunks; a patch not needed for
-a version is <skipped>. The CUDA-surface scan goes into a separate suite as information only
+a version is <skipped>; a ref that could not be checked at all (not a Megatron-LM tree, a
+patched fork's commit) is one <error> test case. The CUDA-surface scan goes into a separate suite as information only
 (new findings need a look, they do not fail the build).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from megatron_rocm.output import first_failure, hunk_summary
-from megatron_rocm.patchtool.matrix import Matrix, status_of
+from megatron_rocm.patchtool.matrix import ERROR, Matrix, Row, status_of
 from megatron_rocm.patchtool.results import accepts
 
 
@@ -18,10 +19,24 @@ def _suite(parent: ET.Element, name: str, **attrs: object) -> ET.Element:
     return ET.SubElement(parent, "testsuite", name=name, **{k: str(v) for k, v in attrs.items()})
 
 
+def _error_suite(root: ET.Element, r: Row, timestamp: str) -> None:
+    """A ref that was not checked: an <error> (the run's problem), not a patch <failure>."""
+    suite = _suite(root, r.name, tests=1, failures=0, errors=1, skipped=0, timestamp=timestamp)
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("commit", r.report.commit), ("kind", r.spec.kind)):
+        ET.SubElement(props, "property", name=key, value=value)
+    case = ET.SubElement(suite, "testcase", classname=f"matrix.{r.name}", name="ref", time="0")
+    ET.SubElement(case, "error", type=ERROR, message=r.error).text = r.error
+
+
 def render(m: Matrix) -> str:
     root = ET.Element("testsuites", name="megatron-rocm matrix")
     total = failures = skipped = 0
     for r in m.rows:
+        if r.error:
+            _error_suite(root, r, m.generated_at)
+            total += 1
+            continue
         bad = sum(not p.ok for p in r.report.patches)
         skips = sum(status_of(p) in ("skip", "out-of-scope") for p in r.report.patches)
         suite = _suite(
@@ -77,5 +92,6 @@ def render(m: Matrix) -> str:
     root.set("tests", str(total))
     root.set("failures", str(failures))
     root.set("skipped", str(skipped))
+    root.set("errors", str(len(m.error_rows)))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, "unicode") + "\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rocm.patchtool import surface
-from megatron_rocm.patchtool.matrix import Matrix, status_of
+from megatron_rocm.patchtool.matrix import ERROR, Matrix, Row, status_of
 from megatron_rocm.patchtool.report import (
     STATUS,
     attention_groups,
@@ -12,6 +12,7 @@ from megatron_rocm.patchtool.report import (
     short_variant,
     slug,
     status_info,
+    verdict,
 )
 
 MAX_FINDINGS = 200  # per list: a report must stay readable when a rule goes wild
@@ -31,6 +32,19 @@ def _cell(m: Matrix, ref: str, patch_id: str) -> str:
     return f"{text} {variant}".strip()
 
 
+def _row(m: Matrix, r: Row, ids: list[str]) -> str:
+    name = r.name if r.report.ok else f"**{r.name}**"
+    cells = " | ".join(_cell(m, r.name, i) for i in ids)
+    return f"| {name} | {r.report.version} | {cells} |"
+
+
+def _error_row(r: Row, n_patches: int) -> str:
+    """A ref that was not checked: its reason in the first patch column, the rest empty."""
+    _, symbol, _ = status_info(ERROR)
+    rest = " |" * (n_patches - 1)
+    return f"| **{r.name}** | — | {symbol} {ERROR}: {_esc(r.error)} |{rest}"
+
+
 def _esc(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -40,7 +54,7 @@ def render(m: Matrix) -> str:
     out = [
         "# megatron-rocm compatibility matrix",
         "",
-        f"**{'✅ all refs apply' if m.ok else '❌ some refs break'}** — {_esc(m.summary())}",
+        f"**{'✅' if m.ok else '❌'} {verdict(m)}** — {_esc(m.summary())}",
         "",
         f"Source `{m.source}` · series `{m.series.folder}` · generated {m.generated_at} · "
         + ", ".join(f"{k} {v:.2f}" for k, v in m.timings.items()),
@@ -51,9 +65,7 @@ def render(m: Matrix) -> str:
         "|---|---|" + "---|" * len(ids),
     ]
     for r in m.rows:
-        name = r.name if r.report.ok else f"**{r.name}**"
-        cells = " | ".join(_cell(m, r.name, i) for i in ids)
-        out.append(f"| {name} | {r.report.version} | {cells} |")
+        out.append(_error_row(r, len(ids)) if r.error else _row(m, r, ids))
     out += [
         "",
         "## Patches",
