@@ -16,7 +16,7 @@ from typing import NoReturn
 from megatron_rocm import __version__
 from megatron_rocm.error_handler import error_handler, interrupted_code, interrupted_line, say
 from megatron_rocm.errors import EXIT_USAGE
-from megatron_rocm.output import pipe_safe_stdout
+from megatron_rocm.output import pipe_safe_stdout, print_json
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
@@ -28,9 +28,12 @@ EXIT_CODES = (
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2), like every other error of the CLI."""
 
+    last_error = ""  # the line the latest refusal printed (for --json's error document)
+
     def error(self, message: str) -> NoReturn:
         flat = message.replace("\n", " ")
-        self.exit(EXIT_USAGE, f"megatron-rocm: error: {self.prog}: {flat} (see --help)\n")
+        _Parser.last_error = f"error: {self.prog}: {flat} (see --help)"
+        self.exit(EXIT_USAGE, f"megatron-rocm: {_Parser.last_error}\n")
 
 
 DEFAULT_SOURCE_HELP = (
@@ -43,13 +46,15 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default=None, help=DEFAULT_SOURCE_HELP)
 
 
-def _add_series(parser: argparse.ArgumentParser) -> None:
+def _add_series(parser: argparse.ArgumentParser, version: bool = True) -> None:
     parser.add_argument(
         "--series",
         default=None,
         metavar="DIR",
         help="patch series folder (default: $MEGATRON_ROCM_SERIES or the bundled patches/)",
     )
+    if not version:  # a verb that reads no tree has no version to override
+        return
     parser.add_argument(
         "--megatron-version",
         default=None,
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(p)
 
     p = sub.add_parser("list", help="show the series, its variants and version ranges")
-    _add_series(p)
+    _add_series(p, version=False)
     _add_json(p)
 
     p = sub.add_parser("matrix", help="check the series against every upstream tag")
@@ -138,7 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
     p.add_argument("--json", dest="json_file", default=None, metavar="FILE", help="JSON report")
     p.add_argument("--junit", dest="junit_file", default=None, metavar="FILE", help="JUnit XML")
-    p.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run only these")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CHECK",
+        help="run only these (repeatable)",
+    )
     p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
 
     p = sub.add_parser("doctor", help="report the ROCm/CUDA environment and flag problems")
@@ -223,13 +235,27 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
+JSON_VERBS = ("apply", "check", "export", "list", "install", "doctor")  # --json: stdout
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether a command line that argparse refused asked for a JSON document on stdout (its
+    verb's ``--json`` flag; ``smoke --json FILE`` names a report file instead)."""
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    return verb in JSON_VERBS and "--json" in argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     with pipe_safe_stdout():
         parser = build_parser()
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # --help, --version, or a usage error already printed
-            return e.code if isinstance(e.code, int) else EXIT_USAGE
+            code = e.code if isinstance(e.code, int) else EXIT_USAGE
+            words = list(sys.argv[1:] if argv is None else argv)
+            if code == EXIT_USAGE and _wants_json(words):
+                print_json({"ok": False, "error": _Parser.last_error, "exit_code": code})
+            return code
         if args.command is None:
             print("megatron-rocm: error: no command given (see --help)", file=sys.stderr)
             return EXIT_USAGE

@@ -24,6 +24,7 @@ def check_refs(
         reports = []
         for ref in refs:
             commit = engine.resolve_commit(repo, ref, where)
+            engine.refuse_patched(repo, commit, ref)  # every patch would read as upstream's
             report = engine.plan(repo, cat, commit, series, version_override, three_way).report
             report.ref = ref
             reports.append(report)

@@ -79,6 +79,12 @@ def load(path: Path, patch_id: str | None = None) -> list[FileDiff]:
     return files
 
 
+def parse_text(text: str, origin: str) -> list[FileDiff]:
+    """Diff text made in memory (``export``'s, before it is written), read by the rules a diff
+    file is read by: what ``load`` would refuse later is refused now."""
+    return parse_diff(split(text)[1], origin=origin)
+
+
 def _subject(reason: str) -> str:
     line = " ".join(reason.split())
     if line.isascii():

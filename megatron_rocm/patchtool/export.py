@@ -12,9 +12,11 @@ it was, and the writes themselves (each a rename) are not interrupted by Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,12 @@ from packaging.version import Version
 
 from megatron_rocm.errors import UsageError
 from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts
-from megatron_rocm.patchtool.forkscan import ForkCommit, fork_commits, refuse_busy_or_dirty
+from megatron_rocm.patchtool.forkscan import (
+    ForkCommit,
+    fork_commits,
+    patch_with_reason,
+    refuse_busy_or_dirty,
+)
 from megatron_rocm.patchtool.hunks import apply_file, decode, encode, split_lines
 from megatron_rocm.patchtool.results import accepts
 from megatron_rocm.patchtool.series import (
@@ -46,18 +53,69 @@ class ExportItem:
 
 @dataclass
 class Writes:
-    """Files to write once the whole fork is mapped (path -> bytes), folders to create."""
+    """Files to write once the whole fork is mapped (path -> bytes), folders to create, and
+    diff files no variant names any more, to remove once everything else is in place."""
 
     files: dict[Path, bytes] = field(default_factory=dict)
     folders: list[Path] = field(default_factory=list)
+    removals: list[Path] = field(default_factory=list)
 
     def commit(self) -> None:
-        for folder in self.folders:
-            folder.mkdir(parents=True, exist_ok=True)
-        for path, data in self.files.items():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+        """All or nothing: every file is staged beside its target first, the targets it
+        replaces are kept, and a failure at any step (a full disk, a file that cannot be
+        replaced) puts back what had moved, so the series is never left half written."""
+        tag = str(os.getpid())
+        created = [f for f in dict.fromkeys(self.folders) if not f.exists()]
+        staged: dict[Path, Path] = {}
+        kept: dict[Path, Path | None] = {}  # replaced target -> what it held (None: it was new)
+        try:
+            for folder in created:
+                folder.mkdir(parents=True)
+            for path, data in self.files.items():
+                staged[path] = path.with_name(f".{path.name}.{tag}.tmp")
+                staged[path].write_bytes(data)
+            for path, tmp in staged.items():
+                saved = _keep(path, tag)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    if saved is not None:
+                        saved.unlink(missing_ok=True)
+                    raise
+                kept[path] = saved
+        except BaseException:
+            _put_back(kept, staged, created)
+            raise
+        for saved in kept.values():
+            if saved is not None:
+                saved.unlink(missing_ok=True)
+        for path in self.removals:
+            path.unlink(missing_ok=True)
+
+
+def _keep(path: Path, tag: str) -> Path | None:
+    """A copy of ``path`` to put back if a later write fails (None when it does not exist)."""
+    if not path.exists():
+        return None
+    saved = path.with_name(f".{path.name}.{tag}.orig")
+    shutil.copy2(path, saved)
+    return saved
+
+
+def _put_back(kept: dict[Path, Path | None], staged: dict[Path, Path], created: list[Path]) -> None:
+    """Undo a partial ``Writes.commit``: restore replaced files, drop new ones and scratch."""
+    for path, saved in reversed(list(kept.items())):
+        with contextlib.suppress(OSError):
+            if saved is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.replace(saved, path)
+    for tmp in staged.values():
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _slug(subject: str) -> str:
@@ -156,8 +214,9 @@ def export_fork(
             if c.patch_id in seen:
                 raise UsageError(f"patch {c.patch_id} has more than one commit; squash them")
             text = gitcmd.diff(repo, c.parent, c.commit)
+            _check_readable(c, text)
             if c.patch_id is None:
-                items.append(_new_patch(series, c, version, text, writes))
+                items.append(_trailerless(series, c, version, text, writes))
                 seen.add(items[-1].patch_id)
                 continue
             seen.add(c.patch_id)
@@ -176,7 +235,11 @@ def export_fork(
                 writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
                 items.append(ExportItem(patch.id, "updated", variant.diff))
                 continue
+            named = {v.diff for v in patch.variants if v.diff}
             variant = _add_variant(patch, version, split=True)
+            writes.removals += [  # a variant the new one replaced whole: its diff is unused
+                patch.folder / d for d in named - {v.diff for v in patch.variants if v.diff}
+            ]
             writes.files[patch.diff_path(variant)] = diffio.render(patch.id, patch.reason, text)
             toml = patch.folder / "patch.toml"  # the developer's comments stay
             writes.files[toml] = update_patch_toml(toml.read_text("utf-8"), patch).encode()
@@ -197,17 +260,61 @@ def export_fork(
     return version, items
 
 
+def _check_readable(c: ForkCommit, text: bytes) -> None:
+    """Export writes only what apply can read back: a commit whose diff the series' reader
+    refuses (binary, a mode change, an odd path) or that changes nothing is refused here, so
+    its edit is not written half or the series broken for every later apply."""
+    what = f"commit {c.commit[:12]} ({c.subject!r})"
+    if not text.strip():
+        raise UsageError(f"{what} changes nothing; drop it (git rebase -i), then export")
+    try:
+        diffio.parse_text(decode(text), origin=what)
+    except UsageError as e:
+        hint = (
+            "; a text file shows as binary when an attribute says so (.gitattributes, "
+            ".git/info/attributes)"
+            if "binary" in str(e)
+            else ""
+        )
+        raise UsageError(f"{e}{hint}; the series holds text diffs only") from None
+
+
+def _trailerless(
+    series: Series, c: ForkCommit, version: Version, text: bytes, writes: Writes
+) -> ExportItem:
+    """A commit without a trailer on top of the fork. Whose subject is a patch's reason, it
+    is that patch exported before (its stored diff is this commit's: nothing to do) or that
+    patch's commit which lost its trailer in an amend (refused: written as a new patch it
+    would be a second copy, and the patch left behind); otherwise a new patch."""
+    named = patch_with_reason(series, c.subject)
+    if named is None:
+        return _new_patch(series, c, version, text, writes)
+    if _exported_before(named, version, diffio.render(named.id, named.reason, text)):
+        return ExportItem(named.id, "unchanged", named.variant_for(version).diff)
+    raise UsageError(
+        f"commit {c.commit[:12]} ({c.subject!r}) has no '{engine.TRAILER}:' trailer, but its "
+        f"subject is patch {named.id}'s reason; put the trailer '{engine.TRAILER}: {named.id}' "
+        "back (git commit --amend) to update that patch, or give the commit another subject "
+        "to make it a new patch"
+    )
+
+
 def _new_patch(
     series: Series, c: ForkCommit, version: Version, text: bytes, writes: Writes
 ) -> ExportItem:
     pid = _slug(c.subject)
+    rendered = diffio.render(pid, c.subject, text)
     if any(p.id == pid for p in series.patches) or (series.folder / pid).exists():
-        raise UsageError(f"new commit {c.commit[:12]} would become patch {pid!r}, which exists")
+        raise UsageError(
+            f"new commit {c.commit[:12]} would become patch {pid!r}, which exists; to update "
+            f"that patch, add the trailer '{engine.TRAILER}: {pid}' to the commit (git commit "
+            "--amend), or give the commit another subject"
+        )
     folder = series.folder / pid
     patch = Patch(pid, c.subject, "not-submitted", folder)
     variant = _add_variant(patch, version, split=False)
     writes.folders.append(folder)
-    writes.files[patch.diff_path(variant)] = diffio.render(pid, patch.reason, text)
+    writes.files[patch.diff_path(variant)] = rendered
     writes.files[folder / "patch.toml"] = format_patch_toml(patch).encode()
     listing = series.folder / "series"
     content = writes.files.get(listing, listing.read_bytes()).decode("utf-8")
@@ -216,3 +323,15 @@ def _new_patch(
     ).encode("utf-8")
     series.patches.append(patch)
     return ExportItem(pid, "new-patch", variant.diff)
+
+
+def _exported_before(patch: Patch, version: Version, rendered: bytes) -> bool:
+    """Whether an earlier export already made ``patch`` from this very commit (its diff for
+    ``version`` is what this export would write): a second export then changes nothing."""
+    variant = patch.variant_for(version)
+    if variant is None or variant.skip:
+        return False
+    try:
+        return patch.diff_path(variant).read_bytes() == rendered
+    except OSError:
+        return False

@@ -7,7 +7,8 @@ rather than guessing:
 - the base is the ``Megatron-ROCm-Base`` trailer ``apply`` writes (when it is still an
   ancestor), else the parent of the oldest commit with a ``Megatron-ROCm-Patch`` trailer;
 - a commit without a patch trailer that ``apply`` made (its author is megatron-rocm) lost its
-  trailer in an amend: refused, since its edit would otherwise go unexported;
+  trailer in an amend: refused, since its edit would otherwise go unexported (one whose
+  subject is a patch's reason is ``export``'s to judge: it knows the diffs);
 - a user's commit without a trailer below a patch commit is refused (squash it into its
   patch or move it on top); on top of the last patch commit it becomes a new patch;
 - merges, and a rebase, merge, cherry-pick, revert or bisect in progress, are refused.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from megatron_rocm.errors import UsageError
 from megatron_rocm.patchtool import engine, gitcmd
-from megatron_rocm.patchtool.series import Series
+from megatron_rocm.patchtool.series import Patch, Series
 
 _TRAILER_RE = re.compile(rf"^{engine.TRAILER}:\s*(\S+)\s*$", re.M)
 _BASE_RE = re.compile(rf"^{engine.BASE_TRAILER}:\s*([0-9a-f]{{40,64}})\s*$", re.M)
@@ -32,6 +33,7 @@ IN_PROGRESS = {
     "CHERRY_PICK_HEAD": "a cherry-pick",
     "REVERT_HEAD": "a revert",
     "BISECT_LOG": "a bisect",
+    "sequencer": "a cherry-pick or revert of several commits",  # CHERRY_PICK_HEAD goes between
 }
 
 
@@ -115,10 +117,16 @@ def _base(repo: Path) -> str:
     return fallback
 
 
-def _guess(series: Series, subject: str) -> str:
+def patch_with_reason(series: Series, subject: str) -> Patch | None:
+    """The patch whose reason is this commit subject (``apply`` writes the reason as the
+    subject), if any."""
     norm = " ".join(subject.split())
-    hit = next((p.id for p in series.patches if " ".join(p.reason.split()) == norm), None)
-    return f" (it looks like patch {hit})" if hit else ""
+    return next((p for p in series.patches if " ".join(p.reason.split()) == norm), None)
+
+
+def _guess(series: Series, subject: str) -> str:
+    hit = patch_with_reason(series, subject)
+    return f" (it looks like patch {hit.id})" if hit else ""
 
 
 def fork_commits(repo: Path, series: Series) -> tuple[str, list[ForkCommit]]:

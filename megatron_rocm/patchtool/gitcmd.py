@@ -42,10 +42,16 @@ DIFF_ARGS: tuple[str, ...] = (
     "-U3",
     "--src-prefix=a/",
     "--dst-prefix=b/",
+    "--no-textconv",  # a fork's diff drivers must not rewrite what the series stores
+    "--no-relative",
+    f"-O{os.devnull}",  # the default file order, whatever diff.orderFile says
 )
 
 PINNED_CONFIG: tuple[tuple[str, str], ...] = (
     ("core.quotepath", "false"),
+    ("diff.interHunkContext", "0"),  # the diff settings a fork's config could change
+    ("diff.suppressBlankEmpty", "false"),
+    ("diff.indentHeuristic", "true"),
     ("core.autocrlf", "false"),
     ("core.safecrlf", "false"),
     ("core.fsmonitor", "false"),
@@ -287,14 +293,15 @@ def write_tree(
         env = {"GIT_INDEX_FILE": str(tmp / "index")}
         if base:
             git("read-tree", "--end-of-options", base, cwd=repo, env=env)
-        if entries:
+        if entries:  # NUL-terminated: a path may hold a newline, a tab or a quote
             git(
                 "update-index",
                 "--add",
+                "-z",
                 "--index-info",
                 cwd=repo,
                 env=env,
-                input=("\n".join(entries) + "\n").encode("utf-8", errors="surrogateescape"),
+                input=("\0".join(entries) + "\0").encode("utf-8", errors="surrogateescape"),
             )
         return git_text("write-tree", cwd=repo, env=env)
 

@@ -20,6 +20,7 @@ MAX_FUZZ = 2
 _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+\Z")
 _INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: (\d+))?$", re.M)
 _MODE_RE = re.compile(r"^new file mode (\d+)$", re.M)
+_MODE_CHANGE_RE = re.compile(r"^old mode (\d+)\nnew mode (\d+)$", re.M)
 
 
 @dataclass
@@ -54,8 +55,34 @@ def encode(text: str) -> bytes:
     return text.encode("utf-8", errors="surrogateescape")
 
 
+_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+_OCTAL = re.compile(r"[0-7]{3}")
+
+
+def unquote(name: str) -> str:
+    """A path as git writes it in a diff header, with its C-style quoting undone: ``"a\\tb"``
+    is ``a<TAB>b``, ``\\303\\251`` is the UTF-8 bytes of ``é``. Names without quotes are
+    returned as they are. Stripping only the quotes would make a file called ``a\\nb.py``."""
+    if len(name) < 2 or not (name.startswith('"') and name.endswith('"')):
+        return name
+    body, out, i = name[1:-1], bytearray(), 0
+    while i < len(body):
+        if body[i] != "\\":
+            out += body[i].encode("utf-8", errors="surrogateescape")
+            i += 1
+        elif body[i + 1 : i + 2] in _ESCAPES:
+            out.append(_ESCAPES[body[i + 1]])
+            i += 2
+        elif _OCTAL.fullmatch(body[i + 1 : i + 4]):
+            out.append(int(body[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            raise UsageError(f"corrupt or malformed diff (bad quoting in path {name})")
+    return out.decode("utf-8", errors="surrogateescape")
+
+
 def _strip_prefix(name: str) -> str:
-    name = name.strip('"')
+    name = unquote(name)
     return name[2:] if name[:2] in ("a/", "b/") else name
 
 
@@ -127,6 +154,11 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
             if name != "/dev/null":
                 _check_tree_path(_strip_prefix(name), origin)
         path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
+        change = _MODE_CHANGE_RE.search(info)
+        if change:  # apply keeps a file's mode: a change of it would be dropped without a word
+            raise UsageError(
+                f"{origin}: mode changes are not supported ({path}: {change[1]} -> {change[2]})"
+            )
         old_blob = index.group(1) if index and len(index.group(1)) == 40 else None
         fd = FileDiff(
             path,

@@ -83,6 +83,7 @@ def refuse_orphaning(repo: Path) -> None:
 
 def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> None:
     """Refuse, changing nothing, when switching the work tree would overwrite a file."""
+    _refuse_overwriting_ignored(repo, old, tip, branch)
     env = _private_index(repo, gdir)
     try:
         gitcmd.git(
@@ -103,6 +104,30 @@ def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> Non
         ) from None
     finally:
         (gdir / PRIVATE_INDEX).unlink(missing_ok=True)
+
+
+def _refuse_overwriting_ignored(repo: Path, old: str | None, tip: str, branch: str) -> None:
+    """``read-tree -m -u`` refuses to overwrite an untracked file, but takes an ignored one
+    (``.gitignore``, ``.git/info/exclude``) as expendable, as ``git checkout`` does. A user's
+    ignored file (a local config, notes) is their work too: refuse any file the switch would
+    create where one already is."""
+    added = gitcmd.git(
+        "diff",
+        "--name-only",
+        "-z",
+        "--no-renames",
+        "--diff-filter=A",
+        "--end-of-options",
+        old or _empty_tree(repo),
+        tip,
+        cwd=repo,
+    )
+    for path in added.decode("utf-8", errors="surrogateescape").split("\0"):
+        if path and ((repo / path).exists() or (repo / path).is_symlink()):
+            raise UsageError(
+                f"{repo}: switching to {branch} would overwrite {path}, a file git does not "
+                "track here; move it away, then run again (nothing was changed)"
+            )
 
 
 def write_journal(gdir: Path, j: Journal) -> None:
