@@ -232,3 +232,10 @@ def test_apply_builds_a_branch_the_source_clone_only_tracks_as_check_reads_it(to
     capsys.readouterr()
     assert main(apply_argv(clone, series, root / "other", ref="core_r9.9.9")) == 2
     assert "unknown ref 'core_r9.9.9'" in _one_line(capsys)
+
+
+def test_smoke_only_repeated_keeps_every_name():
+    from megatron_rocm.main import build_parser
+
+    args = build_parser().parse_args(["smoke", "x", "--only", "imports", "--only", "kernels"])
+    assert args.only == ["imports", "kernels"] and args.dir == "x"
