@@ -16,6 +16,7 @@ from megatron_rocm.cache import cache_dir
 from megatron_rocm.envtools import build_byproducts, installer
 from megatron_rocm.errors import EXIT_OK
 from megatron_rocm.output import print_json
+from megatron_rocm.patchtool import refnames
 
 
 def _workdir() -> Path:
@@ -36,7 +37,9 @@ def _show_plan(p: installer.Plan) -> None:
 def install(
     tree_dir: str = ".", editable: bool = True, dry_run: bool = False, as_json: bool = False
 ) -> int:
-    p = installer.plan(tree_dir, editable, _workdir())
+    # "" would resolve to the current folder and install whatever is there: refuse it, as
+    # `apply --dest ""` is refused.
+    p = installer.plan(refnames.check_text(tree_dir, "DIR"), editable, _workdir())
     if dry_run:
         if as_json:
             print_json({**p.to_dict(), "dry_run": True})

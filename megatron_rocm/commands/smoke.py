@@ -10,6 +10,7 @@ from pathlib import Path
 from megatron_rocm.envtools.installer import ROCM_TORCH, check_python, megatron_tree
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
 from megatron_rocm.output import note, writable
+from megatron_rocm.patchtool.refnames import check_text
 from megatron_rocm.runtime.platform import torch_or_none
 
 NEEDS_TREE = ("imports", "training", "parallel", "collectives.tensor_parallel")
@@ -54,6 +55,7 @@ def smoke(
     for option, path in (("--json", json_file), ("--junit", junit_file)):
         if path is not None:  # before the run: an unwritable report must not cost the run
             writable(path, option)
+    check_text(tree_dir, "DIR")  # "" would quietly mean the current folder
     if not Path(tree_dir).is_dir():  # bad input is said before what this machine lacks
         megatron_tree(tree_dir)  # raises: not a Megatron-LM tree
     torch = torch_or_none()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
 from megatron_rocm.errors import SourceError, UsageError
@@ -97,12 +97,54 @@ def installed() -> dict[str, str]:
 
 
 def _read_toml(path: Path) -> dict:
+    """The parsed file, or {} when absent. A malformed file is the tree's fault (UsageError
+    naming it), never a traceback: install and smoke both read the tree's pyproject.toml."""
     if not path.is_file():
         return {}
     if tomllib is None:
         raise SourceError("reading pyproject.toml needs Python 3.11+ (or `pip install tomli`)")
-    with path.open("rb") as f:
-        return tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: malformed TOML ({e})") from None
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _table(doc: dict, key: str, path: Path) -> dict:
+    """``doc[key]`` as a table ({} when absent): a string or a number there must not reach
+    ``.get`` as an AttributeError."""
+    value = doc.get(key, {})
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: [{key}] must be a table, not {type(value).__name__}")
+    return value
+
+
+def _strings(table: dict, key: str, where: str, path: Path) -> list[str]:
+    """``table[key]`` as a list of strings ([] when absent). A bare string is refused, not
+    iterated: ``dependencies = "numpy"`` would otherwise become pip install n u m p y."""
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{path}: [{where}] {key} must be a list of strings")
+    return value
+
+
+def _pyproject(tree: Path) -> tuple[dict, Path]:
+    """The tree's pyproject.toml (parsed, possibly empty) and its path, for messages."""
+    path = tree / "pyproject.toml"
+    return _read_toml(path), path
+
+
+def _read_requirements_txt(path: Path) -> list[str]:
+    """The requirement lines of a setup.py-era ``requirements.txt``, UsageError if unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+    return _requirement_lines(text.splitlines())
 
 
 def _requirement_lines(lines: Sequence[str]) -> list[str]:
@@ -116,11 +158,13 @@ def _requirement_lines(lines: Sequence[str]) -> list[str]:
 
 def tree_requirements(tree: Path) -> list[str]:
     """Runtime dependencies megatron-core declares (static pyproject, else core/requirements)."""
-    project = _read_toml(tree / "pyproject.toml").get("project", {})
-    if "dependencies" in project and "dependencies" not in project.get("dynamic", []):
-        return list(project["dependencies"])
+    doc, path = _pyproject(tree)
+    project = _table(doc, "project", path)
+    dynamic = _strings(project, "dynamic", "project", path)
+    if "dependencies" in project and "dependencies" not in dynamic:
+        return list(_strings(project, "dependencies", "project", path))
     req = tree / "megatron" / "core" / "requirements.txt"  # setup.py-era trees (<= 0.13)
-    return _requirement_lines(req.read_text(encoding="utf-8").splitlines()) if req.is_file() else []
+    return _read_requirements_txt(req) if req.is_file() else []
 
 
 # Imported by megatron.training / pretrain_gpt.py but declared by no megatron-core release
@@ -133,8 +177,14 @@ def training_requirements(have: dict[str, str]) -> list[str]:
     return [name for name in TRAINING_RUNTIME if canonicalize_name(name) not in have]
 
 
-def build_requirements(tree: Path) -> list[str]:
-    return list(_read_toml(tree / "pyproject.toml").get("build-system", {}).get("requires", []))
+def build_requirements(tree: Path) -> list[Requirement]:
+    """``[build-system] requires``, parsed: a malformed entry names the file (UsageError)."""
+    doc, path = _pyproject(tree)
+    texts = _strings(_table(doc, "build-system", path), "requires", "build-system", path)
+    try:
+        return [Requirement(text) for text in texts]
+    except InvalidRequirement as e:
+        raise UsageError(f"{path}: [build-system] requires has an unreadable entry ({e})") from None
 
 
 def _satisfied(req: Requirement, have: dict[str, str]) -> bool:
@@ -179,11 +229,20 @@ def check_python(tree: Path) -> None:
     """Refuse before any step when the tree's ``requires-python`` excludes this interpreter
     (megatron-core 0.17+ needs Python 3.12): pip would only say so after the helpers build,
     and ``smoke`` would fail on a raw ImportError. Shared by ``install`` and ``smoke``."""
-    spec = _read_toml(tree / "pyproject.toml").get("project", {}).get("requires-python")
-    if not spec:
+    doc, path = _pyproject(tree)
+    spec = _table(doc, "project", path).get("requires-python")
+    if spec is None or spec == "":
         return
+    if not isinstance(spec, str):
+        raise UsageError(f"{path}: [project] requires-python must be a string")
+    try:
+        specifiers = SpecifierSet(spec)
+    except InvalidSpecifier as e:
+        raise UsageError(
+            f"{path}: [project] requires-python is not a version range ({e})"
+        ) from None
     here = ".".join(str(n) for n in sys.version_info[:3])
-    if not SpecifierSet(spec).contains(here, prereleases=True):
+    if not specifiers.contains(here, prereleases=True):
         raise SourceError(
             f"this Megatron-LM tree requires Python {spec}, but this is Python {here}; "
             "use a matching interpreter (and its ROCm PyTorch)"
@@ -193,7 +252,7 @@ def check_python(tree: Path) -> None:
 def _needs_isolation(project: Path, have: dict[str, str]) -> bool:
     """Build isolation only when the build backend is missing: without it an install works on
     an offline machine (pip would otherwise fetch setuptools into a fresh build env)."""
-    needs = [Requirement(r) for r in build_requirements(project)]
+    needs = build_requirements(project)
     if not all(_satisfied(r, have) for r in needs):
         return True
     # setuptools before 70.1 builds wheels only with the separate `wheel` package

@@ -149,6 +149,8 @@ def test_smoke_says_a_dir_that_is_not_one_before_a_missing_torch(tmp_path, monke
     for missing in (tmp_path / "afile", tmp_path / "nowhere"):
         with pytest.raises(UsageError, match="not a Megatron-LM tree"):
             smoke_cmd.smoke(str(missing))
+    with pytest.raises(UsageError, match="DIR is empty"):
+        smoke_cmd.smoke("")
 
 
 def test_tree_required_only_by_tree_checks(tmp_path: Path) -> None:
