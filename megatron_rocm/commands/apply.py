@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_rocm.errors import EXIT_OK, Interrupted
 from megatron_rocm.output import hunk_summary, print_json
-from megatron_rocm.patchtool import refnames, transaction, upstream
+from megatron_rocm.patchtool import diffio, refnames, transaction, upstream
 from megatron_rocm.patchtool.results import HunkLabel
 from megatron_rocm.patchtool.series import load_series, parse_version
 
@@ -36,6 +36,7 @@ def _request(
     dest_path = Path(refnames.check_text(dest, "--dest") if dest is not None else "Megatron-LM")
     dest_path = dest_path.expanduser().resolve()
     series = load_series(series_dir)
+    diffio.read_all(series)
     fresh = transaction.is_fresh(dest_path)
     src = upstream.classify(source) if (source is not None or fresh) else None
     if fresh and src is not None and src.kind == "pypi" and ref is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json, print_ref_report
-from megatron_rocm.patchtool import engine, gitcmd, refnames, upstream
+from megatron_rocm.patchtool import diffio, engine, gitcmd, refnames, upstream
 from megatron_rocm.patchtool.results import RefReport
 from megatron_rocm.patchtool.series import Series, load_series, parse_version
 
@@ -44,6 +44,7 @@ def check(
     if version_override is not None:
         parse_version(version_override)
     series = load_series(series_dir)
+    diffio.read_all(series)
     src = upstream.classify(source)
     if src.kind == "pypi" and refs:
         refs = [f"core_v{upstream.pypi.version_from_ref(r)}" for r in refs]

@@ -20,7 +20,7 @@ from megatron_rocm.errors import (
     UsageError,
 )
 from megatron_rocm.output import note, writable, write_file
-from megatron_rocm.patchtool import gitcmd, pypi, refnames, upstream
+from megatron_rocm.patchtool import diffio, gitcmd, pypi, refnames, upstream
 from megatron_rocm.patchtool.matrix import MIN_RELEASE, Matrix, RefSpec, build_matrix, select_refs
 from megatron_rocm.patchtool.report import FORMATS, render, write_reports
 from megatron_rocm.patchtool.series import load_series, parse_version
@@ -112,6 +112,7 @@ def matrix(
     version_override: str | None,
 ) -> int:
     series = load_series(series_dir)  # fail fast on a broken series, before any clone
+    diffio.read_all(series)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise UsageError(f"unknown report format {unknown[0]!r} (choose from {', '.join(FORMATS)})")

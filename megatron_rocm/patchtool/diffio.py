@@ -25,6 +25,7 @@ from pathlib import Path
 
 from megatron_rocm.errors import UsageError
 from megatron_rocm.patchtool.hunks import FileDiff, parse_diff
+from megatron_rocm.patchtool.series import Series
 
 TRAILER = "Megatron-ROCm-Patch"
 FROM_LINE = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001"
@@ -77,6 +78,15 @@ def load(path: Path, patch_id: str | None = None) -> list[FileDiff]:
     if patch_id and named and named != patch_id:
         raise UsageError(f"{path}: its header names patch {named!r}, not {patch_id!r}")
     return files
+
+
+def read_all(series: Series) -> None:
+    """Read every variant's diff now (~50 files, well under a second), so that a corrupt one
+    is bad input before anything is cloned or fetched, not after."""
+    for patch in series.patches:
+        for variant in patch.variants:
+            if not variant.skip:
+                load(patch.diff_path(variant), patch.id)
 
 
 def parse_text(text: str, origin: str) -> list[FileDiff]:

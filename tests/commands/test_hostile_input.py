@@ -239,3 +239,13 @@ def test_smoke_only_repeated_keeps_every_name():
 
     args = build_parser().parse_args(["smoke", "x", "--only", "imports", "--only", "kernels"])
     assert args.only == ["imports", "kernels"] and args.dir == "x"
+
+
+def test_a_corrupt_diff_is_bad_input_before_anything_is_cloned(toy, capsys):
+    root, upstream, series = toy
+    _diff(series).write_text("this is not a diff\n")
+    argv = apply_argv(upstream, series, root / "fork")
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "cloning" not in captured.out and "p-norm/v0.1.diff" in captured.err
+    assert not (root / "fork").exists() and not list(root.glob(".fork.*"))
