@@ -24,6 +24,8 @@ def export(
     repo = Path(refnames.check_text(repo_dir, "--repo")).expanduser().resolve()
     if not gitcmd.is_git_repo(repo):
         raise UsageError(f"{repo} is not a git repository (run export inside a patched fork)")
+    if gitcmd.toplevel(repo) is None:
+        raise UsageError(f"{repo} is a bare repository; run export in the patched fork's checkout")
     series = load_series(series_dir)
     version, items = export_fork(repo, series, version_override, new_variant)
     missing = [i for i in items if i.action == "missing"]

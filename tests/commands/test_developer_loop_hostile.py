@@ -243,3 +243,11 @@ def test_json_on_arguments_argparse_refuses(capsys, argv):
 def test_list_takes_no_megatron_version(capsys):
     assert main(["list", "--megatron-version", "0.12.0"]) == 2
     assert "unrecognized arguments" in _one_line(capsys)
+
+
+def test_export_in_a_bare_repository_is_bad_input(fork, capsys):
+    root, _, series, dest = fork
+    bare = root / "bare.git"
+    run("clone", "-q", "--bare", str(dest), str(bare), cwd=root)
+    assert main(["export", "--repo", str(bare), "--series", str(series)]) == 2
+    assert "bare repository" in _one_line(capsys)
