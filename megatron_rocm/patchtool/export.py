@@ -6,8 +6,9 @@ line numbers). Otherwise the commit's normalized diff replaces it, with the ``gi
 of ``diffio``. A commit without a trailer on top of the fork becomes a new patch appended to
 the series; ``forkscan`` refuses every commit export could not map back safely.
 
-Nothing is written until every commit has been mapped: a refusal half way leaves the series as
-it was, and the writes themselves (each a rename) are not interrupted by Ctrl-C.
+Nothing is written until every commit has been mapped and its diff read back by the reader
+``apply`` uses: a refusal half way leaves the series as it was. The writes are all or nothing
+(``Writes.commit``: a failed rename puts back what had moved) and are not interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
