@@ -29,6 +29,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2), like every other error of the CLI."""
 
     last_error = ""  # the line the latest refusal printed (for --json's error document)
+    prints_json = False  # has a --json flag that puts a document on stdout (``_add_json``)
+    verbs: dict[str, _Parser] = {}  # the top parser's verbs (``build_parser``)
 
     def error(self, message: str) -> NoReturn:
         flat = message.replace("\n", " ")
@@ -65,9 +67,10 @@ def _add_series(parser: argparse.ArgumentParser, version: bool = True) -> None:
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.prints_json = True
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(
         prog="megatron-rocm",
         description="Port upstream Megatron-LM to AMD GPUs (ROCm) with a versioned patch series.",
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.verbs = sub.choices
 
     p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
     _add_source(p)
@@ -235,14 +239,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-JSON_VERBS = ("apply", "check", "export", "list", "install", "doctor")  # --json: stdout
-
-
-def _wants_json(argv: Sequence[str]) -> bool:
+def _wants_json(parser: _Parser, argv: Sequence[str]) -> bool:
     """Whether a command line that argparse refused asked for a JSON document on stdout (its
     verb's ``--json`` flag; ``smoke --json FILE`` names a report file instead)."""
-    verb = next((a for a in argv if not a.startswith("-")), None)
-    return verb in JSON_VERBS and "--json" in argv
+    verb = next((a for a in argv if not a.startswith("-")), "")
+    sub = parser.verbs.get(verb)
+    return sub is not None and sub.prints_json and "--json" in argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # --help, --version, or a usage error already printed
             code = e.code if isinstance(e.code, int) else EXIT_USAGE
             words = list(sys.argv[1:] if argv is None else argv)
-            if code == EXIT_USAGE and _wants_json(words):
+            if code == EXIT_USAGE and _wants_json(parser, words):
                 print_json({"ok": False, "error": _Parser.last_error, "exit_code": code})
             return code
         if args.command is None:
