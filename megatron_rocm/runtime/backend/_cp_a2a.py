@@ -41,6 +41,11 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   run beside that GEMM (``_cp_handoff``, ``PreparedScatter``). ``MEGATRON_ROCM_CP_A2A_HANDOFF``
   picks them (``1`` both, ``forward``, ``backward``, ``0`` neither).
 
+* **Inside a CUDA graph** (Megatron's ``--cuda-graph-impl local`` or ``full_iteration``) the
+  exchanges go through the process group and stay the attention's own: the copy engines' side
+  stream cannot join a capture, and the handoffs are not verified there. Eager calls around
+  the capture keep the group's transport (``link_for_call``).
+
 Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
 probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
 and log-sum-exp for a backward of our own. Needs the query heads divisible by the CP size;
@@ -62,8 +67,9 @@ from megatron_rocm.runtime.backend._cp_copy_engine import (
     Arrival,
     CopyEngineLink,
     Layout,
+    capturing,
     group_key,
-    link_for,
+    link_for_call,
 )
 from megatron_rocm.runtime.backend._cp_early_output import hand_on_early, untracked
 from megatron_rocm.runtime.backend._cp_handoff import (
@@ -75,6 +81,7 @@ from megatron_rocm.runtime.backend._cp_handoff import (
 from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
+from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 
 Tensor = torch.Tensor
 
@@ -482,7 +489,7 @@ def a2a_attention(
     size = dist.get_world_size(group)
     heads, groups = query.shape[2], key.shape[2]
     requested_stages()  # a bad value fails here, before the transport's collectives
-    link = link_for(group, query.device)
+    link = link_for_call(group, query.device)
     stages = stage_count(heads, groups, size, copy_engines=link is not None)
     if groups % size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
@@ -494,6 +501,13 @@ def a2a_attention(
         return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
 
     directions = handoff_directions()
+    if directions and capturing(query.device):
+        # untested inside a CUDA graph: the exchanges stay the attention's own there
+        directions = frozenset()
+        log_fallback_once(
+            "a2a-handoff:capture",
+            "a2a keeps its exchanges from the output projection while a CUDA graph is captured",
+        )
     handoff = None
     if "backward" in directions and torch.is_grad_enabled():
         if any(t.requires_grad for t in (query, key, value)):

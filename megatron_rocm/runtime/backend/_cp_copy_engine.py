@@ -160,6 +160,35 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
     return link
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether this call is being captured into a CUDA graph (Megatron's ``--cuda-graph-impl
+    local`` or ``full_iteration``)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def link_for_call(group: Any, device: torch.device) -> CopyEngineLink | None:
+    """``link_for``, except while a CUDA graph is captured: then the process group.
+
+    A capture cannot take the copy engines' side stream (its earlier work was never captured:
+    CUDA refuses the dependency) nor the first call's probe, whose collectives and symmetric
+    allocation must not be recorded; NCCL's and RCCL's point-to-point can be. So a captured
+    a2a exchanges through the process group, and an explicit ``copy-engine`` is an error there.
+    Eager calls before and after the capture (warm-up, evaluation) keep the group's transport.
+    """
+    if not capturing(device):
+        return link_for(group, device)
+    if requested_transport() == "copy-engine":
+        raise ValueError(
+            f"{TRANSPORT_ENV}=copy-engine: copy engines cannot join a CUDA-graph capture "
+            "(--cuda-graph-impl); unset it or use process-group"
+        )
+    log_fallback_once(
+        "a2a-transport:capture",
+        "a2a exchanges through the process group while a CUDA graph is captured",
+    )
+    return None
+
+
 def group_key(group: Any) -> tuple[str, int]:
     """A CP group's name and identity (``None``: the default group), as its exchanges are
     keyed."""

@@ -60,6 +60,30 @@ def contiguous_split(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return x.chunk(cp, dim=0)[rank].clone()
 
 
+def _as_if_captured(case: Callable[..., Any], a2a: Any, link: Any, **kwargs: Any) -> Any:
+    """Run ``case`` with a2a told it is inside a CUDA-graph capture (CPU worlds cannot capture),
+    failing if it still decides the group's transport (its probe's collectives would be
+    captured) or builds a handoff."""
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def called(*args: Any, **kw: Any) -> Any:
+            raise AssertionError(f"{name} ran inside a capture")
+
+        return called
+
+    saved = (a2a.capturing, link.capturing, a2a.Handoff, a2a.hand_on_early)
+    a2a.capturing = link.capturing = lambda device: True
+    a2a.Handoff, a2a.hand_on_early = refuse("Handoff"), refuse("hand_on_early")
+    link.decide_again()
+    try:
+        result = case(**kwargs)
+    finally:
+        a2a.capturing, link.capturing, a2a.Handoff, a2a.hand_on_early = saved
+    if link._links:
+        raise AssertionError("the group's transport was decided inside a capture")
+    return result
+
+
 def _group(partition: list[list[int]] | None) -> tuple[Any, tuple[int, ...]]:
     """(CP group containing this rank, its global ranks); every rank creates every group."""
     rank = dist.get_rank()
@@ -95,11 +119,21 @@ def parity_case(
     fused: bool = False,
     a2a_stages: int | str | None = None,
     a2a_transport: str | None = None,
+    captured: bool = False,
 ) -> dict[str, Any]:
     """Run CP attention on this rank's shard of the full q/k/v; return output and grads, how
     many batches of transfers a2a posted to the process group (``posts``: one per head group
-    and direction) and whether a2a's exchanges went by copy engines (``copy_engine``)."""
+    and direction) and whether a2a's exchanges went by copy engines (``copy_engine``).
+    ``captured``: a2a sees itself inside a CUDA-graph capture, and must then neither decide its
+    group's transport nor hand an exchange to the projection."""
     from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine
+
+    if captured:
+        return _as_if_captured(
+            parity_case, _cp_a2a, _cp_copy_engine, tensors=tensors, comm_type=comm_type,
+            causal=causal, scale=scale, dtype=dtype, kernel=kernel, partition=partition,
+            layout=layout, fused=fused, a2a_stages=a2a_stages, a2a_transport=a2a_transport,
+        )  # fmt: skip
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
@@ -698,3 +732,48 @@ def missing_peer_case(*, tensors: dict[str, torch.Tensor], absent: int, timeout_
         return {"error": error, "seconds": time.monotonic() - start}
     finally:
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+
+
+def graph_case(*, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """a2a run eagerly under ``auto`` (copy engines on one CUDA host), then captured, forward
+    and backward, into a CUDA graph as Megatron's ``--cuda-graph-impl`` does, and replayed on
+    the same inputs: the replay's output and gradients against the eager ones, and which
+    transport the eager call took."""
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    _cp_copy_engine.decide_again()
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    leaves = [
+        shard(tensors[n], cp, rank).to(device, torch.bfloat16).requires_grad_() for n in "qkv"
+    ]
+    grad = shard(tensors["grad"], cp, rank).to(device, torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        out = context_parallel_attention(
+            *leaves, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+        )
+        out.backward(grad)
+        return out
+
+    eager = [step().detach().clone()] + [leaf.grad.clone() for leaf in leaves]
+    copy_engine = _cp_copy_engine.uses_copy_engines(None)
+    side = torch.cuda.Stream(device=device)  # torch.cuda.graph wants warm-up on a side stream
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for leaf in leaves:
+            leaf.grad = None
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    replayed = [captured] + [leaf.grad for leaf in leaves]
+    return {
+        "copy_engine": copy_engine,
+        "eager": [t.float().cpu() for t in eager],
+        "replayed": [t.float().cpu() for t in replayed],
+    }

@@ -713,6 +713,37 @@ def test_a2a_on_cpu_exchanges_through_the_process_group(worlds, transport) -> No
     assert {(r["posts"], r["copy_engine"]) for r in results} == {(4, False)}
 
 
+def test_a2a_inside_a_cuda_graph_capture_exchanges_through_the_process_group(worlds) -> None:  # noqa: ANN001
+    """Megatron's ``--cuda-graph-impl``: captured, a2a neither decides the group's transport
+    (the copy engines' side stream cannot join a capture) nor hands exchanges to the
+    projection, and gives the same attention through the process group."""
+    results = _assert_parity(worlds(2), GQA, comm_type="a2a", captured=True)
+    assert {(r["posts"], r["copy_engine"]) for r in results} == {(4, False)}
+
+
+@pytest.mark.parametrize("choice", ["auto", "process-group", "copy-engine"])
+def test_copy_engines_asked_for_inside_a_capture_fail_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    from megatron_rocm.runtime.backend import _cp_copy_engine
+
+    def decided(*args: object) -> None:
+        raise AssertionError("the group's transport was decided inside a capture")
+
+    monkeypatch.setattr(_cp_copy_engine, "capturing", lambda device: True)
+    monkeypatch.setattr(_cp_copy_engine, "link_for", decided)
+    monkeypatch.setenv(_cp_copy_engine.TRANSPORT_ENV, choice)
+    if choice != "copy-engine":
+        assert _cp_copy_engine.link_for_call(None, torch.device("cuda", 0)) is None
+        return
+    with pytest.raises(ValueError) as failure:
+        _cp_copy_engine.link_for_call(None, torch.device("cuda", 0))
+    assert str(failure.value) == (
+        "MEGATRON_ROCM_CP_A2A_TRANSPORT=copy-engine: copy engines cannot join a CUDA-graph "
+        "capture (--cuda-graph-impl); unset it or use process-group"
+    )
+
+
 def test_copy_engines_asked_for_where_they_cannot_work_fail_in_one_line(worlds) -> None:  # noqa: ANN001
     with pytest.raises(AssertionError) as failure:  # the world's report of each rank's error
         _assert_parity(worlds(2), GQA, comm_type="a2a", a2a_transport="copy-engine")
@@ -778,6 +809,20 @@ def test_gpu_a2a_transports(gpu_world: World, transport: str, stages: int, causa
     )  # fmt: skip
     want = (0, True) if transport == "copy-engine" else (4 * stages, False)
     assert {(r["posts"], r["copy_engine"]) for r in results} == {want}
+
+
+@pytest.mark.gpu
+def test_gpu_a2a_captured_in_a_cuda_graph_replays_the_eager_attention(gpu_world: World) -> None:
+    """Eager a2a on copy engines, then the same step captured in a CUDA graph (through the
+    process group) and replayed: the same output and gradients."""
+    if torch.version.hip:
+        pytest.skip("copy engines through symmetric memory are not measured on ROCm yet")
+    results = gpu_world.run("graph_case", tensors=_inputs(A2A_GPU_SHAPE, torch.bfloat16))
+    for result in results:
+        assert result["copy_engine"]
+        for name, eager, replayed in zip(["out", "dq", "dk", "dv"], result["eager"],
+                                         result["replayed"], strict=True):  # fmt: skip
+            torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2, msg=name)
 
 
 @pytest.mark.gpu
