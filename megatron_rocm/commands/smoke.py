@@ -19,8 +19,9 @@ NEEDS_TREE = ("imports", "training", "parallel", "collectives.tensor_parallel")
 def _tree_for(checks: list, tree_dir: str) -> Path | None:
     """A tree is required when a selected check needs one; otherwise used only if valid.
 
-    A tree this Python cannot run (its ``requires-python``, as ``install`` checks it) is
-    refused with one line when required, and left out with a note otherwise.
+    A tree this Python cannot run (its ``requires-python``, as ``install`` checks it) or whose
+    ``pyproject.toml`` cannot be read is refused with one line when required, and left out with
+    a note otherwise; a folder that is no Megatron-LM tree at all is left out quietly.
     """
     if any(c.name == p or c.name.startswith(p + ".") for c in checks for p in NEEDS_TREE):
         try:
@@ -31,10 +32,11 @@ def _tree_for(checks: list, tree_dir: str) -> Path | None:
         return tree
     try:
         tree = megatron_tree(tree_dir)
-        check_python(tree)
     except UsageError:
         return None
-    except SourceError as e:
+    try:
+        check_python(tree)
+    except (UsageError, SourceError) as e:
         note(f"not using the tree: {e}")
         return None
     return tree

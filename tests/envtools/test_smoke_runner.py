@@ -160,6 +160,22 @@ def test_tree_required_only_by_tree_checks(tmp_path: Path) -> None:
         smoke_cmd._tree_for([runner.Check("imports.megatron_core", _pass)], str(tmp_path))
 
 
+def test_a_tree_the_kernel_checks_cannot_read_is_left_out_with_a_note(
+    tmp_path: Path, capsys
+) -> None:
+    """A Megatron tree with a malformed pyproject.toml is not silently dropped: the kernels
+    run without it and the user is told why (the tree checks refuse it, exit 2)."""
+    (tmp_path / "megatron/core").mkdir(parents=True)
+    (tmp_path / "megatron/core/package_info.py").write_text("MAJOR, MINOR, PATCH = 0, 16, 0\n")
+    (tmp_path / "pyproject.toml").write_text("[project\n")
+    kernels = [runner.Check("kernels.a", _pass)]
+    assert smoke_cmd._tree_for(kernels, str(tmp_path)) is None
+    err = capsys.readouterr().err
+    assert err.startswith("note: not using the tree: ") and "malformed TOML" in err
+    with pytest.raises(UsageError, match="malformed TOML"):
+        smoke_cmd._tree_for([runner.Check("imports.megatron_core", _pass)], str(tmp_path))
+
+
 def _tree(tmp_path: Path, scope: list[str]) -> Path:
     import subprocess
 
