@@ -1,3 +1,3 @@
-from megatron_rocm.main import main
+from megatron_rocm.main import cli
 
-raise SystemExit(main())
+raise SystemExit(cli())

@@ -9,6 +9,7 @@ one line, and guards stdout against a closed pipe.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -270,5 +271,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result.code
 
 
+def cli() -> int:
+    """The console command: ``main``, then no traceback from a Ctrl-C that lands once it is
+    done. The exit code is decided by then, so a late SIGINT is ignored for the exit itself
+    (SIGTERM and SIGHUP end the process without a traceback anyway); one that lands in
+    ``main``'s own last lines is said in one line, as any interrupt is."""
+    try:
+        code = main()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        say(interrupted_line(e))
+        code = interrupted_code(e)
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

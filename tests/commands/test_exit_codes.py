@@ -145,3 +145,34 @@ def test_smoke_checks_requires_python_like_install(tmp_path, capsys):
     (tree / "pyproject.toml").write_text('[project]\nname = "x"\nrequires-python = ">=3.99"\n')
     assert main(["smoke", str(tree), "--only", "imports"]) == EXIT_ENVIRONMENT
     assert "requires Python >=3.99" in one_line(capsys)
+
+
+@pytest.fixture
+def sigint_restored():
+    import signal
+
+    saved = signal.getsignal(signal.SIGINT)
+    yield signal
+    signal.signal(signal.SIGINT, saved)
+
+
+def test_a_ctrl_c_after_the_work_cannot_print_a_traceback(monkeypatch, sigint_restored):
+    """The console command ignores SIGINT once ``main`` has decided the exit code: a late
+    Ctrl-C would otherwise surface as Python's KeyboardInterrupt traceback at exit."""
+    from megatron_rocm import main as cli_module
+
+    monkeypatch.setattr(cli_module, "main", lambda: 0)
+    assert cli_module.cli() == 0
+    assert sigint_restored.getsignal(sigint_restored.SIGINT) is sigint_restored.SIG_IGN
+
+
+def test_a_ctrl_c_in_mains_last_lines_is_one_line(monkeypatch, capsys, sigint_restored):
+    from megatron_rocm import main as cli_module
+
+    def interrupted_late() -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "main", interrupted_late)
+    assert cli_module.cli() == 130
+    assert one_line(capsys) == "megatron-rocm: interrupted\n"
+    assert sigint_restored.getsignal(sigint_restored.SIGINT) is sigint_restored.SIG_IGN
