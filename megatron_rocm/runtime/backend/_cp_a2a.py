@@ -67,7 +67,6 @@ from megatron_rocm.runtime.backend._cp_copy_engine import (
     Arrival,
     CopyEngineLink,
     Layout,
-    capturing,
     group_key,
     link_for_call,
 )
@@ -82,6 +81,7 @@ from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend._cp_ring import bhsd
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.platform import capturing
 
 Tensor = torch.Tensor
 

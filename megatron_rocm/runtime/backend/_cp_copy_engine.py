@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+from megatron_rocm.runtime.platform import capturing
 
 Tensor = torch.Tensor
 
@@ -158,12 +159,6 @@ def link_for(group: Any, device: torch.device) -> CopyEngineLink | None:
             link = None
     _links[key] = link
     return link
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether this call is being captured into a CUDA graph (Megatron's ``--cuda-graph-impl
-    local`` or ``full_iteration``)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def link_for_call(group: Any, device: torch.device) -> CopyEngineLink | None:

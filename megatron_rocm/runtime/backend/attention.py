@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend.sdpa import sdpa_sbhd
+from megatron_rocm.runtime.platform import capturing
 
 _OWNER = "TEDotProductAttention"
 
@@ -250,10 +251,14 @@ class TEDotProductAttention(torch.nn.Module):
             or attention_mask.dtype != torch.bool
         ):
             return None
-        from megatron_rocm.runtime.backend.document_mask import documents_from_causal_mask
+        from megatron_rocm.runtime.backend import document_mask
 
+        if capturing(query.device) and document_mask.ignorable_when_captured(
+            attention_mask, query.shape[1]
+        ):
+            return None  # the eager warm-up read masks of this shape: plain causal
         # Reading the mask syncs with the GPU: done once per mask tensor (cached), not per layer.
-        documents = documents_from_causal_mask(attention_mask, query.shape[1])
+        documents = document_mask.documents_from_causal_mask(attention_mask, query.shape[1])
         return None if documents is None or documents.plain_causal else documents
 
     def _context_parallel(
@@ -298,6 +303,11 @@ class TEDotProductAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError(f"{_OWNER}: packed sequences with an attention bias are not supported")
+        if capturing(query.device):
+            raise ValueError(
+                f"{_OWNER}: packed (THD) sequences read their cu_seqlens on the host, which a "
+                "CUDA graph cannot (--cuda-graph-impl); leave CUDA graphs off for packed data"
+            )
         if mask_type == "arbitrary":
             raise ValueError(
                 f"{_OWNER}: packed (THD) sequences take their mask from cu_seqlens; an "

@@ -35,6 +35,8 @@ class DocumentMask:
 
 
 _last: list[tuple[weakref.ref, int, int, DocumentMask | None]] = []
+# per mask shape, batch size and device: whether any mask read so far held documents
+_documents_met: dict[tuple, bool] = {}
 
 
 def documents_from_causal_mask(
@@ -51,7 +53,40 @@ def documents_from_causal_mask(
             return result
     result = _documents(attention_mask, batch_size)
     _last[:] = [(weakref.ref(attention_mask), attention_mask._version, batch_size, result)]
+    key = _shape_key(attention_mask, batch_size)
+    _documents_met[key] = _documents_met.get(key, False) or not (
+        result is None or result.plain_causal
+    )
     return result
+
+
+def ignorable_when_captured(attention_mask: torch.Tensor, batch_size: int) -> bool:
+    """Whether a causal-type mask met inside a CUDA-graph capture may be ignored, as TE would.
+
+    The capture cannot read it (a host sync), and whatever is decided is what every replay
+    runs. Megatron's ``--cuda-graph-impl local`` warms up eagerly first, so masks of this
+    shape were read then: when none of them held documents (the default loader's plain causal
+    mask), neither does this one. Documents (``--reset-attention-mask`` data) change with every
+    batch, which no captured graph can follow, and a mask never read eagerly cannot be judged:
+    both are a one-line error.
+    """
+    met = _documents_met.get(_shape_key(attention_mask, batch_size))
+    if met is False:
+        return True
+    why = (
+        "its documents (--reset-attention-mask data) change with every batch"
+        if met
+        else "no mask of its shape was read before the capture"
+    )
+    raise ValueError(
+        "TEDotProductAttention: a causal attention mask cannot be read inside a CUDA graph "
+        f"(--cuda-graph-impl): {why}; pass --no-create-attention-mask-in-dataloader for plain "
+        "causal data, or leave CUDA graphs off"
+    )
+
+
+def _shape_key(mask: torch.Tensor, batch_size: int) -> tuple:
+    return tuple(mask.shape), batch_size, mask.device
 
 
 def _documents(mask: torch.Tensor, batch_size: int) -> DocumentMask | None:

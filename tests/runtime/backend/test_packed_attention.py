@@ -636,3 +636,61 @@ def test_the_default_causal_mask_is_read_once_for_all_layers(
         docs = TEDotProductAttention._documents(q, q, reset, "causal", None)
         assert docs.cu_seqlens.tolist() == [0, 3, 6, 9, 12]
     assert len(reads) == 2
+
+
+# ------------------------------------------------------------------ inside a CUDA-graph capture
+
+
+def test_a_mask_inside_a_capture_is_judged_by_the_eager_warm_up(monkeypatch) -> None:  # noqa: ANN001
+    """A capture cannot read the mask: the masks of its shape read eagerly before (Megatron's
+    warm-up iterations) decide, and documents, or no such read, are one line."""
+    monkeypatch.setattr(document_mask, "_documents_met", {})
+    plain, documents = _reset_mask([[]], 6), _reset_mask([[2]], 6)
+    with pytest.raises(ValueError, match="no mask of its shape was read before the capture"):
+        document_mask.ignorable_when_captured(plain, 2)
+    document_mask.documents_from_causal_mask(plain, 2)
+    assert document_mask.ignorable_when_captured(plain.clone(), 2)
+    document_mask.documents_from_causal_mask(documents, 2)
+    with pytest.raises(ValueError) as failure:
+        document_mask.ignorable_when_captured(plain.clone(), 2)
+    assert str(failure.value) == (
+        "TEDotProductAttention: a causal attention mask cannot be read inside a CUDA graph "
+        "(--cuda-graph-impl): its documents (--reset-attention-mask data) change with every "
+        "batch; pass --no-create-attention-mask-in-dataloader for plain causal data, or leave "
+        "CUDA graphs off"
+    )
+
+
+def test_the_attention_does_not_read_a_plain_mask_inside_a_capture(monkeypatch) -> None:  # noqa: ANN001
+    from megatron_rocm.runtime.backend import attention
+
+    monkeypatch.setattr(document_mask, "_documents_met", {})
+    s, b = 6, 2
+    q = k = torch.zeros(s, b, 2, 4)
+    mask = _reset_mask([[]], s)
+    document_mask.documents_from_causal_mask(mask, b)  # the eager warm-up
+    monkeypatch.setattr(attention, "capturing", lambda device: True)
+
+    def read(*args: object) -> None:
+        raise AssertionError("the mask was read inside a capture")
+
+    monkeypatch.setattr(document_mask, "documents_from_causal_mask", read)
+    documents = attention.TEDotProductAttention._documents(q, k, mask.clone(), "causal", None)
+    assert documents is None
+
+
+def test_packed_sequences_inside_a_capture_are_one_line(monkeypatch) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from megatron_rocm.runtime.backend import attention
+
+    monkeypatch.setattr(attention, "capturing", lambda device: True)
+    q = torch.zeros(6, 1, 2, 4)
+    with pytest.raises(ValueError) as failure:
+        attention.TEDotProductAttention._packed(
+            SimpleNamespace(cp_size=1), q, q, q, "causal", None, SimpleNamespace()
+        )
+    assert str(failure.value) == (
+        "TEDotProductAttention: packed (THD) sequences read their cu_seqlens on the host, which "
+        "a CUDA graph cannot (--cuda-graph-impl); leave CUDA graphs off for packed data"
+    )
