@@ -76,7 +76,7 @@ def ignorable_when_captured(attention_mask: torch.Tensor, batch_size: int) -> bo
     why = (
         "its documents (--reset-attention-mask data) change with every batch"
         if met
-        else "no mask of its shape was read before the capture"
+        else "no mask of its shape was read before the capture (eager warm-up steps read them)"
     )
     raise ValueError(
         "TEDotProductAttention: a causal attention mask cannot be read inside a CUDA graph "

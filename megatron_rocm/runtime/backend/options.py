@@ -132,6 +132,21 @@ LEGACY_GROUPED_GEMM = TeOnlyOption(
 )
 
 
+def _graphs_over_documents(args: Any) -> bool:
+    """``--reset-attention-mask`` data under Megatron's CUDA graphs on the native attention.
+
+    The native attention honours that data's block-causal mask (TE ignores it) by reading its
+    documents on the host every batch; a captured graph replays one batch's decision for all
+    of them, so the combination cannot train as asked. The local spec's unfused softmax reads
+    the mask on the GPU and is not concerned.
+    """
+    graphs = getattr(args, "cuda_graph_impl", "none") in ("local", "full_iteration") or bool(
+        getattr(args, "enable_cuda_graph", False)
+    )
+    native = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    return graphs and native and bool(getattr(args, "reset_attention_mask", False))
+
+
 def transformer_engine_installed() -> bool:
     """Whether ``import transformer_engine`` can work (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -144,6 +159,12 @@ def te_only_options_in_use(args: Any) -> list[str]:
         for opt in TE_ONLY_OPTIONS
         if hasattr(args, opt.dest) and opt.is_set(getattr(args, opt.dest))
     ]
+    if _graphs_over_documents(args):
+        problems.append(
+            "--reset-attention-mask with --cuda-graph-impl: without TransformerEngine the "
+            "attention reads each batch's documents on the host, which a CUDA graph cannot "
+            "follow; drop one of the two, or use --transformer-impl local"
+        )
     legacy = LEGACY_GROUPED_GEMM
     if hasattr(args, legacy.dest) and legacy.is_set(getattr(args, legacy.dest)):
         problems.append(

@@ -93,3 +93,27 @@ def test_legacy_grouped_gemm_needs_its_package(monkeypatch):
     (message,) = te_only_options_in_use(args)
     assert "--moe-use-legacy-grouped-gemm" in message and "--moe-grouped-gemm" in message
     assert te_only_options_in_use(SimpleNamespace(**DEFAULTS)) == []
+
+
+@pytest.mark.parametrize(
+    ("graphs", "impl", "refused"),
+    [
+        ({"cuda_graph_impl": "local"}, "transformer_engine", True),
+        ({"cuda_graph_impl": "full_iteration"}, "transformer_engine", True),
+        ({"enable_cuda_graph": True}, "transformer_engine", True),  # the older spelling
+        ({"cuda_graph_impl": "local"}, "local", False),  # the unfused softmax reads it on the GPU
+        ({"cuda_graph_impl": "none"}, "transformer_engine", False),
+    ],
+)
+def test_document_masks_under_cuda_graphs_are_refused_on_the_native_attention(
+    graphs, impl, refused
+):
+    args = SimpleNamespace(
+        **{**DEFAULTS, **graphs, "transformer_impl": impl, "reset_attention_mask": True}
+    )
+    want = [
+        "--reset-attention-mask with --cuda-graph-impl: without TransformerEngine the attention "
+        "reads each batch's documents on the host, which a CUDA graph cannot follow; drop one "
+        "of the two, or use --transformer-impl local"
+    ]
+    assert te_only_options_in_use(args) == (want if refused else [])
