@@ -10,13 +10,14 @@ Gloo on the CPU; NCCL (RCCL on ROCm) with one GPU per rank for the ``gpu`` cases
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -60,10 +61,13 @@ def contiguous_split(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return x.chunk(cp, dim=0)[rank].clone()
 
 
-def _as_if_captured(case: Callable[..., Any], a2a: Any, link: Any, **kwargs: Any) -> Any:
-    """Run ``case`` with a2a told it is inside a CUDA-graph capture (CPU worlds cannot capture),
-    failing if it still decides the group's transport (its probe's collectives would be
-    captured) or builds a handoff."""
+@contextlib.contextmanager
+def _as_if_captured() -> Iterator[None]:
+    """a2a told it is inside a CUDA-graph capture (CPU worlds cannot capture), failing if it
+    still decides the group's transport (its probe's collectives would be captured) or builds
+    a handoff."""
+    from megatron_rocm.runtime.backend import _cp_a2a as a2a
+    from megatron_rocm.runtime.backend import _cp_copy_engine as link
 
     def refuse(name: str) -> Callable[..., Any]:
         def called(*args: Any, **kw: Any) -> Any:
@@ -76,12 +80,11 @@ def _as_if_captured(case: Callable[..., Any], a2a: Any, link: Any, **kwargs: Any
     a2a.Handoff, a2a.hand_on_early = refuse("Handoff"), refuse("hand_on_early")
     link.decide_again()
     try:
-        result = case(**kwargs)
+        yield
     finally:
         a2a.capturing, link.capturing, a2a.Handoff, a2a.hand_on_early = saved
     if link._links:
         raise AssertionError("the group's transport was decided inside a capture")
-    return result
 
 
 def _group(partition: list[list[int]] | None) -> tuple[Any, tuple[int, ...]]:
@@ -119,21 +122,11 @@ def parity_case(
     fused: bool = False,
     a2a_stages: int | str | None = None,
     a2a_transport: str | None = None,
-    captured: bool = False,
 ) -> dict[str, Any]:
     """Run CP attention on this rank's shard of the full q/k/v; return output and grads, how
     many batches of transfers a2a posted to the process group (``posts``: one per head group
-    and direction) and whether a2a's exchanges went by copy engines (``copy_engine``).
-    ``captured``: a2a sees itself inside a CUDA-graph capture, and must then neither decide its
-    group's transport nor hand an exchange to the projection."""
+    and direction) and whether a2a's exchanges went by copy engines (``copy_engine``)."""
     from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine
-
-    if captured:
-        return _as_if_captured(
-            parity_case, _cp_a2a, _cp_copy_engine, tensors=tensors, comm_type=comm_type,
-            causal=causal, scale=scale, dtype=dtype, kernel=kernel, partition=partition,
-            layout=layout, fused=fused, a2a_stages=a2a_stages, a2a_transport=a2a_transport,
-        )  # fmt: skip
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
@@ -170,6 +163,13 @@ def parity_case(
     result.update({f"d{n}": grad for n, grad in zip("qkv", grads)})
     tensors = {n: t.float().cpu() for n, t in result.items()}
     return {"members": members, "posts": len(posted), "copy_engine": copy_engine, **tensors}
+
+
+def captured_parity_case(**case: Any) -> dict[str, Any]:
+    """``parity_case`` with a2a inside a CUDA-graph capture, as far as it can tell: it must
+    then neither decide its group's transport nor hand an exchange to the projection."""
+    with _as_if_captured():
+        return parity_case(**case)
 
 
 def ring_hop_case(*, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:

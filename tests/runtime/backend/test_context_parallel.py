@@ -441,11 +441,12 @@ def _reference(tensors: dict[str, torch.Tensor], causal: bool, scale: float | No
 
 def _assert_parity(world: World, shape, dtype=torch.float32, *, causal: bool = True,  # noqa: ANN001
                    scale: float | None = None, tol: float | None = None, layout: str = "zigzag",
-                   **case) -> list[dict]:  # fmt: skip
-    """Every rank's result, once outputs and gradients matched the reference."""
+                   run: str = "parity_case", **case) -> list[dict]:  # fmt: skip
+    """Every rank's result (``run``: the world's case), once outputs and gradients matched the
+    reference."""
     tensors = _inputs(shape, dtype)
     results = world.run(
-        "parity_case",
+        run,
         tensors=tensors,
         causal=causal,
         scale=scale,
@@ -717,7 +718,7 @@ def test_a2a_inside_a_cuda_graph_capture_exchanges_through_the_process_group(wor
     """Megatron's ``--cuda-graph-impl``: captured, a2a neither decides the group's transport
     (the copy engines' side stream cannot join a capture) nor hands exchanges to the
     projection, and gives the same attention through the process group."""
-    results = _assert_parity(worlds(2), GQA, comm_type="a2a", captured=True)
+    results = _assert_parity(worlds(2), GQA, comm_type="a2a", run="captured_parity_case")
     assert {(r["posts"], r["copy_engine"]) for r in results} == {(4, False)}
 
 
