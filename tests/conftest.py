@@ -23,3 +23,14 @@ def toy(tmp_path: Path) -> tuple[Path, Path, Path]:
     """(scratch folder, upstream repo with core_v0.1.0..0.6.0 tags, patches/ folder)."""
     upstream = make_upstream(tmp_path)
     return tmp_path, upstream, make_series(tmp_path, upstream)
+
+
+@pytest.fixture
+def matrix_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per time ``matrix`` started its work (``build_matrix``, stubbed): tests of
+    refusals that must come before the work read it empty."""
+    called: list[int] = []
+    monkeypatch.setattr(
+        "megatron_rocm.commands.matrix.build_matrix", lambda *a, **k: called.append(1)
+    )
+    return called

@@ -84,18 +84,14 @@ def test_export_through_a_closed_pipe(toy):
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
-def test_matrix_out_that_cannot_be_written_fails_before_the_work(toy, capsys, monkeypatch):
+def test_matrix_out_that_cannot_be_written_fails_before_the_work(toy, capsys, matrix_runs):
     _, upstream, series = toy
     blocker = upstream.parent / "a-file"
     blocker.write_text("x")
-    called = []
-    monkeypatch.setattr(
-        "megatron_rocm.commands.matrix.build_matrix", lambda *a, **k: called.append(1)
-    )
     argv = ["matrix", "--source", str(upstream), "--series", str(series), "--no-scan"]
     assert main([*argv, "--out", str(blocker / "m.md")]) == EXIT_ENVIRONMENT
     assert "is not a folder" in one_line(capsys)
-    assert called == []  # refused before any work
+    assert matrix_runs == []  # refused before any work
 
 
 def test_matrix_write_failure_after_the_work_is_one_line(toy, capsys, monkeypatch):

@@ -134,17 +134,13 @@ def test_patched_fork_commit_is_an_error_row_not_droppable(toy, capsys):
     ],
 )
 def test_out_file_where_a_folder_is_needed_is_usage(
-    toy, capsys, monkeypatch, formats, suffix, message
+    toy, capsys, matrix_runs, formats, suffix, message
 ):
     _, upstream, series = toy
     existing = upstream.parent / "existing.md"
     existing.write_text("keep me\n")
-    called = []
-    monkeypatch.setattr(
-        "megatron_rocm.commands.matrix.build_matrix", lambda *a, **k: called.append(1)
-    )
     fmt = [arg for f in formats for arg in ("--format", f)]
     argv = matrix_argv(upstream, series, *fmt, "--out", f"{existing}{suffix}")
     assert main(argv) == EXIT_USAGE
     assert message in one_line(capsys)
-    assert called == [] and existing.read_text() == "keep me\n"
+    assert matrix_runs == [] and existing.read_text() == "keep me\n"
