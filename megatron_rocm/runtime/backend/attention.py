@@ -13,7 +13,8 @@ Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`
   within each document (``backend.document_mask``); TE ignores that mask.
 
 Features that only TE's kernels have (non-vanilla softmax with sinks, returning the max logit for
-QK-clip, ``num_splits`` for batch invariance) are refused in the constructor with one clear line;
+QK-clip, ``num_splits`` or ``batch_invariant_mode`` for batch invariance) are refused in the
+constructor with one clear line;
 ``backend.options`` refuses the flags behind them earlier, at argument validation.
 ``apply_query_key_layer_scaling`` has no effect, as with TE: it only guards fp16 overflow in an
 unfused softmax, and SDPA accumulates in fp32.
@@ -143,6 +144,11 @@ class TEDotProductAttention(torch.nn.Module):
         if num_splits is not None:
             raise ValueError(
                 f"{_OWNER}: num_splits={num_splits} (batch-invariant attention) needs "
+                f"TransformerEngine's flash-attention; remove it"
+            )
+        if getattr(config, "batch_invariant_mode", False):
+            raise ValueError(
+                f"{_OWNER}: batch_invariant_mode (batch-invariant attention) needs "
                 f"TransformerEngine's flash-attention; remove it"
             )
 

@@ -23,7 +23,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_rocm.runtime.backend._init_rng import te_style_init
-from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
+from megatron_rocm.runtime.backend.linear import column_parallel_kwargs, refuse_te_only_config
 from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
 
@@ -48,6 +48,7 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         owner = type(self).__name__
         if is_expert:
             raise ValueError(f"{owner}: TE linear layers do not yet support MoE")
+        refuse_te_only_config(owner, config)
         extra = column_parallel_kwargs(owner, gather_output, skip_weight_param_allocation, kwargs)
         with te_style_init():  # TE builds without a seeded tracker (see _init_rng)
             super().__init__(

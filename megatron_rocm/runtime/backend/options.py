@@ -104,6 +104,16 @@ TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
         _not_in(None, 0),
     ),
     TeOnlyOption(
+        "te_precision_config_file",
+        "--te-precision-config-file",
+        "remove it; per-module precision recipes need TE's quantized GEMMs (train in bf16)",
+    ),
+    TeOnlyOption(
+        "use_te_activation_func",
+        "--use-te-activation-func",
+        "remove it; the MLP then applies --swiglu or its default activation natively",
+    ),
+    TeOnlyOption(
         "cp_comm_type",
         "--cp-comm-type a2a+p2p",
         "use --cp-comm-type p2p, all_gather or a2a (hierarchical CP needs TE)",
@@ -143,8 +153,22 @@ def _graphs_over_documents(args: Any) -> bool:
     graphs = getattr(args, "cuda_graph_impl", "none") in ("local", "full_iteration") or bool(
         getattr(args, "enable_cuda_graph", False)
     )
-    native = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-    return graphs and native and bool(getattr(args, "reset_attention_mask", False))
+    return graphs and _native_spec(args) and bool(getattr(args, "reset_attention_mask", False))
+
+
+def _native_spec(args: Any) -> bool:
+    return getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
+def _meta_init_on_native(args: Any) -> bool:
+    """``--init-model-with-meta-device`` on the TE spec's native modules.
+
+    TE builds its modules' parameters on the meta device for Megatron-FSDP (or FSDP2) to
+    materialise shard by shard; the native column, row and norm-fused linears are upstream's
+    local classes, which allocate on the GPU (so the flag would save nothing), and the others
+    have no ``reset_parameters`` for FSDP to call. The local spec is upstream's own business.
+    """
+    return bool(getattr(args, "init_model_with_meta_device", False)) and _native_spec(args)
 
 
 def transformer_engine_installed() -> bool:
@@ -164,6 +188,12 @@ def te_only_options_in_use(args: Any) -> list[str]:
             "--reset-attention-mask with --cuda-graph-impl: without TransformerEngine the "
             "attention reads each batch's documents on the host, which a CUDA graph cannot "
             "follow; drop one of the two, or use --transformer-impl local"
+        )
+    if _meta_init_on_native(args):
+        problems.append(
+            "--init-model-with-meta-device: without TransformerEngine the TE spec's linears are "
+            "built on the GPU, as upstream's local ones are, so it would save no memory; remove "
+            "it (or install TransformerEngine)"
         )
     legacy = LEGACY_GROUPED_GEMM
     if hasattr(args, legacy.dest) and legacy.is_set(getattr(args, legacy.dest)):

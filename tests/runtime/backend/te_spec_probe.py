@@ -232,6 +232,48 @@ def _raises(fn, text: str) -> bool:
     return False
 
 
+def _te_only_config_refused(cfg, common: dict) -> dict:  # noqa: ANN001
+    """Config fields of this tag that only TE's modules honour -> whether each native module
+    refuses to build with it set (one flag per module, in the order built below)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rocm.runtime.backend.te_names import (
+        TEColumnParallelLinear,
+        TEDotProductAttention,
+        TELayerNormColumnParallelLinear,
+        TELinear,
+        TERowParallelLinear,
+    )
+
+    linears = [
+        lambda: TEColumnParallelLinear(8, 8, gather_output=False, **common),
+        lambda: TERowParallelLinear(8, 8, input_is_parallel=True, **common),
+        lambda: TELayerNormColumnParallelLinear(8, 8, gather_output=False, **common),
+        lambda: TELinear(
+            8, 8, parallel_mode="duplicated", skip_weight_param_allocation=False, **common
+        ),
+    ]
+    cases = {
+        "quant_recipe": ("precision recipe", linears),
+        "use_te_activation_func": ("activation ops", linears),
+        "batch_invariant_mode": (
+            "batch_invariant_mode",
+            [lambda: TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self")],
+        ),
+    }
+    refused = {}
+    for field, (text, builds) in cases.items():
+        if not hasattr(cfg, field):
+            continue
+        before = getattr(cfg, field)
+        setattr(cfg, field, object() if field == "quant_recipe" else True)
+        try:
+            refused[field] = [_raises(build, text) for build in builds]
+        finally:
+            setattr(cfg, field, before)
+    return refused
+
+
 def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
     """TERowParallelLinear at one TP rank: an input an a2a attention offered runs on
     ``LinearFunction``, whose backward starts the attention's exchange before the weight
@@ -415,6 +457,8 @@ def modules_case() -> dict:
         out["sinks_refused"] = _raises(
             lambda: TEDotProductAttention(cfg, 1, AttnMaskType.causal, "self"), "softmax_type"
         )
+        cfg.softmax_type = "vanilla"
+    out["te_only_config_refused"] = _te_only_config_refused(cfg, common)
     out.update(cross_entropy_wiring())
     out.update(swiglu_wiring())
     out["experimental_spec_provider"] = _experimental_attention_spec_provider(cfg)

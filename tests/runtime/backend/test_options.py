@@ -35,8 +35,11 @@ DEFAULTS = {
     "moe_latent_size": None,
     "transformer_impl": "transformer_engine",
     "cp_comm_type": ["p2p"],
+    "te_precision_config_file": None,
+    "use_te_activation_func": False,
 }
 SET = {
+    "te_precision_config_file": "precision.yaml",
     "fp8": "hybrid",
     "fp4": "nvfp4",
     "cuda_graph_impl": "transformer_engine",
@@ -117,3 +120,17 @@ def test_document_masks_under_cuda_graphs_are_refused_on_the_native_attention(
         "of the two, or use --transformer-impl local"
     ]
     assert te_only_options_in_use(args) == (want if refused else [])
+
+
+@pytest.mark.parametrize(("impl", "refused"), [("transformer_engine", True), ("local", False)])
+def test_meta_device_init_is_refused_on_the_native_spec(impl, refused):
+    args = SimpleNamespace(
+        **{**DEFAULTS, "transformer_impl": impl, "init_model_with_meta_device": True}
+    )
+    problems = te_only_options_in_use(args)
+    assert len(problems) == int(refused)
+    if refused:
+        assert problems[0].startswith("--init-model-with-meta-device: ")
+        assert len(problems[0].splitlines()) == 1
+    off = SimpleNamespace(**{**DEFAULTS, "init_model_with_meta_device": False})
+    assert te_only_options_in_use(off) == []

@@ -149,6 +149,12 @@ def test_native_modules_in_the_tree(probe_results: dict, release: str) -> None:
     assert result["attention_block_causal_diff"] < 1e-5
     assert result["attention_block_causal_differs"] > 1e-2  # the mask really changed things
     assert result.get("sinks_refused", True)
+    # config fields only TE's modules honour: every native module refuses them
+    refused = result["te_only_config_refused"]
+    assert all(all(flags) for flags in refused.values()), refused
+    if tuple(map(int, release.split("."))) >= (0, 19):  # all three exist from 0.19
+        assert set(refused) == {"quant_recipe", "use_te_activation_func", "batch_invariant_mode"}
+        assert [len(flags) for flags in refused.values()] == [4, 4, 1]
     # the cross-entropy patch: upstream's two loss functions, wrapped, same numbers
     assert result["ce_files"] == ["cross_entropy.py"]  # the wrapper's code, not upstream's
     assert result["ce_wrapper_is_ours"]
