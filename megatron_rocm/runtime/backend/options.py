@@ -114,6 +114,12 @@ TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
         "remove it; the MLP then applies --swiglu or its default activation natively",
     ),
     TeOnlyOption(
+        "batch_invariant_mode",
+        "--batch-invariant-mode",
+        "remove it; upstream makes TE's and aten's kernels batch-invariant, not the native "
+        "ones megatron-rocm puts in their place",
+    ),
+    TeOnlyOption(
         "cp_comm_type",
         "--cp-comm-type a2a+p2p",
         "use --cp-comm-type p2p, all_gather or a2a (hierarchical CP needs TE)",

@@ -37,6 +37,7 @@ DEFAULTS = {
     "cp_comm_type": ["p2p"],
     "te_precision_config_file": None,
     "use_te_activation_func": False,
+    "batch_invariant_mode": False,
 }
 SET = {
     "te_precision_config_file": "precision.yaml",
