@@ -49,6 +49,7 @@ def _reject_te_features(owner: str, config: Any) -> None:
         ("fp8", "FP8 (--fp8-format)", bf16),
         ("fp4", "FP4 (--fp4-format)", bf16),
         ("quant_recipe", "per-module quantization recipes (quant_recipe)", "remove it"),
+        ("use_te_activation_func", "TE's activation ops (--use-te-activation-func)", "remove it"),
         ("delay_wgrad_compute", "delayed wgrad (--delay-wgrad-compute)", "remove it"),
         (
             "overlap_dispatch_backward_with_experts_wgrad",

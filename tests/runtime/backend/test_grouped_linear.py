@@ -289,6 +289,7 @@ def test_constructor_takes_every_tags_keywords_and_names_a_wrong_one(world) -> N
         ("delay_wgrad_compute", True, "delayed wgrad"),
         ("moe_use_grouped_tensor", True, "GroupedTensor"),
         ("moe_single_grouped_weight", True, "moe_single_grouped_weight"),
+        ("use_te_activation_func", True, "activation ops"),
     ],
 )
 def test_te_only_features_are_refused_in_one_line(world, field, value, match) -> None:
