@@ -50,7 +50,8 @@ class SourceError(FatalError):
 
 
 class Busy(FatalError):
-    """Another megatron-rocm process holds the lock: retry once it is done (nothing changed)."""
+    """Another megatron-rocm process holds the lock, or another git process the index: retry
+    once it is done (nothing changed)."""
 
     code = EXIT_BUSY
 

@@ -26,15 +26,6 @@ from megatron_rocm.patchtool.series import Patch, Series
 
 _TRAILER_RE = re.compile(rf"^{engine.TRAILER}:\s*(\S+)\s*$", re.M)
 _BASE_RE = re.compile(rf"^{engine.BASE_TRAILER}:\s*([0-9a-f]{{40,64}})\s*$", re.M)
-IN_PROGRESS = {
-    "rebase-merge": "a rebase",
-    "rebase-apply": "a rebase or git am",
-    "MERGE_HEAD": "a merge",
-    "CHERRY_PICK_HEAD": "a cherry-pick",
-    "REVERT_HEAD": "a revert",
-    "BISECT_LOG": "a bisect",
-    "sequencer": "a cherry-pick or revert of several commits",  # CHERRY_PICK_HEAD goes between
-}
 
 
 @dataclass
@@ -47,12 +38,12 @@ class ForkCommit:
 
 def refuse_busy_or_dirty(repo: Path) -> None:
     """Export reads commits: an operation half done or uncommitted edits would be missed."""
-    for name, what in IN_PROGRESS.items():
-        if gitcmd.git_path(repo, name).exists():
-            raise UsageError(
-                f"{repo}: {what} is in progress; finish or abort it, then export "
-                "(export reads finished commits only)"
-            )
+    what = gitcmd.operation_in_progress(repo)
+    if what is not None:
+        raise UsageError(
+            f"{repo}: {what} is in progress; finish or abort it, then export "
+            "(export reads finished commits only)"
+        )
     dirty = gitcmd.git("status", "--porcelain", "-z", "--untracked-files=no", cwd=repo)
     if dirty:
         first = dirty.decode("utf-8", errors="replace").split("\0")[0][3:]

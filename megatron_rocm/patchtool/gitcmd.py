@@ -244,6 +244,43 @@ def rev_parse(repo: str | Path, rev: str) -> str | None:
         return None
 
 
+# Files git keeps while an operation is half done, and what to call it.
+IN_PROGRESS = {
+    "rebase-merge": "a rebase",
+    "rebase-apply": "a rebase or git am",
+    "MERGE_HEAD": "a merge",
+    "CHERRY_PICK_HEAD": "a cherry-pick",
+    "REVERT_HEAD": "a revert",
+    "BISECT_LOG": "a bisect",
+    "sequencer": "a cherry-pick or revert of several commits",  # CHERRY_PICK_HEAD goes between
+}
+
+
+def operation_in_progress(repo: str | Path) -> str | None:
+    """The git operation half done in ``repo`` (``"a rebase"``...), or None."""
+    for name, what in IN_PROGRESS.items():
+        if git_path(repo, name).exists():
+            return what
+    return None
+
+
+def index_locked(repo: str | Path) -> Path | None:
+    """``.git/index.lock`` when another git process holds the index (or died holding it)."""
+    lock = git_path(repo, "index.lock")
+    return lock if lock.exists() or lock.is_symlink() else None
+
+
+def worktree_holding(repo: str | Path, ref: str) -> str | None:
+    """The other worktree where branch ``ref`` (``refs/heads/...``) is checked out, or None;
+    git refuses to check one branch out twice, and a second checkout would show the first
+    one's commits as staged reverts."""
+    here = Path(git_text("rev-parse", "--show-toplevel", cwd=repo)).resolve()
+    held = git_text("for-each-ref", "--format=%(worktreepath)", "--end-of-options", ref, cwd=repo)
+    if held and Path(held).resolve() != here:
+        return held
+    return None
+
+
 def symbolic_head(repo: str | Path) -> str | None:
     """``refs/heads/<name>`` HEAD points to, or None when HEAD is detached."""
     out = git("symbolic-ref", "-q", "HEAD", cwd=repo, check=False).decode().strip()

@@ -23,7 +23,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_rocm.errors import UsageError
+from megatron_rocm.errors import Busy, UsageError
 from megatron_rocm.patchtool import gitcmd, interrupts
 
 JOURNAL = "megatron-rocm-apply.json"
@@ -81,8 +81,21 @@ def refuse_orphaning(repo: Path) -> None:
         )
 
 
+def refuse_index_locked(repo: Path) -> None:
+    """Another git process holds the index (a ``git commit`` waiting in its editor, ...): it
+    would put its index back over the switched one, so wait as ``git checkout`` would."""
+    lock = gitcmd.index_locked(repo)
+    if lock is not None:
+        raise Busy(
+            f"another git process holds {lock}; let it finish (or remove the file if no git "
+            "is running), then run again"
+        )
+
+
 def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> None:
-    """Refuse, changing nothing, when switching the work tree would overwrite a file."""
+    """Refuse, changing nothing, when switching the work tree would overwrite a file or
+    another git process holds the index."""
+    refuse_index_locked(repo)
     _refuse_overwriting_ignored(repo, old, tip, branch)
     env = _private_index(repo, gdir)
     try:
@@ -171,6 +184,7 @@ def finish(repo: Path, gdir: Path, j: Journal, recovering: bool = False) -> None
             f"remove {gdir / JOURNAL} once you have checked the fork"
         )
     interrupts.step("ref-moved")
+    refuse_index_locked(repo)
     env = _private_index(repo, gdir)
     if recovering:
         _verify_only_ours(repo, j)

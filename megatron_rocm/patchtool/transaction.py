@@ -234,6 +234,13 @@ def _existing(req: Request, guard: interrupts.Guard) -> Outcome:
         _sweep_siblings(repo)
         _recover(repo, gdir, guard, held.fd)
         interrupts.step("recovered")
+        busy = gitcmd.operation_in_progress(repo)
+        if busy is not None:
+            raise UsageError(
+                f"{repo}: {busy} is in progress; finish or abort it, then run again (apply "
+                "switches branches, which would leave it to finish on the wrong one; nothing "
+                "was changed)"
+            )
         if gitcmd.git_text("status", "--porcelain", "--untracked-files=no", cwd=repo):
             raise UsageError(
                 f"{repo} has uncommitted changes; commit or stash them first (apply never "
@@ -280,6 +287,12 @@ def _switch(
     on_branch = gitcmd.symbolic_head(repo) == f"refs/heads/{name}"
     if existing and on_branch:
         return Outcome(ref, plan, name, tip, "already", commits)
+    elsewhere = gitcmd.worktree_holding(repo, f"refs/heads/{name}") if existing else None
+    if elsewhere is not None:
+        raise UsageError(
+            f"branch {name} is checked out in {elsewhere}; use that worktree, or pass --branch "
+            "NAME (nothing was changed)"
+        )
     old = gitcmd.rev_parse(repo, "HEAD")
     switch.check(repo, gdir, old, tip, name)
     interrupts.step("checked")

@@ -282,3 +282,61 @@ def test_already_upstream_patch_makes_no_commit(toy, capsys):
     out = json.loads(capsys.readouterr().out)
     commits = {c["patch"]: c["commit"] for c in out["commits"]}
     assert commits["p-softmax"] is None and commits["p-norm"]
+
+
+def test_rebase_in_progress_is_refused_and_nothing_changes(toy, capsys):
+    """A switch in the middle of ``rebase -i`` let the rebase finish onto the wrong branch:
+    the user's commit left their branch. Refused, as export refuses it."""
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0
+    (dest / "README.md").write_text("user work\n")
+    run("commit", "-qam", "my work", cwd=dest)
+    edit = subprocess.run(
+        ["git", "rebase", "-i", "HEAD~1"],
+        cwd=dest,
+        env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i 's/^pick/edit/'"},
+        capture_output=True,
+        check=True,
+    )
+    assert edit.returncode == 0 and (dest / ".git" / "rebase-merge").is_dir()
+    capsys.readouterr()
+    before = snapshot(dest)
+    assert _apply(upstream, series, dest, "core_v0.5.0") == 2
+    assert "a rebase is in progress" in one_line(capsys)
+    assert snapshot(dest) == before
+    run("rebase", "--continue", cwd=dest)
+    assert run("log", "-1", "--format=%s", "rocm/core_v0.2.0", cwd=dest) == "my work"
+
+
+def test_index_held_by_another_git_is_busy_and_nothing_changes(toy, capsys):
+    """``git commit`` waiting in its editor holds ``.git/index.lock`` and renames it over the
+    index when done: a switch under it would end with the old branch's index."""
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0
+    (dest / ".git" / "index.lock").write_bytes(b"")
+    capsys.readouterr()
+    before = snapshot(dest)
+    assert _apply(upstream, series, dest, "core_v0.5.0") == EXIT_BUSY
+    assert "index.lock" in one_line(capsys)
+    assert snapshot(dest) == before
+    (dest / ".git" / "index.lock").unlink()
+    assert _apply(upstream, series, dest, "core_v0.5.0") == 0
+    assert run("status", "--porcelain", cwd=dest) == ""
+
+
+def test_branch_checked_out_in_another_worktree_is_refused(toy, capsys):
+    """git refuses to check one branch out twice: the second worktree would show the first
+    one's commits as staged reverts."""
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0  # rocm/core_v0.2.0, checked out here
+    other = root / "other"
+    run("worktree", "add", "-q", "--detach", str(other), "main", cwd=dest)
+    capsys.readouterr()
+    before = snapshot(other)
+    assert _apply(upstream, series, other) == 2
+    err = one_line(capsys)
+    assert "rocm/core_v0.2.0 is checked out in" in err and str(dest.name) in err
+    assert snapshot(other) == before
