@@ -1,3 +1,3 @@
-from megatron_rocm.main import cli
+from megatron_rocm.console import cli
 
 raise SystemExit(cli())

@@ -22,7 +22,8 @@ from megatron_rocm.output import pipe_safe_stdout, print_json
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
     "3 source or environment, 4 internal error (traceback in the log it names), 5 busy "
-    "(another megatron-rocm run holds the lock), 130/143 interrupted (SIGINT/SIGTERM)."
+    "(another megatron-rocm run holds the lock, or another git process the index), 130/143 "
+    "interrupted (SIGINT/SIGTERM)."
 )
 
 
@@ -35,7 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         flat = message.replace("\n", " ")
-        _Parser.last_error = f"error: {self.prog}: {flat} (see --help)"
+        verb = self.prog.removeprefix("megatron-rocm").strip()  # the top parser: no verb
+        _Parser.last_error = f"error: {verb + ': ' if verb else ''}{flat} (see --help)"
         self.exit(EXIT_USAGE, f"megatron-rocm: {_Parser.last_error}\n")
 
 

@@ -172,3 +172,44 @@ def test_a_ctrl_c_in_mains_last_lines_is_one_line(monkeypatch, capsys, sigint_re
     assert cli_module.cli() == 130
     assert one_line(capsys) == "megatron-rocm: interrupted\n"
     assert sigint_restored.getsignal(sigint_restored.SIGINT) is sigint_restored.SIG_IGN
+
+
+# A Ctrl-C that lands while the CLI's modules load: the import of megatron_rocm.main sends
+# SIGINT to its own process, as a user's Ctrl-C at that instant would.
+_INTERRUPTED_IMPORT = """
+import importlib.abc, os, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "megatron_rocm.main":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["megatron-rocm", "list"]
+from megatron_rocm.console import cli
+sys.exit(cli())
+"""
+
+
+def test_a_ctrl_c_while_the_cli_loads_is_one_line():
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 130
+    assert done.stderr == "megatron-rocm: interrupted while starting; nothing was changed\n"
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stream_is_a_null_device_not_a_traceback(closed):
+    """``megatron-rocm list >&-``: Python sets the stream to None; the run behaves as with
+    ``>/dev/null`` (exit 0) instead of an AttributeError traceback."""
+    fd = 1 if closed == "stdout" else 2
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_rocm", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.close(fd),  # noqa: PLW1509 - the child's own fd, before exec
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout
