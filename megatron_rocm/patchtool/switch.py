@@ -12,7 +12,9 @@ tree that is neither branch, with nothing recording what it was doing. Here:
 
 A run killed after 2 leaves the journal; the next run on the fork calls ``recover``, which
 finishes the switch, but only after checking that every file that differs is either the old
-or the new version (so an edit made since is never overwritten).
+or the new version (so an edit made since is never overwritten). A step of 3 that *fails*
+before HEAD moves (a file the work tree cannot take: a read-only folder, a full disk) is
+undone instead (``roll_back``), under the same check, so a failed apply changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_rocm.errors import Busy, UsageError
+from megatron_rocm.errors import Busy, FatalError, UsageError
 from megatron_rocm.patchtool import gitcmd, interrupts
 
 JOURNAL = "megatron-rocm-apply.json"
@@ -206,6 +208,54 @@ def finish(repo: Path, gdir: Path, j: Journal, recovering: bool = False) -> None
     )
     interrupts.step("head-moved")
     (gdir / JOURNAL).unlink(missing_ok=True)
+
+
+def roll_back(repo: Path, gdir: Path, j: Journal) -> bool:
+    """Undo a switch that failed before it moved HEAD (a file it could not write, ...), so a
+    failed apply leaves the fork as it was: the work tree back at the old commit, the files
+    the switch added removed, the branch it made deleted, the journal dropped.
+
+    Only where every changed file is the old or the new version (``_verify_only_ours``);
+    otherwise, or if undoing fails too, nothing more is touched, False comes back and the
+    journal lets the next run finish the switch instead.
+    """
+    if j.old is None or gitcmd.rev_parse(repo, "HEAD") != j.old:
+        return False
+    if gitcmd.symbolic_head(repo) == j.ref:
+        return False  # HEAD moved: the switch is done but for its journal
+    if gitcmd.index_locked(repo) is not None:
+        return False  # another git holds the index: leave it be, finish on the next run
+    try:
+        _verify_only_ours(repo, j)
+        env = _private_index(repo, gdir)
+        gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.old, cwd=repo, env=env)
+        _remove_added(repo, j)
+        os.replace(gdir / PRIVATE_INDEX, gitcmd.git_path(repo, "index"))
+        if j.create and gitcmd.rev_parse(repo, j.ref) == j.tip:
+            gitcmd.git("update-ref", "-d", j.ref, j.tip, cwd=repo)
+    except (FatalError, OSError):
+        return False
+    (gdir / JOURNAL).unlink(missing_ok=True)
+    return True
+
+
+def _remove_added(repo: Path, j: Journal) -> None:
+    """The files the new commit adds, and the folders that held only them: ``check`` made
+    sure none existed before the switch, and ``_verify_only_ours`` that each is the new
+    version, so every one present was written by the switch."""
+    added = gitcmd.git(
+        "diff", "--name-only", "-z", "--no-renames", "--diff-filter=A", "--end-of-options",
+        j.old or _empty_tree(repo), j.tip, cwd=repo,
+    )  # fmt: skip
+    for path in added.decode("utf-8", errors="surrogateescape").split("\0"):
+        target = repo / path
+        if not path or not (target.is_file() or target.is_symlink()):
+            continue
+        target.unlink()
+        folder = target.parent
+        while folder != repo and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
 
 
 def _blob_ids(repo: Path, commit: str | None, paths: list[str]) -> dict[str, str]:

@@ -305,6 +305,8 @@ def _switch(
         try:
             switch.finish(repo, gdir, journal)
         except FatalError as e:
+            if switch.roll_back(repo, gdir, journal):
+                raise SourceError(f"{e}; fix that, then run again (nothing was changed)") from None
             raise SourceError(
                 f"{e}; the apply is committed: fix that, then run the same command again to "
                 "finish it"

@@ -340,3 +340,44 @@ def test_branch_checked_out_in_another_worktree_is_refused(toy, capsys):
     err = one_line(capsys)
     assert "rocm/core_v0.2.0 is checked out in" in err and str(dest.name) in err
     assert snapshot(other) == before
+
+
+def _switch_fails_after_writing(monkeypatch):
+    """The switch's ``read-tree -m -u`` writes every file, then fails (as one it cannot write
+    half way would: a read-only folder, a full disk)."""
+    from megatron_rocm.patchtool import gitcmd
+
+    real = gitcmd.git
+
+    def failing(*args, **kw):
+        out = real(*args, **kw)
+        if args[:3] == ("read-tree", "-m", "-u") and "-n" not in args:
+            raise gitcmd.GitError(
+                "git read-tree -m -u failed: error: unable to create file: Permission denied",
+                reason="unable to create file: Permission denied",
+            )
+        return out
+
+    monkeypatch.setattr(gitcmd, "git", failing)
+
+
+def test_a_switch_that_fails_half_way_is_undone(toy, capsys, monkeypatch):
+    """A failed apply leaves the fork exactly as it was: files written by the failed switch
+    go back, files it added go, the branch it made goes, and the next run just works."""
+    root, upstream, series = toy
+    dest = root / "fork"
+    assert _apply(upstream, series, dest) == 0
+    run("rm", "-q", "README.md", cwd=dest)  # so that the switch adds a file, then must drop it
+    run("commit", "-qm", "no readme", cwd=dest)
+    capsys.readouterr()
+    before = snapshot(dest)
+    with monkeypatch.context() as patched:
+        _switch_fails_after_writing(patched)
+        assert _apply(upstream, series, dest, "core_v0.5.0") == 3
+    err = one_line(capsys)
+    assert "Permission denied" in err and "nothing was changed" in err
+    assert snapshot(dest) == before
+    assert leftovers(dest) == []
+    assert _apply(upstream, series, dest, "core_v0.5.0") == 0
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "rocm/core_v0.5.0"
+    assert run("status", "--porcelain", cwd=dest) == ""
