@@ -12,8 +12,10 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +42,39 @@ def make(parent: Path, prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=parent))
 
 
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP back (they arrive when this ends) while a scratch
+    folder is made or removed: one landing half way would leave it behind after the run
+    reported that nothing was left. Main thread on POSIX only; elsewhere a no-op."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 @contextlib.contextmanager
 def folder(parent: Path, prefix: str) -> Iterator[Path]:
-    """``make`` and remove it afterwards, whatever happens (short of SIGKILL)."""
-    path = make(parent, prefix)
-    try:
+    """``make`` and remove it afterwards, whatever happens (short of SIGKILL); an interrupt
+    cannot land between making it and owning its removal, nor half way through removing."""
+    path: Path | None = None
+    try:  # a stop held back while making it arrives here, where the removal is owed
+        with _stops_held():
+            path = make(parent, prefix)
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if path is not None:
+            with _stops_held():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> Non
     another git process holds the index."""
     refuse_index_locked(repo)
     _refuse_overwriting_ignored(repo, old, tip, branch)
-    env = _private_index(repo, gdir)
     try:
+        env = _private_index(repo, gdir)  # inside: an interrupt while it is copied drops it too
         gitcmd.git(
             "read-tree",
             "-m",
@@ -118,7 +118,8 @@ def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> Non
             "away or commit it, then run again (nothing was changed)"
         ) from None
     finally:
-        (gdir / PRIVATE_INDEX).unlink(missing_ok=True)
+        for scratch_index in (PRIVATE_INDEX, PRIVATE_INDEX + ".lock"):
+            (gdir / scratch_index).unlink(missing_ok=True)
 
 
 def _refuse_overwriting_ignored(repo: Path, old: str | None, tip: str, branch: str) -> None:

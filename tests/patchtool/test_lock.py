@@ -78,3 +78,32 @@ def test_scratch_sweep_removes_only_dead_owners(tmp_path):
     assert [r.path for r in removed] == [theirs]
     assert removed[0].size == 2000 and removed[0].pid == dead.pid
     assert mine.exists() and other.exists() and not theirs.exists()
+
+
+@pytest.mark.parametrize("when", ["made", "removing"])
+def test_a_ctrl_c_while_a_scratch_folder_is_made_or_removed_leaves_none(
+    tmp_path, monkeypatch, when
+):
+    """The signal is held back until the folder's removal is owed (made) or done (removing),
+    then arrives as usual: a run that says nothing was left leaves nothing."""
+    import shutil
+    import signal
+
+    def ctrl_c() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if when == "made":
+        real_make = scratch.make
+        monkeypatch.setattr(scratch, "make", lambda *a: (real_make(*a), ctrl_c())[0])
+    else:
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, **kw):
+            ctrl_c()  # lands before the removal has started
+            return real_rmtree(path, **kw)
+
+        monkeypatch.setattr(scratch.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        with scratch.folder(tmp_path, "megatron-rocm-"):
+            pass
+    assert list(tmp_path.iterdir()) == []
