@@ -92,6 +92,10 @@ def test_a_ctrl_c_while_a_scratch_folder_is_made_or_removed_leaves_none(
     def ctrl_c() -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python's own handler, whatever this process inherited (a shell's background job starts
+    # with SIGINT ignored, and Python then keeps it so)
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     if when == "made":
         real_make = scratch.make
         monkeypatch.setattr(scratch, "make", lambda *a: (real_make(*a), ctrl_c())[0])
@@ -103,7 +107,10 @@ def test_a_ctrl_c_while_a_scratch_folder_is_made_or_removed_leaves_none(
             return real_rmtree(path, **kw)
 
         monkeypatch.setattr(scratch.shutil, "rmtree", rmtree)
-    with pytest.raises(KeyboardInterrupt):
-        with scratch.folder(tmp_path, "megatron-rocm-"):
-            pass
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with scratch.folder(tmp_path, "megatron-rocm-"):
+                pass
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert list(tmp_path.iterdir()) == []
