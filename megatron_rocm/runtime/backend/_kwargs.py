@@ -5,7 +5,9 @@ The TE wrappers' constructors gain keywords at almost every tag (``tp_group`` in
 union and forward to the running tree's local classes only what that tree's signature knows.
 A keyword the running tree cannot honour is dropped only when it carries its "not used" value
 (``None``, or a default the caller did not change); anything else is an error naming it,
-because silently ignoring a user's setting is worse than failing.
+because silently ignoring a user's setting is worse than failing. ``reject`` is that error's
+one line, and ``refuse_te_only_config`` raises it for the config fields no native linear,
+grouped or not, can honour.
 """
 
 from __future__ import annotations
@@ -57,3 +59,27 @@ def accepted_kwargs(
 def reject(owner: str, what: str, instead: str) -> None:
     """Raise the one-line error every unsupported TE feature gets."""
     raise ValueError(f"{owner}: {what} needs TransformerEngine, which is not installed; {instead}")
+
+
+# Config fields TE's linears honour and these cannot, grouped or not: (field, what it is, what
+# to do instead). Argument validation refuses their flags (``options``); this is for models built
+# without it.
+_TE_ONLY_CONFIG = (
+    (
+        "quant_recipe",
+        "a per-module precision recipe (--te-precision-config-file)",
+        "remove it and train in bf16",
+    ),
+    (
+        "use_te_activation_func",
+        "TE's activation ops (--use-te-activation-func)",
+        "remove it (the MLP then applies its activation natively)",
+    ),
+)
+
+
+def refuse_te_only_config(owner: str, config: Any) -> None:
+    """One line for the first config field set that only TE's linears can honour."""
+    for field, what, instead in _TE_ONLY_CONFIG:
+        if getattr(config, field, None):
+            reject(owner, what, instead)

@@ -34,7 +34,7 @@ import torch
 from megatron_rocm.runtime.backend import _grouped_compat as compat
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._init_rng import tracker_fork
-from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, reject
+from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config, reject
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
 from megatron_rocm.runtime.kernels.norm import param_device
 
@@ -48,8 +48,6 @@ def _reject_te_features(owner: str, config: Any) -> None:
     checks = (
         ("fp8", "FP8 (--fp8-format)", bf16),
         ("fp4", "FP4 (--fp4-format)", bf16),
-        ("quant_recipe", "per-module quantization recipes (quant_recipe)", "remove it"),
-        ("use_te_activation_func", "TE's activation ops (--use-te-activation-func)", "remove it"),
         ("delay_wgrad_compute", "delayed wgrad (--delay-wgrad-compute)", "remove it"),
         (
             "overlap_dispatch_backward_with_experts_wgrad",
@@ -63,6 +61,7 @@ def _reject_te_features(owner: str, config: Any) -> None:
     for attr, what, instead in checks:
         if getattr(config, attr, None):
             reject(owner, what, instead)
+    refuse_te_only_config(owner, config)  # what every native linear refuses
     if (getattr(config, "expert_gtp_weight_remat_size", None) or 1) > 1:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
 

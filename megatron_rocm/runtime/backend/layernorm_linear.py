@@ -23,7 +23,8 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_rocm.runtime.backend._init_rng import te_style_init
-from megatron_rocm.runtime.backend.linear import column_parallel_kwargs, refuse_te_only_config
+from megatron_rocm.runtime.backend._kwargs import refuse_te_only_config
+from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
 from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
 

@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
 from megatron_rocm.runtime.backend._init_rng import te_style_init
-from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, reject
+from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config
 from megatron_rocm.runtime.backend._linear_function import (
     LinearFunction,
     project_attention_output,
@@ -37,29 +37,6 @@ _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_repli
 
 def _label_only(name: str | None = None) -> None:
     """The keywords a duplicated ``TELinear`` takes beyond its own: a module name (a label)."""
-
-
-# Config fields TE's linears honour and these cannot: (field, what it is, what to do instead).
-# Argument validation refuses their flags (``options``); this is for models built without it.
-_TE_ONLY_CONFIG = (
-    (
-        "quant_recipe",
-        "a per-module precision recipe (--te-precision-config-file)",
-        "remove it and train in bf16",
-    ),
-    (
-        "use_te_activation_func",
-        "TE's activation ops (--use-te-activation-func)",
-        "remove it (the MLP then applies its activation natively)",
-    ),
-)
-
-
-def refuse_te_only_config(owner: str, config: Any) -> None:
-    """One line for the first config field set that only TE's linears can honour."""
-    for field, what, instead in _TE_ONLY_CONFIG:
-        if getattr(config, field, None):
-            reject(owner, what, instead)
 
 
 def _check_te_contract(owner: str, skip_weight_param_allocation: bool) -> None:
