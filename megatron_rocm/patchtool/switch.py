@@ -49,12 +49,17 @@ def _empty_tree(repo: Path) -> str:
     return gitcmd.git_text("hash-object", "-t", "tree", "--stdin", cwd=repo, input=b"")
 
 
+def drop_private_index(gdir: Path) -> None:
+    """Remove the private index and its lock (a dry run's, or a dead run's)."""
+    for name in (PRIVATE_INDEX, PRIVATE_INDEX + ".lock"):
+        (gdir / name).unlink(missing_ok=True)
+
+
 def _private_index(repo: Path, gdir: Path) -> dict[str, str]:
     """A copy of the real index (its stat data spares re-hashing unchanged files), refreshed
     as ``git checkout`` would: a fork copied or restored from a backup has stale stat data."""
     private = gdir / PRIVATE_INDEX
-    for stale in (private, private.with_name(PRIVATE_INDEX + ".lock")):
-        stale.unlink(missing_ok=True)
+    drop_private_index(gdir)
     real = gitcmd.git_path(repo, "index")
     env = {"GIT_INDEX_FILE": str(private)}
     if real.exists():
@@ -118,8 +123,7 @@ def check(repo: Path, gdir: Path, old: str | None, tip: str, branch: str) -> Non
             "away or commit it, then run again (nothing was changed)"
         ) from None
     finally:
-        for scratch_index in (PRIVATE_INDEX, PRIVATE_INDEX + ".lock"):
-            (gdir / scratch_index).unlink(missing_ok=True)
+        drop_private_index(gdir)
 
 
 def _refuse_overwriting_ignored(repo: Path, old: str | None, tip: str, branch: str) -> None:

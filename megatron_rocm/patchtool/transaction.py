@@ -319,8 +319,7 @@ def _recover(repo: Path, gdir: Path, guard: interrupts.Guard, lock_fd: int) -> N
     _report_leftovers(scratch.sweep(gdir, scratch.GIT_PREFIX), "scratch files")
     journal = switch.read_journal(gdir)
     if journal is None:
-        for name in (switch.PRIVATE_INDEX, switch.PRIVATE_INDEX + ".lock"):
-            (gdir / name).unlink(missing_ok=True)
+        switch.drop_private_index(gdir)
         return
     note(
         f"finishing an apply of {journal.branch} on {repo} that was stopped after its commit "

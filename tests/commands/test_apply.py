@@ -292,14 +292,14 @@ def test_rebase_in_progress_is_refused_and_nothing_changes(toy, capsys):
     assert _apply(upstream, series, dest) == 0
     (dest / "README.md").write_text("user work\n")
     run("commit", "-qam", "my work", cwd=dest)
-    edit = subprocess.run(
+    subprocess.run(
         ["git", "rebase", "-i", "HEAD~1"],
         cwd=dest,
         env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i 's/^pick/edit/'"},
         capture_output=True,
         check=True,
     )
-    assert edit.returncode == 0 and (dest / ".git" / "rebase-merge").is_dir()
+    assert (dest / ".git" / "rebase-merge").is_dir()
     capsys.readouterr()
     before = snapshot(dest)
     assert _apply(upstream, series, dest, "core_v0.5.0") == 2
