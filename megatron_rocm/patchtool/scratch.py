@@ -42,24 +42,41 @@ def make(parent: Path, prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=parent))
 
 
-_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOPS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 @contextlib.contextmanager
 def _stops_held() -> Iterator[None]:
     """Hold Ctrl-C, SIGTERM and SIGHUP back (they arrive when this ends) while a scratch
     folder is made or removed: one landing half way would leave it behind after the run
-    reported that nothing was left. Main thread on POSIX only; elsewhere a no-op."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
+    reported that nothing was left.
+
+    Why Python-level handlers and not ``pthread_sigmask``: a mask covers only the calling
+    thread, and in a process with any other thread (GitPython's output readers, a progress
+    bar) the kernel hands the signal to that thread, whose C handler still makes the main
+    thread raise at once. A handler that only records the signal works whichever thread the
+    kernel picks. Main thread only (``signal.signal`` demands it); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    pending: list[int] = []
+
+    def defer(signum: int, _frame: object) -> None:
+        pending.append(signum)
+
+    previous: dict[int, signal.Handlers | object] = {}
+    for stop in _STOPS:
+        handler = signal.getsignal(stop)
+        if handler is None or handler == signal.SIG_IGN:
+            continue  # set outside Python (cannot be put back), or ignored anyway
+        previous[stop] = signal.signal(stop, defer)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)  # type: ignore[arg-type]
+        for stop in dict.fromkeys(pending):
+            signal.raise_signal(stop)  # now handled as it would have been
 
 
 @contextlib.contextmanager

@@ -80,14 +80,22 @@ def test_scratch_sweep_removes_only_dead_owners(tmp_path):
     assert mine.exists() and other.exists() and not theirs.exists()
 
 
+@pytest.mark.parametrize("another_thread", [False, True], ids=["alone", "with-a-thread"])
 @pytest.mark.parametrize("when", ["made", "removing"])
 def test_a_ctrl_c_while_a_scratch_folder_is_made_or_removed_leaves_none(
-    tmp_path, monkeypatch, when
+    tmp_path, monkeypatch, when, another_thread
 ):
     """The signal is held back until the folder's removal is owed (made) or done (removing),
-    then arrives as usual: a run that says nothing was left leaves nothing."""
+    then arrives as usual: a run that says nothing was left leaves nothing. With another
+    thread alive (GitPython's readers are one) the kernel may hand the signal to it, which a
+    per-thread signal mask does not stop."""
     import shutil
     import signal
+    import threading
+
+    release = threading.Event()
+    if another_thread:
+        threading.Thread(target=release.wait, daemon=True).start()
 
     def ctrl_c() -> None:
         os.kill(os.getpid(), signal.SIGINT)
@@ -113,4 +121,5 @@ def test_a_ctrl_c_while_a_scratch_folder_is_made_or_removed_leaves_none(
                 pass
     finally:
         signal.signal(signal.SIGINT, saved)
+        release.set()
     assert list(tmp_path.iterdir()) == []
