@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,7 @@ def _fresh(req: Request, guard: interrupts.Guard) -> Outcome | None:
         interrupts.step("swept")
         if not is_fresh(req.dest):
             return None
+        mode = _adopted_mode(req.dest)
         try:
             work = scratch.make(parent, prefix)
         except OSError as e:
@@ -164,10 +166,30 @@ def _fresh(req: Request, guard: interrupts.Guard) -> Outcome | None:
                 f"cannot create {req.dest}: {(e.strerror or str(e)).lower()}"
             ) from None
         try:
-            return _build_fresh(req, guard, work / "tree")
+            return _build_fresh(req, guard, work / "tree", mode)
         finally:
             with guard.deferred():
                 shutil.rmtree(work, ignore_errors=True)
+
+
+def _adopted_mode(dest: Path) -> int | None:
+    """The permission bits of the empty folder the user made as the destination, for the new
+    fork to take over: the rename replaces that folder, and a 700 or setgid folder must not
+    come back as the umask's 755. None where there is no folder yet.
+
+    A folder nobody may write is refused, as ``git clone`` refuses it: filling it would undo
+    the user's own read-only mark."""
+    try:
+        mode = stat.S_IMODE(dest.stat().st_mode)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SourceError(f"cannot use {dest}: {(e.strerror or str(e)).lower()}") from None
+    if not mode & 0o222 or not os.access(dest, os.W_OK | os.X_OK):
+        raise SourceError(
+            f"cannot create files in {dest}: it is read-only (mode {mode:03o}); nothing was changed"
+        )
+    return mode
 
 
 def _sweep_siblings(dest: Path) -> None:
@@ -178,7 +200,7 @@ def _sweep_siblings(dest: Path) -> None:
         note(f"removed the lock of an apply on {dest} that was killed (pid {holder.split()[0]})")
 
 
-def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path) -> Outcome:
+def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path, mode: int | None) -> Outcome:
     src, ref = req.source, req.ref
     assert src is not None
     if src.kind == "pypi":  # resolved first: the cached sdist repo may hold newer tags
@@ -204,6 +226,8 @@ def _build_fresh(req: Request, guard: interrupts.Guard, repo: Path) -> Outcome:
     )
     gitcmd.git("symbolic-ref", "--end-of-options", "HEAD", ref_name, cwd=repo)
     gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", tip, cwd=repo)
+    if mode is not None:
+        repo.chmod(mode)
     interrupts.step("branch-ready")
     with guard.deferred():
         try:

@@ -79,6 +79,31 @@ def test_failed_fresh_apply_leaves_no_destination(toy, capsys):
     assert [p.name for p in root.iterdir() if p.name.startswith(".new")] == []
 
 
+def test_an_empty_destination_keeps_its_mode_and_a_read_only_one_is_refused(toy, capsys):
+    """The fork is renamed onto the empty folder the user made, so it takes over that folder's
+    bits (here private and setgid); a folder without write bits is left as it was, exit 3."""
+    root, upstream, series = toy
+    mine = root / "mine"
+    mine.mkdir()
+    mine.chmod(0o2750)
+    assert _apply(upstream, series, mine) == 0
+    assert oct(mine.stat().st_mode & 0o7777) == oct(0o2750)
+    assert run("status", "--porcelain", cwd=mine) == ""
+    capsys.readouterr()
+
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert _apply(upstream, series, locked) == 3
+        assert "it is read-only (mode 555); nothing was changed" in one_line(capsys)
+        assert list(locked.iterdir()) == []
+        assert oct(locked.stat().st_mode & 0o7777) == oct(0o555)
+        assert [p.name for p in root.iterdir() if p.name.startswith(".locked")] == []
+    finally:
+        locked.chmod(0o755)
+
+
 def test_closed_stdout_does_not_undo_or_fail_a_finished_apply(toy):
     """`apply --json | head -0`: the reader is gone before the report; the fork stays and the
     exit code is apply's own, with nothing on stderr."""
