@@ -459,8 +459,22 @@ def auto_order(q: Tensor) -> tuple[str, ...]:
     return ("cudnn", "flash", "efficient") if q.is_cuda else ("cpu_flash",)
 
 
-def pick_kernel(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> BlockKernel:
-    """The fastest kernel that runs these inputs, or the one ``MEGATRON_ROCM_CP_KERNEL`` names."""
+def pick_kernel(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, order: tuple[str, ...] | None = None
+) -> BlockKernel:
+    """The fastest kernel that runs these inputs, the one ``MEGATRON_ROCM_CP_KERNEL`` names, or
+    the first of ``order`` (the kernels ``--attention-backend`` names) that runs them."""
+    if order is not None:
+        reasons = []
+        for name in order:
+            reason = KERNELS[name].unsupported(q, k, v, dropout_p)
+            if reason is None:
+                return KERNELS[name]
+            reasons.append(f"{name} {reason}")
+        raise ValueError(
+            "context-parallel attention: no kernel that --attention-backend names runs these "
+            f"inputs ({'; '.join(reasons)}); use --attention-backend auto"
+        )
     requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
     if requested != "auto":
         kernel = KERNELS.get(requested)

@@ -10,7 +10,9 @@ Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`
 * ``attention_bias`` (relative position embeddings): an additive float mask;
 * a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer;
 * a block-causal mask under a causal mask type (``--reset-attention-mask`` data): attention
-  within each document (``backend.document_mask``); TE ignores that mask.
+  within each document (``backend.document_mask``); TE ignores that mask;
+* ``--attention-backend`` flash / fused / unfused: the same family of kernels on every one of
+  these paths (``backend.attention_backend``).
 
 Features that only TE's kernels have (non-vanilla softmax with sinks, returning the max logit for
 QK-clip, ``num_splits`` or ``batch_invariant_mode`` for batch invariance) are refused in the
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from megatron_rocm.runtime.backend import attention_backend
 from megatron_rocm.runtime.backend.sdpa import sdpa_sbhd
 from megatron_rocm.runtime.platform import capturing
 
@@ -107,6 +110,7 @@ class TEDotProductAttention(torch.nn.Module):
         )
         self.window_size = _window_for_layer(config, layer_number)
         self._refuse_te_only(config, num_splits)
+        self.kernels = attention_backend.resolve(config)  # --attention-backend
         groups = pg_collection if pg_collection is not None else model_comm_pgs
         self._tp_group = getattr(groups, "tp", None)
         self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
@@ -152,6 +156,10 @@ class TEDotProductAttention(torch.nn.Module):
                 f"TransformerEngine's flash-attention; remove it"
             )
 
+    def _packed_implementation(self) -> str | None:
+        """``packed_attention``'s implementation for ``--attention-backend`` (None: its own)."""
+        return self.kernels.packed if self.kernels else None
+
     def _dropout_p(self) -> float:
         return self.attention_dropout if self.training else 0.0
 
@@ -184,7 +192,7 @@ class TEDotProductAttention(torch.nn.Module):
         qkv_format = getattr(packed_seq_params, "qkv_format", None) or self.qkv_format
         if packed_seq_params is not None:
             self._follow_dynamic_cp(packed_seq_params)
-        with self._rng_context():
+        with self._rng_context(), attention_backend.sdpa_kernels(self.kernels):
             if packed_seq_params is not None and qkv_format == "thd":
                 return self._packed(query, key, value, mask_type, attention_bias, packed_seq_params)
             if self.cp_size > 1:
@@ -201,6 +209,7 @@ class TEDotProductAttention(torch.nn.Module):
                     softmax_scale=self.softmax_scale,
                     dropout_p=self._dropout_p(),
                     window_size=self.window_size,
+                    implementation=self._packed_implementation(),
                 )
             return sdpa_sbhd(
                 query,
@@ -212,6 +221,7 @@ class TEDotProductAttention(torch.nn.Module):
                 softmax_scale=self.softmax_scale,
                 dropout_p=self._dropout_p(),
                 window_size=self.window_size,
+                kernels=self.kernels.sdpa if self.kernels else None,
             )
 
     def _follow_dynamic_cp(self, params: Any) -> None:
@@ -296,6 +306,7 @@ class TEDotProductAttention(torch.nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=self._dropout_p(),
             comm_type=self.cp_comm_type,
+            kernel_order=self.kernels.cp_blocks if self.kernels else None,
         )
 
     def _packed(
@@ -335,6 +346,7 @@ class TEDotProductAttention(torch.nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=self._dropout_p(),
             window_size=self.window_size,
+            implementation=self._packed_implementation(),
         )
 
     def _packed_context_parallel(
@@ -364,6 +376,7 @@ class TEDotProductAttention(torch.nn.Module):
             causal=causal,
             softmax_scale=self.softmax_scale,
             dropout_p=self._dropout_p(),
+            implementation=self._packed_implementation(),
         )
 
     def sharded_state_dict(

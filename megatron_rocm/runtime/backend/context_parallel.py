@@ -88,6 +88,7 @@ def context_parallel_attention(
     softmax_scale: float | None,
     dropout_p: float = 0.0,
     comm_type: str = "p2p",
+    kernel_order: tuple[str, ...] | None = None,
 ) -> torch.Tensor:
     """Exact attention of the local queries over the whole CP-sharded sequence.
 
@@ -96,6 +97,8 @@ def context_parallel_attention(
     differentiable w.r.t. q, k and v. ``softmax_scale`` is the full scale of ``q @ k^T``
     (``None``: ``1/sqrt(hn)``). ``cp_group`` is the CP process group (``None``: the default
     group). Dropout uses the current RNG state (callers fork Megatron's CUDA RNG tracker).
+    ``kernel_order``: the block kernels ``--attention-backend`` names (None: ``pick_kernel``'s
+    own choice).
     """
     if comm_type not in SUPPORTED_CP_COMM_TYPES:
         raise ValueError(
@@ -110,7 +113,7 @@ def context_parallel_attention(
         reason = a2a_unsupported(query.shape[2], key.shape[2], dist.get_world_size(cp_group))
         if reason:
             raise ValueError(f"--cp-comm-type a2a: {reason}; use p2p or all_gather")
-    kernel = pick_kernel(query, key, value, dropout_p)
+    kernel = pick_kernel(query, key, value, dropout_p, kernel_order)
     if comm_type == "a2a":
         return a2a_attention(
             query, key, value, group=cp_group, causal=causal, scale=scale, dropout_p=dropout_p,

@@ -177,6 +177,35 @@ def _meta_init_on_native(args: Any) -> bool:
     return bool(getattr(args, "init_model_with_meta_device", False)) and _native_spec(args)
 
 
+def _pinned_flash_on_native(args: Any) -> bool:
+    """``--flash-attention-version`` on the TE spec's native attention.
+
+    Upstream pins the training side's FlashAttention generation through TE's
+    ``NVTE_FLASH_ATTN_V*`` variables, so that it matches the inference engine bit for bit; the
+    native attention runs torch SDPA's kernels, which no generation number selects."""
+    return getattr(args, "flash_attention_version", None) is not None and _native_spec(args)
+
+
+def _weight_shards_beyond_tp(args: Any) -> list[str]:
+    """GTP's flags (0.19+) that shard weights beyond tensor parallelism, where set.
+
+    Upstream runs GTP on TE's collectives only (``HAVE_GTP = HAVE_TE``; without TE its module
+    swaps them for mocks), whatever the spec, so a run with more shards than TP ranks would
+    fail at its first forward instead of at validation."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    given = []
+    for flag, dest, ranks in (
+        ("--tensor-parallel-num-weight-shards", "tensor_parallel_num_weight_shards", tp),
+        ("--expert-tensor-parallel-num-weight-shards", "expert_tensor_parallel_num_weight_shards",
+         etp),
+    ):  # fmt: skip
+        shards = getattr(args, dest, None)
+        if shards is not None and shards > ranks:
+            given.append(flag)
+    return given
+
+
 def transformer_engine_installed() -> bool:
     """Whether ``import transformer_engine`` can work (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -200,6 +229,26 @@ def te_only_options_in_use(args: Any) -> list[str]:
             "--init-model-with-meta-device: without TransformerEngine the TE spec's linears are "
             "built on the GPU, as upstream's local ones are, so it would save no memory; remove "
             "it (or install TransformerEngine)"
+        )
+    if _pinned_flash_on_native(args):
+        problems.append(
+            "--flash-attention-version: without TransformerEngine the TE spec's attention runs "
+            "torch SDPA's kernels, which no FlashAttention generation pins; remove it "
+            "(--attention-backend flash picks SDPA's flash kernel)"
+        )
+    problems.extend(
+        f"{flag} above the tensor-parallel size (GTP): needs TransformerEngine, which is not "
+        "installed (upstream runs no GTP path without it); set it to the tensor-parallel size "
+        "or leave it out"
+        for flag in _weight_shards_beyond_tp(args)
+    )
+    if (
+        getattr(args, "moe_token_dispatcher_type", None) == "flex"
+        and getattr(args, "moe_flex_dispatcher_backend", None) == "ncclep"
+    ):
+        problems.append(
+            "--moe-flex-dispatcher-backend ncclep: needs TransformerEngine built with NCCL EP, "
+            "which is not installed; use --moe-token-dispatcher-type alltoall"
         )
     legacy = LEGACY_GROUPED_GEMM
     if hasattr(args, legacy.dest) and legacy.is_set(getattr(args, legacy.dest)):

@@ -224,15 +224,21 @@ def packed_context_parallel_attention(
 def _implementation(
     requested: str | None, query: Tensor, value: Tensor, causal: bool
 ) -> str | None:
-    """The caller's choice, else ``flash`` only where its windows align bottom-right."""
-    if requested_implementation(requested) != "auto" or not (causal and query.is_cuda):
+    """The caller's choice, else ``flash`` only where its windows align bottom-right; an
+    explicit ``flash`` whose windows align top-left raises (its chunks would be wrong)."""
+    name = requested_implementation(requested)
+    if name not in ("auto", "flash") or not (causal and query.is_cuda):
         return requested
     if flash_unavailable(query, value, (-1, 0)) is not None:
-        return requested  # auto takes sdpa_loop, which aligns bottom-right by construction
+        return requested  # auto takes sdpa_loop; flash raises there with the reason
     reason = _bottom_right_probe(query.device.index, query.dtype, query.shape[-1])
     if reason is None:
         return requested
-    log_fallback_once(f"packed-cp:{reason}", f"packed context-parallel attention: {reason}")
+    if name == "flash":
+        raise ValueError(f"packed context-parallel attention: 'flash' was requested but {reason}")
+    log_fallback_once(
+        f"packed-cp:{reason}", f"packed context-parallel attention: {reason}; using sdpa_loop"
+    )
     return "sdpa_loop"
 
 
@@ -255,5 +261,5 @@ def _bottom_right_probe(device_index: int | None, dtype: torch.dtype, dim: int) 
     except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback"
         return f"the varlen flash kernel failed a probe ({type(exc).__name__}: {exc})"[:300]
     if abs(float(out.float().mean()) - 1.0) > 1e-2:  # both keys: mean of 0 and 2
-        return "the varlen flash kernel aligns windows top-left; using sdpa_loop"
+        return "the varlen flash kernel aligns windows top-left"
     return None

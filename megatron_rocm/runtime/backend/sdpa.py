@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.kernels.attention import grouped_kv_for_sdpa
 
 BACKENDS_ENV = "MEGATRON_ROCM_SDPA_BACKENDS"
@@ -54,14 +55,44 @@ def _backend_priority(spec: str) -> tuple[object, ...]:
 
 
 @contextlib.contextmanager
+def sdpa_backends(spec: str) -> Iterator[None]:
+    """torch SDPA limited to ``spec``'s kernels (``"cudnn,efficient"``), tried in that order."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(list(_backend_priority(spec)), set_priority=True):
+        yield
+
+
+@contextlib.contextmanager
 def _kernel_priority() -> Iterator[None]:
     spec = os.environ.get(BACKENDS_ENV, "").strip()
     if not spec:
         yield
         return
-    from torch.nn.attention import sdpa_kernel
+    with sdpa_backends(spec):
+        yield
 
-    with sdpa_kernel(list(_backend_priority(spec)), set_priority=True):
+
+@contextlib.contextmanager
+def _kernels_for(kernels: str | None, masked: bool) -> Iterator[None]:
+    """``kernels`` (what ``--attention-backend`` names), else the environment's priority.
+
+    SDPA's flash kernel takes no mask tensor, where TE's flash attention unpads a padding mask
+    and bands a window itself; so masked attention asked to run on flash runs on the
+    memory-efficient kernel, logged once, rather than failing where TE would run."""
+    if kernels is None:
+        with _kernel_priority():
+            yield
+        return
+    if kernels == "flash" and masked:
+        log_fallback_once(
+            "sdpa-flash-masked",
+            "--attention-backend flash: SDPA's flash kernel takes no mask tensor, so attention "
+            "with a padding, arbitrary or sliding-window mask or a bias runs on the "
+            "memory-efficient kernel",
+        )
+        kernels = "efficient"
+    with sdpa_backends(kernels):
         yield
 
 
@@ -96,8 +127,12 @@ def sdpa_sbhd(
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
     window_size: tuple[int, int] | None = None,
+    kernels: str | None = None,
 ) -> torch.Tensor:
-    """``query[sq, b, np, hn]``, ``key/value[sk, b, ng, hn(_v)]`` -> ``[sq, b, np * hn_v]``."""
+    """``query[sq, b, np, hn]``, ``key/value[sk, b, ng, hn(_v)]`` -> ``[sq, b, np * hn_v]``.
+
+    ``kernels``: the SDPA kernels ``--attention-backend`` names (``backend.attention_backend``);
+    None: ``MEGATRON_ROCM_SDPA_BACKENDS``, else torch's choice."""
     if mask_type not in MASK_TYPES:
         raise ValueError(f"unsupported attention mask type {mask_type!r}")
     sq, b, heads, dim = query.shape
@@ -132,7 +167,7 @@ def sdpa_sbhd(
         if keep is not None:
             bias = bias.masked_fill(~(keep | dead_rows), float("-inf"))
         attn_mask = bias
-    with _kernel_priority():
+    with _kernels_for(kernels, attn_mask is not None):
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -135,3 +135,48 @@ def test_meta_device_init_is_refused_on_the_native_spec(impl, refused):
         assert len(problems[0].splitlines()) == 1
     off = SimpleNamespace(**{**DEFAULTS, "init_model_with_meta_device": False})
     assert te_only_options_in_use(off) == []
+
+
+@pytest.mark.parametrize(("impl", "refused"), [("transformer_engine", True), ("local", False)])
+def test_a_pinned_flash_attention_version_is_refused_on_the_native_spec(impl, refused):
+    args = SimpleNamespace(**{**DEFAULTS, "transformer_impl": impl, "flash_attention_version": 3})
+    problems = te_only_options_in_use(args)
+    assert len(problems) == int(refused)
+    if refused:
+        assert problems[0].startswith("--flash-attention-version: ")
+        assert len(problems[0].splitlines()) == 1
+    unpinned = SimpleNamespace(**{**DEFAULTS, "flash_attention_version": None})
+    assert te_only_options_in_use(unpinned) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"tensor_parallel_num_weight_shards": 4}, ["--tensor-parallel-num-weight-shards"]),
+        ({"tensor_parallel_num_weight_shards": 2}, []),  # equal to TP: no GTP
+        ({"expert_tensor_parallel_num_weight_shards": 4, "expert_tensor_parallel_size": 2},
+         ["--expert-tensor-parallel-num-weight-shards"]),
+        ({"expert_tensor_parallel_num_weight_shards": 2}, []),  # ETP defaults to TP
+        ({"tensor_parallel_num_weight_shards": None}, []),
+    ],
+)  # fmt: skip
+def test_weight_shards_beyond_tensor_parallelism_need_te(extra, refused):
+    args = SimpleNamespace(**{**DEFAULTS, "tensor_model_parallel_size": 2, **extra})
+    problems = te_only_options_in_use(args)
+    assert [p.split(" above ")[0] for p in problems] == refused
+    assert all(len(p.splitlines()) == 1 for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("dispatcher", "backend", "refused"),
+    [("flex", "ncclep", True), ("flex", "deepep", False), ("alltoall", "ncclep", False)],
+)
+def test_the_nccl_ep_flex_dispatcher_needs_te(dispatcher, backend, refused):
+    args = SimpleNamespace(
+        **{**DEFAULTS, "moe_token_dispatcher_type": dispatcher,
+           "moe_flex_dispatcher_backend": backend}
+    )  # fmt: skip
+    problems = te_only_options_in_use(args)
+    assert [p.split(":")[0] for p in problems] == (
+        ["--moe-flex-dispatcher-backend ncclep"] if refused else []
+    )
