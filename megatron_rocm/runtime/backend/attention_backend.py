@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,11 +79,7 @@ def resolve(config: Any) -> KernelChoice | None:
     return CHOICES[name]
 
 
-@contextlib.contextmanager
-def sdpa_kernels(choice: KernelChoice | None) -> Iterator[None]:
-    """torch SDPA restricted to the choice's kernels (every SDPA call inside, any path)."""
-    if choice is None:
-        yield
-        return
-    with sdpa_backends(choice.sdpa):
-        yield
+def sdpa_kernels(choice: KernelChoice | None) -> contextlib.AbstractContextManager[None]:
+    """torch SDPA restricted to the choice's kernels (every SDPA call inside, any path). For
+    ``auto`` a bare ``nullcontext``: this runs per layer and micro-batch, on the host."""
+    return contextlib.nullcontext() if choice is None else sdpa_backends(choice.sdpa)
