@@ -9,14 +9,17 @@ one line, and guards stdout against a closed pipe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import NoReturn
 
 from megatron_rocm import __version__
 from megatron_rocm.error_handler import error_handler, interrupted_code, interrupted_line, say
-from megatron_rocm.errors import EXIT_USAGE
+from megatron_rocm.errors import EXIT_USAGE, Interrupted
 from megatron_rocm.output import pipe_safe_stdout, print_json
 
 EXIT_CODES = (
@@ -250,6 +253,39 @@ def _wants_json(parser: _Parser, argv: Sequence[str]) -> bool:
     return sub is not None and sub.prints_json and "--json" in argv
 
 
+def _prints_json(args: argparse.Namespace) -> bool:
+    """Whether stdout is to carry one JSON document, so that an error must be one too: the
+    verb's ``--json``, or ``matrix --format json`` with no ``--out`` (the report on stdout)."""
+    if args.command == "matrix":
+        return args.format == ["json"] and args.out is None
+    return getattr(args, "json", False) is True
+
+
+def _raise_interrupted(signum: int, _frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _stops_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM and SIGHUP end every verb as Ctrl-C does: ``Interrupted`` (a
+    ``KeyboardInterrupt``) runs the same cleanup, says one line and exits ``128 + signum``;
+    left at their default, they killed check, matrix or export with no word and their scratch
+    behind. One that is ignored (``nohup``) stays ignored; apply's transaction installs its
+    own while it runs. Main thread only, as ``signal.signal`` demands."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    for stop in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if stop is not None and signal.getsignal(stop) == signal.SIG_DFL:
+            saved[stop] = signal.signal(stop, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for stop, handler in saved.items():
+            signal.signal(stop, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     with pipe_safe_stdout():
         parser = build_parser()
@@ -265,7 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("megatron-rocm: error: no command given (see --help)", file=sys.stderr)
             return EXIT_USAGE
         try:
-            with error_handler(as_json=getattr(args, "json", False) is True) as result:
+            with (
+                _stops_like_ctrl_c(),
+                error_handler(as_json=_prints_json(args)) as result,
+            ):
                 result.code = _dispatch(args)
         except KeyboardInterrupt as e:  # a signal that landed while the handler was finishing
             say(interrupted_line(e))

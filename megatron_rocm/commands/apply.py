@@ -7,9 +7,10 @@ transaction itself (order of effects, commit point, signals, leftovers of killed
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from megatron_rocm.errors import EXIT_OK, Interrupted
+from megatron_rocm.errors import EXIT_OK, Interrupted, SourceError, UsageError
 from megatron_rocm.output import hunk_summary, print_json
 from megatron_rocm.patchtool import diffio, refnames, transaction, upstream
 from megatron_rocm.patchtool.results import HunkLabel
@@ -33,12 +34,17 @@ def _request(
         refnames.check_branch(branch)
     if version_override is not None:
         parse_version(version_override)
-    dest_path = Path(refnames.check_text(dest, "--dest") if dest is not None else "Megatron-LM")
-    dest_path = dest_path.expanduser().resolve()
+    dest_path = refnames.user_path(
+        refnames.check_text(dest, "--dest") if dest is not None else "Megatron-LM", "--dest"
+    )
     series = load_series(series_dir)
     diffio.read_all(series)
     fresh = transaction.is_fresh(dest_path)
     src = upstream.classify(source) if (source is not None or fresh) else None
+    if src is not None and src.kind == "path" and dest_path.is_relative_to(src.location):
+        raise UsageError(
+            f"--dest {dest_path} is inside the source {src.location}; choose a folder outside it"
+        )
     if fresh and src is not None and src.kind == "pypi" and ref is not None:
         upstream.pypi.version_from_ref(ref)  # 'main' has no sdist: say so before any download
     return transaction.Request(
@@ -64,7 +70,16 @@ def apply(
         if as_json:
             print_json({"ok": False, "dest": str(req.dest), "report": e.plan.report.to_dict()})
         raise
-    _show(done, req.dest, as_json)
+    try:
+        _show(done, req.dest, as_json)
+        sys.stdout.flush()  # a full disk or a broken pipe shows here, not after the return
+    except BrokenPipeError:
+        raise  # the reader went away (`| head`): the error handler keeps apply's own code
+    except OSError as e:
+        raise SourceError(
+            f"cannot print the report ({(e.strerror or str(e)).lower()}); the apply itself "
+            f"finished: {done.branch} is checked out in {req.dest}"
+        ) from None
     if done.interrupted:
         raise Interrupted(
             done.interrupted,

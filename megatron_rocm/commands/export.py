@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_rocm.errors import EXIT_OK, UsageError
 from megatron_rocm.output import print_json
 from megatron_rocm.patchtool import gitcmd, refnames
@@ -21,7 +19,7 @@ def export(
 ) -> int:
     if version_override is not None:
         parse_version(version_override)
-    repo = Path(refnames.check_text(repo_dir, "--repo")).expanduser().resolve()
+    repo = refnames.user_path(refnames.check_text(repo_dir, "--repo"), "--repo")
     if not gitcmd.is_git_repo(repo):
         raise UsageError(f"{repo} is not a git repository (run export inside a patched fork)")
     if gitcmd.toplevel(repo) is None:

@@ -25,6 +25,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
 from megatron_rocm.errors import SourceError, UsageError
+from megatron_rocm.patchtool import refnames
 
 try:
     import tomllib
@@ -78,7 +79,7 @@ class Plan:
 
 def megatron_tree(path: str | Path) -> Path:
     """The tree's root, or UsageError: both install and smoke need a real Megatron-LM tree."""
-    root = Path(path).resolve()
+    root = refnames.user_path(path, "tree")
     if not (root / "megatron" / "core" / "package_info.py").is_file():
         raise UsageError(
             f"{root} is not a Megatron-LM tree (no megatron/core/package_info.py); "

@@ -244,6 +244,15 @@ def rev_parse(repo: str | Path, rev: str) -> str | None:
         return None
 
 
+def head_has_folder(repo: str | Path, folder: str) -> bool:
+    """Whether the commit HEAD names has ``folder`` (False on an unborn HEAD)."""
+    try:
+        kind = git_text("cat-file", "-t", "--end-of-options", f"HEAD:{folder}", cwd=repo)
+    except GitError:
+        return False
+    return kind == "tree"
+
+
 # Files git keeps while an operation is half done, and what to call it.
 IN_PROGRESS = {
     "rebase-merge": "a rebase",

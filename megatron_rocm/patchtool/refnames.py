@@ -10,6 +10,7 @@ A commit id is a valid name too. Rejections are usage errors (exit 2) raised bef
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from megatron_rocm.errors import UsageError
 
@@ -56,6 +57,11 @@ def check_ref(name: str, option: str = "--ref") -> str:
     return name
 
 
+# git stores a branch as a file named after each path component, and writes ``<name>.lock``
+# first: a component longer than the file system's 255 bytes less that suffix fails late.
+_MAX_COMPONENT_BYTES = 250
+
+
 def check_branch(name: str, option: str = "--branch") -> str:
     """A new branch name: a valid ref name that is not ``HEAD`` and not a full ref path."""
     problem = ref_problem(name)
@@ -63,6 +69,13 @@ def check_branch(name: str, option: str = "--branch") -> str:
         problem = "'HEAD' is reserved"
     if problem is None and name.startswith("refs/"):
         problem = "give the short name (without refs/)"
+    if problem is None:
+        longest = max(len(part.encode()) for part in name.split("/"))
+        if longest > _MAX_COMPONENT_BYTES:
+            problem = (
+                f"a path component is {longest} bytes long (git can store at most "
+                f"{_MAX_COMPONENT_BYTES})"
+            )
     if problem:
         raise UsageError(f"{option} {name!r} is not a valid branch name: {problem}")
     return name
@@ -80,6 +93,18 @@ def check_pattern(pattern: str, option: str = "--tags") -> str:
     if problem:
         raise UsageError(f"{option} {pattern!r} is not a valid tag pattern: {problem}")
     return pattern
+
+
+def user_path(value: str | Path, option: str) -> Path:
+    """``value`` with ``~`` expanded, made absolute and its links followed. Links that form a
+    loop are a usage error here rather than an internal one wherever the path is first used
+    (Python 3.11 raises ``RuntimeError`` for them, later versions ``OSError``)."""
+    try:
+        return Path(value).expanduser().resolve()
+    except RuntimeError:
+        raise UsageError(f"{option} {value}: its symbolic links form a loop") from None
+    except OSError as e:
+        raise UsageError(f"{option} {value}: {(e.strerror or str(e)).lower()}") from None
 
 
 def check_text(value: str, option: str) -> str:

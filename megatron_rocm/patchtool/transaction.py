@@ -250,6 +250,11 @@ def _existing(req: Request, guard: interrupts.Guard) -> Outcome:
             f"destination {repo} exists and is not a git clone of Megatron-LM; "
             "choose another --dest"
         )
+    if not gitcmd.head_has_folder(repo, "megatron/core"):  # another project's repository
+        raise UsageError(
+            f"destination {repo} is a git repository but not a clone of Megatron-LM (its HEAD "
+            "has no megatron/core); choose another --dest"
+        )
     gdir = gitcmd.git_dir(repo)
     with lock.hold(gdir / lock.LOCK_NAME, what=str(repo)) as held:
         if held.previous:

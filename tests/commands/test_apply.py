@@ -125,6 +125,27 @@ def test_closed_stdout_does_not_undo_or_fail_a_finished_apply(toy):
     assert leftovers(dest) == []
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_says_the_apply_finished(toy):
+    """`apply > /dev/full` on an existing fork: the branch is made before the report, and the
+    one line says so (a fresh apply prints progress first, so it stops before any change)."""
+    root, upstream, series = toy
+    dest = root / "full"
+    assert _apply(upstream, series, dest) == 0
+    argv = [*apply_argv(upstream, series, dest), "--branch", "second"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_rocm", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    assert proc.returncode == 3
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "the apply itself finished: second is checked out in" in proc.stderr
+    assert run("rev-parse", "--abbrev-ref", "HEAD", cwd=dest) == "second"
+
+
 def test_dirty_tree_is_refused_and_edits_kept(toy, capsys):
     root, upstream, series = toy
     dest = root / "clone"

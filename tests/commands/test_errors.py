@@ -197,3 +197,80 @@ def test_unreachable_package_index(toy, monkeypatch, capsys):
     assert main(["check", "--source", "pypi", "--ref", "0.14.0", "--series", str(series)]) == 3
     err = _err(capsys)
     assert "cannot reach PyPI" in err and "--source PATH" in err
+
+
+def test_another_projects_git_repository_is_not_taken_over(toy, tmp_path, capsys):
+    _, upstream, series = toy
+    other = tmp_path / "other"
+    other.mkdir()
+    run("init", "-q", cwd=other)
+    (other / "notes.txt").write_text("mine\n")
+    run("add", "notes.txt", cwd=other)
+    run("-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "-m", "mine", cwd=other)
+    head = run("rev-parse", "HEAD", cwd=other)
+    assert main(apply_argv(upstream, series, other)) == 2
+    assert "is a git repository but not a clone of Megatron-LM" in _err(capsys)
+    assert run("rev-parse", "HEAD", cwd=other) == head
+    assert run("branch", "--format=%(refname:short)", cwd=other).split() in (["main"], ["master"])
+    assert sorted(p.name for p in other.iterdir()) == [".git", "notes.txt"]
+
+
+def test_a_destination_inside_the_source_is_refused(toy, capsys):
+    _, upstream, series = toy
+    assert main(apply_argv(upstream, series, upstream / "inside")) == 2
+    assert "is inside the source" in _err(capsys)
+    assert not (upstream / "inside").exists()
+
+
+@pytest.mark.parametrize("verb", ["apply", "export", "install"])
+def test_a_symbolic_link_loop_is_a_usage_error(toy, tmp_path, capsys, verb):
+    _, upstream, series = toy
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    loop = tmp_path / "a"
+    argv = {
+        "apply": apply_argv(upstream, series, loop),
+        "export": ["export", "--repo", str(loop), "--series", str(tmp_path / "out")],
+        "install": ["install", "--dry-run", str(loop)],
+    }[verb]
+    assert main(argv) == 2
+    assert "symbolic links form a loop" in _err(capsys)
+
+
+def test_a_branch_name_git_cannot_store_is_refused_before_any_clone(toy, tmp_path, capsys):
+    _, upstream, series = toy
+    dest = tmp_path / "new"
+    assert main([*apply_argv(upstream, series, dest), "--branch", "rocm/" + "ü" * 140]) == 2
+    assert "a path component is 280 bytes long" in _err(capsys)
+    assert not dest.exists()
+
+
+def test_sigterm_ends_any_verb_in_one_line_and_restores_the_handler(monkeypatch, capsys):
+    import signal
+
+    from megatron_rocm import main as main_module
+
+    def terminated(_args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal should have ended the verb")
+
+    monkeypatch.setattr(main_module, "_dispatch", terminated)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert main(["list"]) == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert _err(capsys).strip() == "megatron-rocm: interrupted"
+
+
+def test_matrix_with_its_json_report_on_stdout_gives_a_json_error(toy, capsys):
+    import json
+
+    _, upstream, series = toy
+    argv = ["matrix", "--source", str(upstream), "--series", str(series), "--format", "json"]
+    assert main([*argv, "--tags", "nomatch*"]) == 2
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
+    assert document["ok"] is False and document["exit_code"] == 2
+    assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
