@@ -6,24 +6,28 @@ native backend they would change nothing: ``unfused``, which upstream's function
 their golden values with, would run a flash kernel. So each choice picks the native kernels of
 the same family, for every path the attention has:
 
-============  =========================  ==========================  ========================
-flag          dense (torch SDPA)         context-parallel blocks     packed (THD)
-============  =========================  ==========================  ========================
-``flash``     flash                      flash                       varlen flash
-``fused``     cuDNN, else efficient      cuDNN, else efficient       one SDPA per document,
-                                                                     cuDNN, else efficient
-``unfused``   math                       math                        one SDPA per document,
-                                                                     math
-``auto``      torch's choice             fastest that passes         varlen flash if its probe
-                                                                     passes
-============  =========================  ==========================  ========================
+=========  ============================  =====================  ===========================
+flag       dense (torch SDPA)            context-parallel       packed (THD)
+                                         blocks
+=========  ============================  =====================  ===========================
+flash      flash (a mask tensor:         flash                  varlen flash
+           efficient, logged once)
+fused      cuDNN, else efficient         cuDNN, else efficient  one SDPA per document,
+                                                                cuDNN, else efficient
+unfused    math                          math                   one SDPA per document, math
+auto       torch's choice                fastest that passes    varlen flash if its probe
+                                                                passes
+=========  ============================  =====================  ===========================
 
 ROCm has no cuDNN: there ``fused`` runs the memory-efficient kernel (AOTriton), as TE-ROCm's
-fused attention is its own CK/AOTriton kernel. A kernel the flag names that cannot run the
-inputs raises with the reason rather than falling back. The ``MEGATRON_ROCM_SDPA_BACKENDS``,
-``MEGATRON_ROCM_CP_KERNEL`` and ``MEGATRON_ROCM_PACKED_ATTENTION`` variables (for benchmarks)
-choose the same kernels, so they and a non-``auto`` flag are refused together, as upstream
-refuses ``NVTE_*`` variables that disagree with the flag.
+fused attention is its own CK/AOTriton kernel. SDPA's flash kernel takes no mask tensor, where
+TE's flash attention unpads a padding mask and bands a window itself, so masked dense attention
+under ``flash`` runs the memory-efficient kernel and says so once. Otherwise a kernel the flag
+names that cannot run the inputs raises with the reason rather than falling back. The
+``MEGATRON_ROCM_SDPA_BACKENDS``, ``MEGATRON_ROCM_CP_KERNEL`` and
+``MEGATRON_ROCM_PACKED_ATTENTION`` variables (for benchmarks) choose the same kernels, so they
+and a non-``auto`` flag are refused together, as upstream refuses ``NVTE_*`` variables that
+disagree with the flag.
 """
 
 from __future__ import annotations
@@ -44,18 +48,15 @@ _KERNEL_ENVS = (BACKENDS_ENV, CP_KERNEL_ENV, PACKED_ENV)
 class KernelChoice:
     """The kernels one ``--attention-backend`` value names on each path."""
 
-    flag: str  # e.g. "--attention-backend unfused", for messages
     sdpa: str  # torch SDPA backends, in ``MEGATRON_ROCM_SDPA_BACKENDS``' spelling
     cp_blocks: tuple[str, ...]  # context-parallel block kernels, first that runs
     packed: str  # packed_attention's implementation
 
 
 CHOICES: dict[str, KernelChoice] = {
-    "flash": KernelChoice("--attention-backend flash", "flash", ("flash",), "flash"),
-    "fused": KernelChoice(
-        "--attention-backend fused", "cudnn,efficient", ("cudnn", "efficient"), "sdpa_loop"
-    ),
-    "unfused": KernelChoice("--attention-backend unfused", "math", ("math",), "sdpa_loop"),
+    "flash": KernelChoice("flash", ("flash",), "flash"),
+    "fused": KernelChoice("cudnn,efficient", ("cudnn", "efficient"), "sdpa_loop"),
+    "unfused": KernelChoice("math", ("math",), "sdpa_loop"),
 }
 
 
