@@ -123,30 +123,22 @@ def test_document_masks_under_cuda_graphs_are_refused_on_the_native_attention(
     assert te_only_options_in_use(args) == (want if refused else [])
 
 
+@pytest.mark.parametrize(
+    ("dest", "value", "unset", "flag"),
+    [
+        ("init_model_with_meta_device", True, False, "--init-model-with-meta-device"),
+        ("flash_attention_version", 3, None, "--flash-attention-version"),
+    ],
+)
 @pytest.mark.parametrize(("impl", "refused"), [("transformer_engine", True), ("local", False)])
-def test_meta_device_init_is_refused_on_the_native_spec(impl, refused):
-    args = SimpleNamespace(
-        **{**DEFAULTS, "transformer_impl": impl, "init_model_with_meta_device": True}
-    )
+def test_options_refused_on_the_native_spec_only(dest, value, unset, flag, impl, refused):
+    args = SimpleNamespace(**{**DEFAULTS, "transformer_impl": impl, dest: value})
     problems = te_only_options_in_use(args)
     assert len(problems) == int(refused)
     if refused:
-        assert problems[0].startswith("--init-model-with-meta-device: ")
+        assert problems[0].startswith(f"{flag}: ")
         assert len(problems[0].splitlines()) == 1
-    off = SimpleNamespace(**{**DEFAULTS, "init_model_with_meta_device": False})
-    assert te_only_options_in_use(off) == []
-
-
-@pytest.mark.parametrize(("impl", "refused"), [("transformer_engine", True), ("local", False)])
-def test_a_pinned_flash_attention_version_is_refused_on_the_native_spec(impl, refused):
-    args = SimpleNamespace(**{**DEFAULTS, "transformer_impl": impl, "flash_attention_version": 3})
-    problems = te_only_options_in_use(args)
-    assert len(problems) == int(refused)
-    if refused:
-        assert problems[0].startswith("--flash-attention-version: ")
-        assert len(problems[0].splitlines()) == 1
-    unpinned = SimpleNamespace(**{**DEFAULTS, "flash_attention_version": None})
-    assert te_only_options_in_use(unpinned) == []
+    assert te_only_options_in_use(SimpleNamespace(**{**DEFAULTS, dest: unset})) == []
 
 
 @pytest.mark.parametrize(
