@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import torch
@@ -74,6 +75,35 @@ def _cp_group(config: Any, groups: Any) -> Any:
         return parallel_state.get_context_parallel_group()
 
 
+def _check_determinism(config: Any) -> None:
+    """``config.deterministic_mode`` as upstream's TE wrapper holds it, for library users who
+    build models without ``--deterministic-mode`` (which sets both switches below).
+
+    Upstream raises unless ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, TE's switch to its
+    deterministic kernels. The native attention's kernels (SDPA's, the CP blocks') are
+    deterministic under ``torch.use_deterministic_algorithms(True)`` instead: with neither
+    switch this raises as upstream does; with TE's alone it says once that determinism
+    follows torch's flag here."""
+    if not getattr(config, "deterministic_mode", False):
+        return
+    if torch.are_deterministic_algorithms_enabled():
+        return
+    if os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1").strip() != "0":
+        raise RuntimeError(
+            f"{_OWNER}: deterministic_mode is on, but neither "
+            "torch.use_deterministic_algorithms(True) (what --deterministic-mode sets) nor "
+            "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 is; set one"
+        )
+    from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+
+    log_fallback_once(
+        "deterministic-mode-nvte",
+        "deterministic_mode with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 alone: that is "
+        "TransformerEngine's switch; the native attention's backward is deterministic under "
+        "torch.use_deterministic_algorithms(True), which --deterministic-mode sets",
+    )
+
+
 class TEDotProductAttention(torch.nn.Module):
     """Core attention with TE's constructor and forward contract, computed with torch SDPA."""
 
@@ -110,6 +140,7 @@ class TEDotProductAttention(torch.nn.Module):
         )
         self.window_size = _window_for_layer(config, layer_number)
         self._refuse_te_only(config, num_splits)
+        _check_determinism(config)
         self.kernels = attention_backend.resolve(config)  # --attention-backend
         groups = pg_collection if pg_collection is not None else model_comm_pgs
         self._tp_group = getattr(groups, "tp", None)
