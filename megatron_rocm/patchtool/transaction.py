@@ -91,7 +91,13 @@ class Failed(PatchFailed):
 
 
 def branch_name(ref: str, commit: str) -> str:
-    name = commit[:12] if re.fullmatch(r"[0-9a-f]{7,40}", ref) else ref
+    """``rocm/<ref>`` for a tag or branch, by its short name (``refs/heads/main`` and
+    ``origin/main`` give ``rocm/main``); a commit id or ``HEAD``, which name no release,
+    give ``rocm/<commit[:12]>``."""
+    if ref == "HEAD" or re.fullmatch(r"[0-9a-f]{7,40}", ref):
+        name = commit[:12]
+    else:
+        name = re.sub(r"^(refs/(heads|tags)/|refs/remotes/[^/]+/|origin/)", "", ref)
     return "rocm/" + re.sub(r"[^A-Za-z0-9._/-]+", "-", name)
 
 

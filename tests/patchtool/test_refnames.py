@@ -81,3 +81,22 @@ def test_tag_patterns_allow_globs_only():
     for bad in ("-x*", "a..*", "@{*", "sp ace*"):
         with pytest.raises(UsageError):
             refnames.check_pattern(bad)
+
+
+@pytest.mark.parametrize(
+    ("ref", "branch"),
+    [
+        ("core_v0.19.0", "rocm/core_v0.19.0"),
+        ("main", "rocm/main"),
+        ("refs/heads/main", "rocm/main"),
+        ("refs/tags/core_v0.19.0", "rocm/core_v0.19.0"),
+        ("refs/remotes/origin/dev", "rocm/dev"),
+        ("origin/dev", "rocm/dev"),
+        ("HEAD", "rocm/0123456789ab"),
+        ("0123456", "rocm/0123456789ab"),
+    ],
+)
+def test_the_fork_branch_is_named_after_the_refs_short_name(ref, branch):
+    from megatron_rocm.patchtool.transaction import branch_name
+
+    assert branch_name(ref, "0123456789abcdef" * 2 + "01234567") == branch
