@@ -223,25 +223,32 @@ class TEDotProductAttention(torch.nn.Module):
         qkv_format = getattr(packed_seq_params, "qkv_format", None) or self.qkv_format
         if packed_seq_params is not None:
             self._follow_dynamic_cp(packed_seq_params)
-        with self._rng_context(), attention_backend.sdpa_kernels(self.kernels):
+        # --attention-backend: the packed and document paths may run one SDPA per document, so
+        # they run under its SDPA kernels; sdpa_sbhd takes them as an argument, the CP blocks
+        # as an order.
+        with self._rng_context():
             if packed_seq_params is not None and qkv_format == "thd":
-                return self._packed(query, key, value, mask_type, attention_bias, packed_seq_params)
+                with attention_backend.sdpa_kernels(self.kernels):
+                    return self._packed(
+                        query, key, value, mask_type, attention_bias, packed_seq_params
+                    )
             if self.cp_size > 1:
                 return self._context_parallel(query, key, value, mask_type, attention_bias)
             documents = self._documents(query, key, attention_mask, mask_type, attention_bias)
             if documents is not None:
                 from megatron_rocm.runtime.backend.document_mask import block_causal_attention
 
-                return block_causal_attention(
-                    query,
-                    key,
-                    value,
-                    documents,
-                    softmax_scale=self.softmax_scale,
-                    dropout_p=self._dropout_p(),
-                    window_size=self.window_size,
-                    implementation=self._packed_implementation(),
-                )
+                with attention_backend.sdpa_kernels(self.kernels):
+                    return block_causal_attention(
+                        query,
+                        key,
+                        value,
+                        documents,
+                        softmax_scale=self.softmax_scale,
+                        dropout_p=self._dropout_p(),
+                        window_size=self.window_size,
+                        implementation=self._packed_implementation(),
+                    )
             return sdpa_sbhd(
                 query,
                 key,

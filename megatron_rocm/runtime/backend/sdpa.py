@@ -63,27 +63,16 @@ def sdpa_backends(spec: str) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _kernel_priority() -> Iterator[None]:
-    spec = os.environ.get(BACKENDS_ENV, "").strip()
-    if not spec:
-        yield
-        return
-    with sdpa_backends(spec):
-        yield
-
-
-@contextlib.contextmanager
-def _kernels_for(kernels: str | None, masked: bool) -> Iterator[None]:
-    """``kernels`` (what ``--attention-backend`` names), else the environment's priority.
+def _kernels_for(kernels: str | None, masked: bool) -> contextlib.AbstractContextManager[None]:
+    """``kernels`` (what ``--attention-backend`` names), else ``MEGATRON_ROCM_SDPA_BACKENDS``'
+    priority, else a bare ``nullcontext`` (this runs per layer and micro-batch, on the host).
 
     SDPA's flash kernel takes no mask tensor, where TE's flash attention unpads a padding mask
     and bands a window itself; so masked attention asked to run on flash runs on the
     memory-efficient kernel, logged once, rather than failing where TE would run."""
     if kernels is None:
-        with _kernel_priority():
-            yield
-        return
+        spec = os.environ.get(BACKENDS_ENV, "").strip()
+        return sdpa_backends(spec) if spec else contextlib.nullcontext()
     if kernels == "flash" and masked:
         log_fallback_once(
             "sdpa-flash-masked",
@@ -92,8 +81,7 @@ def _kernels_for(kernels: str | None, masked: bool) -> Iterator[None]:
             "memory-efficient kernel",
         )
         kernels = "efficient"
-    with sdpa_backends(kernels):
-        yield
+    return sdpa_backends(kernels)
 
 
 def _band(sq: int, sk: int, left: int, right: int, device: torch.device) -> torch.Tensor:

@@ -95,22 +95,28 @@ def _sdpa_enabled() -> dict[str, bool]:
     }
 
 
+def record_sdpa(monkeypatch) -> list[set[str]]:
+    """The SDPA kernels enabled at each call of torch's SDPA itself (which then runs)."""
+    from megatron_rocm.runtime.backend import sdpa
+
+    seen: list[set[str]] = []
+    real = sdpa.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append({name for name, on in _sdpa_enabled().items() if on})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", recording)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("backend", "enabled"),
     [(AttnBackend.unfused, {"math"}), (AttnBackend.fused, {"cudnn", "efficient"}),
      (AttnBackend.flash, {"flash"})],
 )  # fmt: skip
 def test_dense_attention_runs_sdpa_on_the_named_kernels_only(monkeypatch, backend, enabled):
-    from megatron_rocm.runtime.backend import attention as attention_module
-
-    seen = []
-    real = attention_module.sdpa_sbhd
-
-    def recording(*args, **kwargs):
-        seen.append({name for name, on in _sdpa_enabled().items() if on})
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_module, "sdpa_sbhd", recording)
+    seen = record_sdpa(monkeypatch)
     before = _sdpa_enabled()
     q, k, v = qkv()
     if backend is AttnBackend.unfused:  # the CPU can run math: check the result as well
@@ -125,16 +131,8 @@ def test_dense_attention_runs_sdpa_on_the_named_kernels_only(monkeypatch, backen
 
 
 def test_auto_leaves_sdpa_free_to_choose(monkeypatch):
-    from megatron_rocm.runtime.backend import attention as attention_module
-
-    seen = []
-    real = attention_module.sdpa_sbhd
-    monkeypatch.setattr(
-        attention_module,
-        "sdpa_sbhd",
-        lambda *a, **kw: (seen.append(_sdpa_enabled()), real(*a, **kw))[1],
-    )
-    before = _sdpa_enabled()
+    seen = record_sdpa(monkeypatch)
+    before = {name for name, on in _sdpa_enabled().items() if on}
     attention(AttnBackend.auto)(*qkv(), attention_mask=None)
     assert seen == [before]
 
@@ -165,10 +163,12 @@ def _packed_params() -> SimpleNamespace:
     )
 
 
-def test_packed_sequences_follow_the_flag():
+def test_packed_sequences_follow_the_flag(monkeypatch):
+    seen = record_sdpa(monkeypatch)
     q, k, v = (x[:, 0] for x in qkv())  # [t, heads, dim]
     attention(AttnBackend.unfused)(q, k, v, attention_mask=None, packed_seq_params=_packed_params())
     assert last_implementation() == "sdpa_loop"
+    assert seen and all(kernels == {"math"} for kernels in seen)  # one SDPA per document
     with pytest.raises(RuntimeError, match="packed attention 'flash' was requested but"):
         attention(AttnBackend.flash)(
             q, k, v, attention_mask=None, packed_seq_params=_packed_params()
