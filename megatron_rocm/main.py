@@ -12,8 +12,7 @@ import argparse
 import contextlib
 import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import FrameType
 from typing import NoReturn
 
@@ -21,6 +20,7 @@ from megatron_rocm import __version__
 from megatron_rocm.error_handler import error_handler, interrupted_code, interrupted_line, say
 from megatron_rocm.errors import EXIT_USAGE, Interrupted
 from megatron_rocm.output import pipe_safe_stdout, print_json
+from megatron_rocm.patchtool import interrupts
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 patches do not apply or checks failed, 2 usage or bad input, "
@@ -265,25 +265,15 @@ def _raise_interrupted(signum: int, _frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
-@contextlib.contextmanager
-def _stops_like_ctrl_c() -> Iterator[None]:
+def _stops_like_ctrl_c() -> contextlib.AbstractContextManager[None]:
     """SIGTERM and SIGHUP end every verb as Ctrl-C does: ``Interrupted`` (a
     ``KeyboardInterrupt``) runs the same cleanup, says one line and exits ``128 + signum``;
     left at their default, they killed check, matrix or export with no word and their scratch
     behind. One that is ignored (``nohup``) stays ignored; apply's transaction installs its
-    own while it runs. Main thread only, as ``signal.signal`` demands."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {}
-    for stop in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if stop is not None and signal.getsignal(stop) == signal.SIG_DFL:
-            saved[stop] = signal.signal(stop, _raise_interrupted)
-    try:
-        yield
-    finally:
-        for stop, handler in saved.items():
-            signal.signal(stop, handler)
+    own while it runs."""
+    return interrupts.handling(
+        (signal.SIGTERM, signal.SIGHUP), _raise_interrupted, lambda h: h == signal.SIG_DFL
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

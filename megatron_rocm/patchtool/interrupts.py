@@ -18,8 +18,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
+from typing import Any
 
 from megatron_rocm.errors import Interrupted
 
@@ -30,6 +31,27 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _active: Guard | None = None
 
 
+@contextlib.contextmanager
+def handling(
+    signals: Iterable[int],
+    handler: Callable[[int, FrameType | None], Any],
+    replaces: Callable[[Any], bool] = lambda _current: True,
+) -> Iterator[None]:
+    """``handler`` for each of ``signals`` whose current handler ``replaces`` accepts, and the
+    previous ones back afterwards. Main thread only, as ``signal.signal`` demands; elsewhere
+    nothing is installed."""
+    saved: dict[int, Any] = {}
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                if replaces(signal.getsignal(sig)):
+                    saved[sig] = signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
 class Guard:
     """Install handlers for ``SIGNALS`` for the duration of a ``with`` block."""
 
@@ -37,7 +59,7 @@ class Guard:
         self.pending: int | None = None  # first signal received while deferring
         self._defer = 0
         self._committed = False
-        self._saved: dict[int, object] = {}
+        self._handlers = contextlib.ExitStack()
 
     def _handler(self, signum: int, _frame: FrameType | None) -> None:
         if self._defer or self._committed:
@@ -48,16 +70,13 @@ class Guard:
 
     def __enter__(self) -> Guard:
         global _active
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                self._saved[sig] = signal.signal(sig, self._handler)
+        self._handlers.enter_context(handling(SIGNALS, self._handler))
         _active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _active
-        for sig, old in self._saved.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._handlers.close()
         _active = None
 
     @contextlib.contextmanager

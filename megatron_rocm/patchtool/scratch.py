@@ -15,10 +15,11 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_rocm.patchtool import interrupts
 
 GIT_PREFIX = "megatron-rocm-"  # inside a git dir: private indexes of tree writes
 
@@ -42,9 +43,6 @@ def make(parent: Path, prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=parent))
 
 
-_STOPS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
 @contextlib.contextmanager
 def _stops_held() -> Iterator[None]:
     """Hold Ctrl-C, SIGTERM and SIGHUP back (they arrive when this ends) while a scratch
@@ -55,26 +53,20 @@ def _stops_held() -> Iterator[None]:
     thread, and in a process with any other thread (GitPython's output readers, a progress
     bar) the kernel hands the signal to that thread, whose C handler still makes the main
     thread raise at once. A handler that only records the signal works whichever thread the
-    kernel picks. Main thread only (``signal.signal`` demands it); elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    kernel picks. Main thread only (``signal.signal`` demands it); elsewhere a no-op. A
+    handler set outside Python cannot be put back, and an ignored signal needs no holding:
+    those are left alone."""
     pending: list[int] = []
 
     def defer(signum: int, _frame: object) -> None:
         pending.append(signum)
 
-    previous: dict[int, signal.Handlers | object] = {}
-    for stop in _STOPS:
-        handler = signal.getsignal(stop)
-        if handler is None or handler == signal.SIG_IGN:
-            continue  # set outside Python (cannot be put back), or ignored anyway
-        previous[stop] = signal.signal(stop, defer)
     try:
-        yield
+        with interrupts.handling(
+            interrupts.SIGNALS, defer, lambda current: current not in (None, signal.SIG_IGN)
+        ):
+            yield
     finally:
-        for stop, handler in previous.items():
-            signal.signal(stop, handler)  # type: ignore[arg-type]
         for stop in dict.fromkeys(pending):
             signal.raise_signal(stop)  # now handled as it would have been
 
