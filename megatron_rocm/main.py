@@ -246,11 +246,27 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _wants_json(parser: _Parser, argv: Sequence[str]) -> bool:
-    """Whether a command line that argparse refused asked for a JSON document on stdout (its
-    verb's ``--json`` flag; ``smoke --json FILE`` names a report file instead)."""
+    """Whether a command line that argparse refused asked for a JSON document on stdout: its
+    verb's ``--json`` flag (``smoke --json FILE`` names a report file instead), or ``matrix``
+    with only ``--format json`` and no ``--out``, as ``_prints_json`` decides for a parsed one.
+    The words are read as argparse would take them, both ``--opt value`` and ``--opt=value``."""
     verb = next((a for a in argv if not a.startswith("-")), "")
+    if verb == "matrix":
+        formats = _option_values(argv, "--format")
+        return formats == ["json"] and not _option_values(argv, "--out")
     sub = parser.verbs.get(verb)
     return sub is not None and sub.prints_json and "--json" in argv
+
+
+def _option_values(argv: Sequence[str], option: str) -> list[str]:
+    """Every value given to ``option`` in ``argv`` (``--opt value`` or ``--opt=value``)."""
+    values = []
+    for index, word in enumerate(argv):
+        if word == option and index + 1 < len(argv):
+            values.append(argv[index + 1])
+        elif word.startswith(option + "="):
+            values.append(word.split("=", 1)[1])
+    return values
 
 
 def _prints_json(args: argparse.Namespace) -> bool:

@@ -274,3 +274,28 @@ def test_matrix_with_its_json_report_on_stdout_gives_a_json_error(toy, capsys):
     document = json.loads(captured.out)
     assert document["ok"] is False and document["exit_code"] == 2
     assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("words", "document"),
+    [
+        (["--format", "json", "--bogus"], True),
+        (["--format=json", "--tags"], True),  # --tags without its value
+        (["--format", "json", "--format", "md", "--bogus"], False),  # stdout holds no report
+        (["--format", "json", "--out", "r.json", "--bogus"], False),
+        (["--format", "yaml"], False),  # not a json report either
+    ],
+)
+def test_a_refused_matrix_line_is_a_json_document_when_its_report_was_to_be(
+    words, document, capsys
+):  # noqa: ANN001
+    import json
+
+    assert main(["matrix", *words]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("megatron-rocm: error: ") and captured.err.count("\n") == 1
+    if document:
+        parsed = json.loads(captured.out)
+        assert parsed == {"ok": False, "error": captured.err.strip()[15:], "exit_code": 2}
+    else:
+        assert captured.out == ""
