@@ -50,8 +50,10 @@ def header_patch_id(header: str) -> str | None:
 
 
 def read_text(path: Path) -> str:
+    """A diff file's text, byte for byte: no newline translation, so the ``\r`` of a hunk
+    line of a CRLF file (upstream has some) is kept, as ``git apply`` keeps it."""
     try:
-        return path.read_text(encoding="utf-8", errors="surrogateescape")
+        return path.read_bytes().decode("utf-8", errors="surrogateescape")
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
 

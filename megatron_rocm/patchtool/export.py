@@ -128,10 +128,11 @@ def _unchanged(
     patch: Patch,
     variant: Variant,
     c: ForkCommit,
-    touched: list[str],
+    touched: dict[str, tuple[str, str]],
     scope: list[str],
 ) -> bool:
-    """Does the stored diff, applied to the parent, give exactly this commit's files?
+    """Does the stored diff, applied to the parent, give exactly this commit's files, modes
+    included (a ``chmod`` amended into a patch's commit is a change)?
 
     On a partial tree (an sdist: ``scope`` set) files outside the scope are left out.
     """
@@ -145,6 +146,10 @@ def _unchanged(
     if sorted(fd.path for fd in fds) != sorted(touched):
         return False
     for fd in fds:
+        old_mode, new_mode = touched[fd.path]
+        expected = (fd.new_mode or "100644") if fd.is_new else old_mode
+        if not fd.is_deleted and new_mode != expected:
+            return False
         before = cat.read(f"{c.parent}:{fd.path}")
         outcome = apply_file(None if before is None else split_lines(decode(before)), fd)
         if not all(accepts(r.label) for r in outcome.results):
@@ -183,18 +188,25 @@ def _add_variant(patch: Patch, version: Version, split: bool) -> Variant:
     return new
 
 
-def _touched(repo: Path, c: ForkCommit) -> list[str]:
+def _touched(repo: Path, c: ForkCommit) -> dict[str, tuple[str, str]]:
+    """The files ``c`` changes, each with its mode before and after (``000000``: absent)."""
     out = gitcmd.git(
         "diff",
-        "--name-only",
+        "--raw",
         "-z",
         "--no-renames",
+        "--no-abbrev",
         "--end-of-options",
         c.parent,
         c.commit,
         cwd=repo,
     )
-    return [p for p in out.decode("utf-8", errors="surrogateescape").split("\0") if p]
+    fields = out.decode("utf-8", errors="surrogateescape").split("\0")
+    touched: dict[str, tuple[str, str]] = {}
+    for status, path in zip(fields[0::2], fields[1::2]):
+        old_mode, new_mode = status.lstrip(":").split()[:2]
+        touched[path] = (old_mode, new_mode)
+    return touched
 
 
 def export_fork(
@@ -303,6 +315,7 @@ def _trailerless(
 def _new_patch(
     series: Series, c: ForkCommit, version: Version, text: bytes, writes: Writes
 ) -> ExportItem:
+    _check_reason(c)
     pid = _slug(c.subject)
     rendered = diffio.render(pid, c.subject, text)
     if any(p.id == pid for p in series.patches) or (series.folder / pid).exists():
@@ -324,6 +337,25 @@ def _new_patch(
     ).encode("utf-8")
     series.patches.append(patch)
     return ExportItem(pid, "new-patch", variant.diff)
+
+
+def _check_reason(c: ForkCommit) -> None:
+    """A new patch's reason is its commit's subject: it is written into patch.toml and, as the
+    diff's mail header, into every commit apply makes. One that is empty, holds a control
+    character or is not UTF-8 text (git stores a message's bytes as given) is refused."""
+    what = f"new commit {c.commit[:12]}"
+    if not c.subject.strip():
+        problem = "has no subject"
+    elif any(0xD800 <= ord(ch) <= 0xDFFF for ch in c.subject):
+        problem = "has a subject that is not UTF-8 text"
+    elif any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in c.subject):
+        problem = f"has a control character in its subject ({c.subject!r})"
+    else:
+        return
+    raise UsageError(
+        f"{what} {problem}; its subject becomes the new patch's reason: reword it (git commit "
+        "--amend), then export"
+    )
 
 
 def _exported_before(patch: Patch, version: Version, rendered: bytes) -> bool:

@@ -21,6 +21,8 @@ _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+\Z")
 _INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: (\d+))?$", re.M)
 _MODE_RE = re.compile(r"^new file mode (\d+)$", re.M)
 _MODE_CHANGE_RE = re.compile(r"^old mode (\d+)\nnew mode (\d+)$", re.M)
+_RENAME_RE = re.compile(r"^(rename|copy) from ", re.M)
+_GITLINK_RE = re.compile(r"^(?:new file mode|deleted file mode|index \S+) 160000$", re.M)
 
 
 @dataclass
@@ -154,6 +156,13 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
             if name != "/dev/null":
                 _check_tree_path(_strip_prefix(name), origin)
         path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
+        if _RENAME_RE.search(info):  # the reader sees only the target: the rename is dropped
+            raise UsageError(
+                f"{origin}: renames and copies are not supported ({path}); write the diff "
+                "with --no-renames"
+            )
+        if _GITLINK_RE.search(info):  # a submodule's commit is not a file's text
+            raise UsageError(f"{origin}: submodule (gitlink) changes are not supported ({path})")
         change = _MODE_CHANGE_RE.search(info)
         if change:  # apply keeps a file's mode: a change of it would be dropped without a word
             raise UsageError(

@@ -18,6 +18,9 @@ from megatron_rocm.errors import UsageError
 
 SERIES_ENV = "MEGATRON_ROCM_SERIES"
 UPSTREAM_STATES = ("not-submitted", "submitted", "merged", "rocm-only")
+# A patch id names its folder and the commit trailer that maps a fork commit back to it
+# (``Megatron-ROCm-Patch: <id>``, one token), so it is one plain word.
+PATCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 def release_of(version: str | Version) -> Version:
@@ -166,6 +169,11 @@ def load_series(folder: str | Path | None = None) -> Series:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+        if not PATCH_ID.fullmatch(line):
+            raise UsageError(
+                f"{listing}: patch id {line!r} is not one word of letters, digits, '.', '_', "
+                "'+' or '-' (it names a folder and a commit trailer)"
+            )
         if line in ids:
             raise UsageError(f"{listing}: patch {line!r} is listed twice")
         ids.append(line)
@@ -196,8 +204,25 @@ def _variant_block(v: Variant) -> list[str]:
     return lines
 
 
+_TOML_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``s`` as a TOML basic string: quotes, backslashes and every control character escaped
+    (a raw one makes the file unreadable for every later command)."""
+    return '"' + "".join(_TOML_ESCAPES.get(c) or _escape_control(c) for c in s) + '"'
+
+
+def _escape_control(c: str) -> str:
+    return f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c
 
 
 _FIELD = re.compile(r'^(?P<key>diff|since|until)\s*=\s*"(?P<value>[^"]*)"(?P<rest>.*)$')
@@ -208,7 +233,7 @@ def update_patch_toml(text: str, patch: Patch) -> str:
     wrote: the header and its comments, and each surviving variant's block with its comments
     (``since``/``until`` changed in place). New variants get a block of their own, in order;
     blocks of variants that are gone are dropped."""
-    head, *chunks = re.split(r"(?m)^(?=\[\[variant\]\]\s*$)", text)
+    head, *chunks = re.split(r"(?m)^(?=\[\[\s*variant\s*\]\]\s*(?:#.*)?$)", text)
     blocks: dict[str, tuple[list[str], dict[str, re.Match[str]]]] = {}
     for chunk in chunks:
         lines = chunk.rstrip("\n").split("\n")
@@ -234,7 +259,37 @@ def update_patch_toml(text: str, patch: Patch) -> str:
             if m and m["key"] == "since" and v.until is not None:
                 kept.append(f"until = {_q(str(v.until))}{until_rest}")
         out.append("\n".join(kept).rstrip("\n"))
-    return "\n\n".join(out) + "\n"
+    updated = "\n\n".join(out) + "\n"
+    _check_rewrite(updated, patch)
+    return updated
+
+
+def _check_rewrite(text: str, patch: Patch) -> None:
+    """The rewrite must read back as exactly ``patch``'s variants. Where the developer's file
+    is written in a form the in-place edit does not follow (variants as an inline array,
+    single-quoted values, a key the block splitter does not see), refuse rather than write a
+    file that no longer loads or means something else."""
+    try:
+        raw = tomllib.loads(text).get("variant")
+    except tomllib.TOMLDecodeError:
+        raw = None
+    want = [
+        (v.diff, str(v.since), str(v.until) if v.until else None, v.skip) for v in patch.variants
+    ]
+    got = (
+        [
+            (str(r.get("diff", "")), r.get("since"), r.get("until"), r.get("skip", False))
+            for r in raw
+        ]
+        if isinstance(raw, list) and all(isinstance(r, dict) for r in raw)
+        else None
+    )
+    if got != want:
+        raise UsageError(
+            f"{patch.folder / 'patch.toml'}: export cannot update its variants in place; write "
+            'each as a [[variant]] table with diff/since/until as "..." strings, then export '
+            "again (nothing was written)"
+        )
 
 
 def _skip_key(since: re.Match[str] | None) -> str:

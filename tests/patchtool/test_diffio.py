@@ -115,3 +115,13 @@ def test_shipped_series_is_normalised():
     """Every shipped diff is a git am patch; after adding one, run
     ``python3 -m megatron_rocm.patchtool.normalize``."""
     assert [str(p) for p, _ in normalize.pending(load_series())] == []
+
+
+def test_a_diff_file_is_read_byte_for_byte_crlf_included(tmp_path):
+    path = tmp_path / "v.diff"
+    path.write_bytes(
+        b"diff --git a/x.txt b/x.txt\nnew file mode 100644\n--- /dev/null\n+++ b/x.txt\n"
+        b"@@ -0,0 +1,2 @@\n+a\r\n+b\r\n"
+    )
+    (fd,) = diffio.load(path)
+    assert fd.hunks[0].new == ["a\r\n", "b\r\n"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import shutil
+import subprocess
 
 import pytest
 from toyrepo import apply_argv, make_series, make_upstream, run
@@ -208,3 +209,90 @@ def test_exported_diffs_carry_the_git_am_header(fork):
     assert text.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Megatron-ROCm-Patch: p-softmax\n---\ndiff --git" in text
     assert "+an edit" in text
+
+
+def _variant_headers_with_comments(toml) -> None:  # noqa: ANN001
+    toml.write_text(toml.read_text().replace("[[variant]]\n", "[[variant]]   # a note\n"))
+
+
+def test_variant_headers_with_a_comment_are_rewritten_in_place(fork, capsys):
+    dest, series, _ = fork
+    toml = series / "p-softmax" / "patch.toml"
+    _variant_headers_with_comments(toml)
+    _edit_softmax_patch(dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--new-variant"]) == 0
+    text = toml.read_text()
+    assert text.count("[[variant]]") == 2 and "[[variant]]   # a note" in text
+    assert main(["list", "--series", str(series)]) == 0
+
+
+def test_a_patch_toml_export_cannot_edit_in_place_is_refused_untouched(fork, capsys):
+    dest, series, pristine = fork
+    toml = series / "p-softmax" / "patch.toml"
+    head, _, _ = toml.read_text().partition("[[variant]]")
+    toml.write_text(head + 'variant = [{diff = "v0.1.diff", since = "0.1.0"}]\n')
+    before = toml.read_bytes()
+    assert main(["list", "--series", str(series)]) == 0  # valid TOML, the same series
+    _edit_softmax_patch(dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--new-variant"]) == 2
+    assert "cannot update its variants in place" in capsys.readouterr().err
+    assert toml.read_bytes() == before
+    assert _tree_equal(series / "p-norm", pristine / "p-norm")
+    assert (series / "p-softmax" / "v0.1.diff").read_bytes() == (
+        pristine / "p-softmax" / "v0.1.diff"
+    ).read_bytes()
+
+
+def test_a_chmod_amended_into_a_patch_commit_is_exported(fork, capsys):
+    dest, series, _ = fork
+    (dest / "tool.sh").write_text("#!/bin/sh\necho hi\n")
+    run("add", "tool.sh", cwd=dest)
+    run("commit", "-qm", "Add tool", cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    run(
+        "commit", "-q", "--amend", "-m", "Add tool", "-m", "Megatron-ROCm-Patch: add-tool", cwd=dest
+    )
+    (dest / "tool.sh").chmod(0o755)
+    run("commit", "-q", "-a", "--amend", "--no-edit", cwd=dest)
+    capsys.readouterr()
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    assert "1 changed" in capsys.readouterr().out
+    assert "new file mode 100755" in (series / "add-tool" / "v0.2.diff").read_text()
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        (b"", "has no subject"),
+        (b"Add thing \x1b[1m", "has a control character in its subject"),
+        (b"Caf\xe9 fix", "has a subject that is not UTF-8 text"),
+    ],
+)
+def test_a_new_commit_whose_subject_cannot_be_a_reason_is_refused(fork, capsys, message, problem):  # noqa: ANN001
+    dest, series, pristine = fork
+    (dest / "README.md").write_text("rocm readme\n")
+    run("add", "README.md", cwd=dest)
+    tree = run("write-tree", cwd=dest)
+    parent = run("rev-parse", "HEAD", cwd=dest)
+    body = (
+        (
+            f"tree {tree}\nparent {parent}\nauthor A <a@x> 0 +0000\ncommitter A <a@x> 0 +0000\n\n"
+        ).encode()
+        + message
+        + b"\n"
+    )
+    commit = (
+        subprocess.run(
+            ["git", "hash-object", "-t", "commit", "-w", "--stdin"],
+            input=body,
+            cwd=dest,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    run("reset", "-q", "--hard", commit, cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
+    assert problem in capsys.readouterr().err
+    assert _tree_equal(series, pristine)

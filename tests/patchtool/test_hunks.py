@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -80,3 +81,28 @@ def test_malformed_hunk_is_usage_error():
 def test_empty_diff_is_usage_error():
     with pytest.raises(UsageError, match="no file changes"):
         parse_diff("", origin="e.diff")
+
+
+RENAME = """diff --git a/README.md b/README2.md
+similarity index 100%
+rename from README.md
+rename to README2.md
+"""
+
+GITLINK = """diff --git a/sub b/sub
+new file mode 160000
+index 0000000000000000000000000000000000000000..0a89ff9b1b3f5e5d8f3b8d3c2a1b0f9e8d7c6b5a
+--- /dev/null
++++ b/sub
+@@ -0,0 +1 @@
++Subproject commit 0a89ff9b1b3f5e5d8f3b8d3c2a1b0f9e8d7c6b5a
+"""
+
+
+@pytest.mark.parametrize(
+    ("diff", "says"),
+    [(RENAME, "renames and copies are not supported"), (GITLINK, "submodule (gitlink)")],
+)
+def test_what_the_reader_would_drop_or_misapply_is_refused(diff, says):
+    with pytest.raises(UsageError, match=re.escape(says)):
+        parse_diff(diff, origin="x.diff")

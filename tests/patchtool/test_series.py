@@ -44,3 +44,19 @@ def test_duplicate_ids(tmp_path):
     (tmp_path / "series").write_text("a\na\n")
     with pytest.raises(UsageError, match="listed twice"):
         load_series(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["req deps", "-x", ".hidden", "a/b", "ü"])
+def test_a_patch_id_is_one_plain_word(tmp_path, bad):
+    (tmp_path / "series").write_text(f"{bad}\n")
+    with pytest.raises(UsageError, match="is not one word"):
+        load_series(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["Add thing \x1b[1m", 'quote " and \\ slash', "tab\tnl\nx\x7f"])
+def test_strings_written_to_patch_toml_read_back_unchanged(text):
+    import tomllib
+
+    from megatron_rocm.patchtool.series import _q
+
+    assert tomllib.loads(f"k = {_q(text)}")["k"] == text
