@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatron_rocm.errors import SourceError
+
 CACHE_ENV = "MEGATRON_ROCM_CACHE"
 
 
@@ -17,7 +19,16 @@ def cache_dir() -> Path:
     """``$MEGATRON_ROCM_CACHE``, else ``$XDG_CACHE_HOME/megatron-rocm``, else
     ``~/.cache/megatron-rocm``. Nothing is created here: callers make what they use."""
     explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    try:
+        if explicit:
+            return Path(explicit).expanduser()
+        home = os.path.expanduser("~")
+        if home == "~":  # no $HOME and no passwd entry for this user
+            raise RuntimeError("no home folder")
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    except RuntimeError as e:  # expanduser: "~nosuchuser", or no home to expand "~" to
+        where = f"${CACHE_ENV}={explicit!r}" if explicit else "~/.cache"
+        raise SourceError(
+            f"cannot find the cache folder {where} ({e}); set ${CACHE_ENV} to a folder"
+        ) from None
     return Path(xdg) / "megatron-rocm"

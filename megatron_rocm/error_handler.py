@@ -48,11 +48,11 @@ def log_path() -> Path:
 
 def _write_log(exc: BaseException) -> Path:
     text = "".join(traceback.format_exception(exc))
-    path = log_path()
     try:
+        path = log_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
-    except OSError:
+    except (OSError, FatalError):  # no cache folder either: a temporary file holds it
         fd, name = tempfile.mkstemp(prefix="megatron-rocm-", suffix=".log")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

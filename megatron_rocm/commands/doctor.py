@@ -1,6 +1,7 @@
 """``megatron-rocm doctor``: report the GPU stack and flag environment mistakes with a fix each.
 
-Exit codes: 0 nothing wrong, 1 problems found, 3 torch is not installed (nothing to check).
+Exit codes: 0 nothing wrong, 1 problems found, 3 torch is not installed or does not import
+(nothing to check).
 """
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ from __future__ import annotations
 from megatron_rocm.envtools import envcheck
 from megatron_rocm.errors import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json
-from megatron_rocm.runtime.platform import torch_or_none
+from megatron_rocm.runtime.platform import import_torch
 
 
 def _human(snap: envcheck.Snapshot) -> str:
     lines = []
-    if snap.torch is None:
+    failed = next((p for p in snap.problems if p.code == "torch-import-fails"), None)
+    if failed is not None:
+        lines.append("torch:        INSTALLED BUT DOES NOT IMPORT")
+    elif snap.torch is None:
         lines.append("torch:        NOT INSTALLED")
         lines.append(f"              install the ROCm build: {envcheck.ROCM_TORCH_HINT}")
     else:
@@ -43,10 +47,20 @@ def _human(snap: envcheck.Snapshot) -> str:
 
 def doctor(as_json: bool = False) -> int:
     """Collect, judge, print. Never raises for a bad environment: reporting it is the job."""
-    torch = torch_or_none()
+    torch, failure = import_torch()
     snap = envcheck.collect(torch)
     snap.problems = envcheck.problems(snap)
-    if torch is None:
+    if failure is not None:
+        snap.problems.insert(
+            0,
+            envcheck.Problem(
+                "torch-import-fails",
+                f"torch is installed but does not import ({failure})",
+                "on ROCm check that the ROCm libraries are found (ldconfig, LD_LIBRARY_PATH); "
+                f"else reinstall the ROCm build: {envcheck.ROCM_TORCH_HINT}",
+            ),
+        )
+    elif torch is None:
         snap.problems.insert(
             0,
             envcheck.Problem(

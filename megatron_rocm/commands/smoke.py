@@ -11,7 +11,7 @@ from megatron_rocm.envtools.installer import ROCM_TORCH, check_python, megatron_
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
 from megatron_rocm.output import note, writable
 from megatron_rocm.patchtool.refnames import check_text
-from megatron_rocm.runtime.platform import torch_or_none
+from megatron_rocm.runtime.platform import import_torch
 
 NEEDS_TREE = ("imports", "training", "parallel", "collectives.tensor_parallel")
 
@@ -42,6 +42,15 @@ def _tree_for(checks: list, tree_dir: str) -> Path | None:
     return tree
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two report paths name one file (``same.out`` and ``./same.out`` do; so do a
+    link and its target)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):  # a loop: writable() says so in its own line
+        return False
+
+
 def smoke(
     tree_dir: str = ".",
     json_file: str | None = None,
@@ -54,13 +63,20 @@ def smoke(
             f"--steps must be at least 4 (got {steps}): loss is compared between "
             "the first and the last two steps"
         )
+    if json_file and junit_file and _same_file(json_file, junit_file):
+        raise UsageError(
+            f"--json and --junit name the same file ({junit_file}); the second report would "
+            "overwrite the first: give each its own path"
+        )
     for option, path in (("--json", json_file), ("--junit", junit_file)):
         if path is not None:  # before the run: an unwritable report must not cost the run
             writable(path, option)
     check_text(tree_dir, "DIR")  # "" would quietly mean the current folder
     if not Path(tree_dir).is_dir():  # bad input is said before what this machine lacks
         megatron_tree(tree_dir)  # raises: not a Megatron-LM tree
-    torch = torch_or_none()
+    torch, failure = import_torch()
+    if failure is not None:
+        raise SourceError(f"torch is installed but does not import ({failure})")
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
     from megatron_rocm.envtools.smoke import report, runner

@@ -193,7 +193,7 @@ def _visibility_problems(env: Mapping[str, str]) -> list[Problem]:
     rocr = env.get("ROCR_VISIBLE_DEVICES")
     if rocr is not None and hip is not None:
         n = len(_device_list(rocr))
-        bad = [d for d in _device_list(hip) if d.isdigit() and int(d) >= n]
+        bad = [d for d in _device_list(hip) if _whole_number(d) and int(d) >= n]
         if bad:
             out.append(
                 Problem(
@@ -206,10 +206,15 @@ def _visibility_problems(env: Mapping[str, str]) -> list[Problem]:
     return out
 
 
+def _whole_number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes ``'²'``, which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _int_problems(env: Mapping[str, str]) -> list[Problem]:
     out = []
     port = env.get("MASTER_PORT")
-    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+    if port is not None and not (_whole_number(port) and 0 < int(port) < 65536):
         out.append(
             Problem(
                 "bad-master-port",
@@ -218,7 +223,7 @@ def _int_problems(env: Mapping[str, str]) -> list[Problem]:
             )
         )
     for var in ("WORLD_SIZE", "NNODES", "NODE_RANK", "GPU_MAX_HW_QUEUES"):
-        if var in env and not env[var].strip().isdigit():
+        if var in env and not _whole_number(env[var].strip()):
             out.append(
                 Problem(
                     f"bad-{var.lower()}",

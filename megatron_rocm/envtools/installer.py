@@ -13,6 +13,9 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -24,8 +27,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
-from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import refnames
+from megatron_rocm.errors import FatalError, SourceError, UsageError
+from megatron_rocm.patchtool import interrupts, refnames
 
 try:
     import tomllib
@@ -344,9 +347,9 @@ def helpers_command(helpers: Path, run: Runner) -> list[str]:
     inc = run([sys.executable, "-m", "pybind11", "--includes"])
     if inc.returncode != 0:
         raise RuntimeError(f"pybind11 is not usable: {inc.stdout}{inc.stderr}".strip())
-    cxx = os.environ.get("CXX", "c++")
+    cxx = shlex.split(os.environ.get("CXX", "")) or ["c++"]  # e.g. CXX="ccache g++"
     return [
-        cxx,
+        *cxx,
         "-O3",
         "-Wall",
         "-shared",
@@ -365,21 +368,35 @@ def write_constraints(p: Plan) -> None:
 
 
 def pip_list(run: Runner) -> dict[str, str]:
-    res = run(pip("list", "--format=json", "--disable-pip-version-check"))
+    """What pip has installed: name -> version, with `` @ <folder>`` for an editable install
+    (so that one moved to another tree of the same version counts as a change)."""
+    try:
+        res = run(pip("list", "--format=json", "--disable-pip-version-check"))
+    except OSError as e:
+        raise SourceError(f"cannot run pip ({sys.executable} -m pip): {e.strerror}") from None
     if res.returncode != 0:
-        raise RuntimeError(f"pip list failed: {res.stderr.strip()}")
-    return {canonicalize_name(d["name"]): d["version"] for d in json.loads(res.stdout)}
+        last = (res.stderr or res.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        raise SourceError(f"pip cannot list what is installed ({sys.executable} -m pip): {last[0]}")
+    return {
+        canonicalize_name(d["name"]): d["version"]
+        + (f" @ {d['editable_project_location']}" if d.get("editable_project_location") else "")
+        for d in json.loads(res.stdout)
+    }
 
 
 def rollback(before: dict[str, str], after: dict[str, str], run: Runner) -> list[str]:
-    """Undo this run's pip changes: uninstall new packages, restore changed versions."""
+    """Undo this run's pip changes: uninstall new packages, put changed ones back (an editable
+    install back in its folder, any other at its version)."""
     done = []
     new = sorted(set(after) - set(before))
     if new and run(pip("uninstall", "-y", *new)).returncode == 0:
         done.append(f"uninstalled {', '.join(new)}")
     for name in sorted(n for n in after if n in before and after[n] != before[n]):
-        ok = run(pip("install", "--no-deps", f"{name}=={before[name]}")).returncode == 0
-        done.append(f"{'restored' if ok else 'COULD NOT restore'} {name}=={before[name]}")
+        version, _, folder = before[name].partition(" @ ")
+        spec = ["-e", folder] if folder else [f"{name}=={version}"]
+        ok = run(pip("install", "--no-deps", "--no-build-isolation", *spec)).returncode == 0
+        label = f"{name} {version} (editable, {folder})" if folder else f"{name}=={version}"
+        done.append(f"{'restored' if ok else 'COULD NOT restore'} {label}")
     return done
 
 
@@ -397,7 +414,7 @@ def _verify(p: Plan, run: Runner) -> None:
     res = run([sys.executable, "-c", code])
     if res.returncode != 0:
         raise RuntimeError(f"import megatron.core failed: {res.stderr.strip().splitlines()[-1:]}")
-    torch_now, where = res.stdout.split()[:2]
+    torch_now, where = res.stdout.splitlines()[:2]  # a path may hold spaces
     if torch_now != p.torch:
         raise RuntimeError(f"torch changed from {p.torch} to {torch_now}")
     if p.editable and p.tree not in Path(where).resolve().parents:
@@ -407,53 +424,87 @@ def _verify(p: Plan, run: Runner) -> None:
 def execute(
     p: Plan, run: Runner = default_runner, log: Callable[[str], None] = print
 ) -> tuple[list[str], list[Path]]:
-    """Run the steps; on failure roll back and raise FatalError naming the failed step.
+    """Run the steps; on a failure, or an interrupt, roll back and say what was undone.
 
-    Returns the rollback-free outcome: (step titles done, files written into the tree)."""
-    from megatron_rocm.errors import FatalError
+    A failed step raises FatalError naming it; Ctrl-C / SIGTERM raise ``Interrupted`` with the
+    rollback in its message (further signals wait until the rollback is over). Returns the
+    rollback-free outcome: (step titles done, files written into the tree)."""
+    from megatron_rocm.errors import Interrupted
 
     write_constraints(p)
     before = pip_list(run)
     (p.constraints.parent / "pip-list-before.json").write_text(json.dumps(before, indent=1))
     done: list[str] = []
-    built: list[Path] = []
+    built: dict[Path, Path | None] = {}  # file written into the tree -> its copy from before
     n = len(p.steps)
     for k, step in enumerate(p.steps, 1):
         log(f"[{k}/{n}] {step.title}")
         try:
-            if step.kind == "helpers":
-                assert p.helpers is not None
-                target = helpers_target(p.helpers)
-                if target.exists() and target.stat().st_mtime >= p.helpers.stat().st_mtime:
-                    log(f"      up to date: {target.name}")
-                else:
-                    res = run(helpers_command(p.helpers, run))
-                    if res.returncode != 0:
-                        raise RuntimeError(_tail(res))
-                    built.append(target)
-            elif step.kind == "verify":
-                _verify(p, run)
-            else:
-                assert step.argv is not None
-                res = run(step.argv)
-                if res.returncode != 0:
-                    raise RuntimeError(_tail(res))
-        except Exception as e:  # noqa: BLE001 - every step failure becomes one FatalError
-            after = pip_list(run)
-            (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
-            undone = rollback(before, after, run)
-            for f in built:
-                f.unlink(missing_ok=True)
-                undone.append(f"removed {f.name}")
-            raise FatalError(
-                f"step {k}/{n} ({step.title}) failed: {e}; rolled back: "
-                f"{'; '.join(undone) or 'nothing to undo'}; "
-                f"logs in {p.constraints.parent}"
-            ) from e
+            _run_step(p, step, run, log, built)
+        except BaseException as e:  # noqa: BLE001 - a failure or an interrupt: undo, then say
+            later = f"interrupted after rolling back step {k}/{n}; logs in {p.constraints.parent}"
+            with interrupts.Guard() as guard, guard.deferred(later):
+                undone = "; ".join(_undo(p, before, built, run)) or "nothing to undo"
+            where = f"rolled back: {undone}; logs in {p.constraints.parent}"
+            if isinstance(e, KeyboardInterrupt):
+                signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+                raise Interrupted(signum, f"interrupted at step {k}/{n}; {where}") from None
+            raise FatalError(f"step {k}/{n} ({step.title}) failed: {e}; {where}") from e
         done.append(step.title)
     after = pip_list(run)
     (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
-    return done, built
+    return done, list(built)
+
+
+def _run_step(
+    p: Plan,
+    step: Step,
+    run: Runner,
+    log: Callable[[str], None],
+    built: dict[Path, Path | None],
+) -> None:
+    if step.kind == "helpers":
+        assert p.helpers is not None
+        target = helpers_target(p.helpers)
+        if target.exists() and target.stat().st_mtime >= p.helpers.stat().st_mtime:
+            log(f"      up to date: {target.name}")
+            return
+        saved = None
+        if target.exists():  # a rebuild: keep the working one until this run succeeds
+            saved = p.constraints.parent / f"{target.name}.before"
+            shutil.copy2(target, saved)
+        built[target] = saved
+        res = run(helpers_command(p.helpers, run))
+        if res.returncode != 0:
+            raise RuntimeError(_tail(res))
+    elif step.kind == "verify":
+        _verify(p, run)
+    else:
+        assert step.argv is not None
+        res = run(step.argv)
+        if res.returncode != 0:
+            raise RuntimeError(_tail(res))
+
+
+def _undo(
+    p: Plan, before: dict[str, str], built: dict[Path, Path | None], run: Runner
+) -> list[str]:
+    """Put pip's packages and the tree's built files back as they were before the run."""
+    undone: list[str] = []
+    try:
+        after = pip_list(run)
+        (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
+        undone += rollback(before, after, run)
+    except FatalError as e:
+        undone.append(f"COULD NOT read pip's state to undo it ({e})")
+    for target, saved in built.items():
+        if saved is None:
+            target.unlink(missing_ok=True)
+            undone.append(f"removed {target.name}")
+        else:
+            shutil.copy2(saved, target)
+            undone.append(f"put back the earlier {target.name}")
+    return undone
 
 
 def _tail(res: subprocess.CompletedProcess, lines: int = 6) -> str:

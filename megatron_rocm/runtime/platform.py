@@ -12,6 +12,21 @@ def torch_or_none():  # noqa: ANN201 - returns the torch module or None
     return torch
 
 
+def import_torch():  # noqa: ANN201 - (the torch module or None, why it failed or None)
+    """``(torch, None)``; ``(None, None)`` where torch is not installed; ``(None, reason)`` where
+    it is installed but its import fails (on ROCm, typically a HIP library the loader cannot
+    find), so that doctor and smoke can say so instead of "not installed" or a traceback."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any failure of an installed torch is reported
+        import importlib.util
+
+        if isinstance(e, ImportError) and importlib.util.find_spec("torch") is None:
+            return None, None
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+    return torch, None
+
+
 def is_rocm() -> bool:
     """True on a ROCm (HIP) build of PyTorch. Tests simulate it by setting ``torch.version.hip``."""
     torch = torch_or_none()

@@ -299,3 +299,18 @@ def test_a_refused_matrix_line_is_a_json_document_when_its_report_was_to_be(
         assert parsed == {"ok": False, "error": captured.err.strip()[15:], "exit_code": 2}
     else:
         assert captured.out == ""
+
+
+def test_a_cache_folder_that_cannot_be_found_is_one_line_and_exit_3(monkeypatch, capsys):
+    from megatron_rocm.cache import cache_dir
+    from megatron_rocm.error_handler import error_handler
+    from megatron_rocm.errors import SourceError
+
+    monkeypatch.setenv("MEGATRON_ROCM_CACHE", "~no-such-user-megatron-rocm/c")
+    with pytest.raises(SourceError, match="cannot find the cache folder"):
+        cache_dir()
+    with error_handler() as result:  # a bug's traceback still goes somewhere: a temp file
+        raise ValueError("boom")
+    assert result.code == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "traceback in /" in err and "Traceback" not in err

@@ -131,7 +131,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_doctor_without_torch_exits_3(monkeypatch, capsys, clean_env) -> None:
-    monkeypatch.setattr(doctor_cmd, "torch_or_none", lambda: None)
+    monkeypatch.setattr(doctor_cmd, "import_torch", lambda: (None, None))
     assert doctor_cmd.doctor(as_json=True) == 3
     out = json.loads(capsys.readouterr().out)
     assert out["torch"] is None and out["problems"][0]["code"] == "no-torch"
@@ -139,10 +139,56 @@ def test_doctor_without_torch_exits_3(monkeypatch, capsys, clean_env) -> None:
 
 
 def test_doctor_exit_codes_and_human_output(monkeypatch, capsys, clean_env) -> None:
-    monkeypatch.setattr(doctor_cmd, "torch_or_none", fake_torch)
+    monkeypatch.setattr(doctor_cmd, "import_torch", lambda: (fake_torch(), None))
     assert doctor_cmd.doctor() == 0
     out = capsys.readouterr().out
     assert "ROCm/HIP 6.4.43482" in out and "gfx942" in out and "no problems found" in out
     monkeypatch.setenv("MASTER_PORT", "nope")
     assert doctor_cmd.doctor() == 1
     assert "fix: export MASTER_PORT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("env", "code"),
+    [({"MASTER_PORT": "²"}, "bad-master-port"), ({"NODE_RANK": "¹"}, "bad-node_rank")],
+)
+def test_digits_that_are_not_ascii_are_flagged_not_a_crash(
+    root: Path, env: dict[str, str], code: str
+) -> None:
+    assert codes(fake_torch(), env, root) == [code]
+
+
+def test_an_installed_torch_that_does_not_import_is_said_as_such(
+    monkeypatch, capsys, clean_env
+) -> None:
+    failure = "ImportError: libamdhip64.so: cannot open shared object file"
+    monkeypatch.setattr(doctor_cmd, "import_torch", lambda: (None, failure))
+    assert doctor_cmd.doctor() == 3
+    out = capsys.readouterr().out
+    assert "INSTALLED BUT DOES NOT IMPORT" in out and "libamdhip64.so" in out
+    assert "NOT INSTALLED" not in out.replace("BUT DOES NOT", "")
+
+
+@pytest.mark.parametrize(
+    ("raises", "says"),
+    [
+        ("ImportError('libamdhip64.so: cannot open')", "ImportError: libamdhip64.so"),
+        ("RuntimeError('HIP error')", "RuntimeError: HIP error"),
+    ],
+)
+def test_import_torch_tells_a_broken_torch_from_a_missing_one(tmp_path, raises, says) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"raise {raises}\n")
+    probe = "from megatron_rocm.runtime.platform import import_torch; print(import_torch()[1])"
+    package = Path(doctor_cmd.__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={"PYTHONPATH": f"{tmp_path}:{package}", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip().startswith(says)

@@ -245,3 +245,91 @@ def test_old_setuptools_without_wheel_keeps_build_isolation(tmp_path):
     old = {**HAVE, "setuptools": "65.5.0"}
     assert installer.plan(tree, True, tmp_path, have=old).build_isolation
     assert not installer.plan(tree, True, tmp_path, have={**old, "wheel": "0.45"}).build_isolation
+
+
+class PipWithVerify(ScriptedPip):
+    """ScriptedPip that also answers the verify step, from the tree it was given, and can hold
+    an editable megatron-core and be interrupted at one command."""
+
+    def __init__(self, fail_on: str, tree: Path, interrupt_on: str = "\0") -> None:
+        super().__init__(fail_on)
+        self.tree = tree
+        self.interrupt_on = interrupt_on
+        self.editable: dict[str, str] = {}
+
+    def __call__(self, argv):
+        argv = list(argv)
+        if argv[1] == "-c":
+            self.calls.append(argv)
+            where = self.tree / "megatron/core/__init__.py"
+            return subprocess.CompletedProcess(argv, 0, f"2.13.0+cpu\n{where}\n", "")
+        if self.interrupt_on in " ".join(argv):
+            raise KeyboardInterrupt
+        if argv[3:5] == ["list", "--format=json"]:
+            self.calls.append(argv)
+            listing = [
+                {"name": n, "version": v}
+                | ({"editable_project_location": self.editable[n]} if n in self.editable else {})
+                for n, v in self.packages.items()
+            ]
+            return subprocess.CompletedProcess(argv, 0, json.dumps(listing), "")
+        if argv[3] == "install" and "-e" in argv and self.fail_on not in " ".join(argv):
+            self.packages["fake-megatron-core"] = "0.16.0"
+            self.editable["fake-megatron-core"] = argv[-1]
+        return super().__call__(argv)
+
+
+def test_a_tree_path_with_spaces_installs(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "sp ace" / "t", ["numpy"])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+    done, _ = installer.execute(p, run=PipWithVerify("\0", tree), log=lambda _: None)
+    assert done[-1].startswith("verify")
+
+
+def test_an_editable_install_moved_to_another_tree_is_moved_back(tmp_path: Path) -> None:
+    old, tree = tmp_path / "old", make_tree(tmp_path / "t", ["numpy"])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+    pip = PipWithVerify("verify-never", tree)
+    pip.packages["fake-megatron-core"] = "0.16.0"
+    pip.editable["fake-megatron-core"] = str(old)
+    pip.tree = tmp_path / "elsewhere"  # the verify step sees the wrong tree: it fails
+    with pytest.raises(FatalError, match="restored fake-megatron-core 0.16.0 \\(editable"):
+        installer.execute(p, run=pip, log=lambda _: None)
+    assert any(c[-2:] == ["-e", str(old)] for c in pip.calls if "install" in c)
+
+
+def test_an_interrupt_rolls_back_like_a_failure(tmp_path: Path) -> None:
+    from megatron_rocm.errors import Interrupted
+
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+    pip = PipWithVerify("\0", tree, interrupt_on=str(tree))  # Ctrl-C in the tree's step
+    with pytest.raises(Interrupted, match="interrupted at step 2/3; rolled back: ") as e:
+        installer.execute(p, run=pip, log=lambda _: None)
+    assert e.value.code == 130
+    assert "uninstalled pybind11" in str(e.value) and "restored numpy==1.26.0" in str(e.value)
+
+
+def test_a_failed_rebuild_puts_the_earlier_helpers_library_back(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", [], helpers=True)
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+    target = installer.helpers_target(p.helpers)
+    target.write_bytes(b"the working library")
+    import os
+
+    os.utime(target, (1, 1))  # older than helpers.cpp: a rebuild is due
+    pip = PipWithVerify("-shared", tree)  # the compiler's command fails
+    with pytest.raises(FatalError, match="put back the earlier"):
+        installer.execute(p, run=pip, log=lambda _: None)
+    assert target.read_bytes() == b"the working library"
+
+
+def test_no_pip_is_an_environment_error(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "t", [])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+
+    def no_pip(argv):
+        return subprocess.CompletedProcess(argv, 1, "", "/usr/bin/python3: No module named pip")
+
+    with pytest.raises(SourceError, match="pip cannot list what is installed.*No module named pip"):
+        installer.execute(p, run=no_pip, log=lambda _: None)

@@ -137,14 +137,14 @@ def test_smoke_refuses_too_few_steps() -> None:
 
 
 def test_smoke_without_torch(monkeypatch) -> None:
-    monkeypatch.setattr(smoke_cmd, "torch_or_none", lambda: None)
+    monkeypatch.setattr(smoke_cmd, "import_torch", lambda: (None, None))
     with pytest.raises(SourceError, match="rocm"):
         smoke_cmd.smoke()
 
 
 def test_smoke_says_a_dir_that_is_not_one_before_a_missing_torch(tmp_path, monkeypatch) -> None:
     """Bad input (exit 2) comes before what the machine lacks (exit 3)."""
-    monkeypatch.setattr(smoke_cmd, "torch_or_none", lambda: None)
+    monkeypatch.setattr(smoke_cmd, "import_torch", lambda: (None, None))
     (tmp_path / "afile").write_text("x\n")
     for missing in (tmp_path / "afile", tmp_path / "nowhere"):
         with pytest.raises(UsageError, match="not a Megatron-LM tree"):
@@ -203,3 +203,16 @@ def test_full_clone_without_pretrain_gpt_fails(tmp_path: Path) -> None:
     context = runner.Context(tree=_tree(tmp_path, []), device="cpu", gpu_count=0, log=print)
     with pytest.raises(runner.CheckFailed, match="pretrain_gpt.py does not exist"):
         checks_imports.pretrain_gpt(context)
+
+
+def test_smoke_says_a_torch_that_does_not_import(monkeypatch) -> None:
+    monkeypatch.setattr(smoke_cmd, "import_torch", lambda: (None, "RuntimeError: HIP error"))
+    with pytest.raises(SourceError, match=r"installed but does not import \(RuntimeError"):
+        smoke_cmd.smoke()
+
+
+def test_one_path_for_both_reports_is_refused_before_the_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="--json and --junit name the same file"):
+        smoke_cmd.smoke(json_file="same.out", junit_file="./same.out")
+    assert not (tmp_path / "same.out").exists()

@@ -98,7 +98,7 @@ def default_stages(copy_engines: bool) -> int:
 def parse_stage_count(text: str) -> int | None:
     """A count of head groups written as text: a positive whole number, else None."""
     text = text.strip()
-    return int(text) if text.isdigit() and int(text) >= 1 else None
+    return int(text) if text.isascii() and text.isdigit() and int(text) >= 1 else None
 
 
 def requested_stages() -> int | None:
