@@ -209,7 +209,8 @@ def filter_deps(reqs: Sequence[str], have: dict[str, str], torch: str) -> list[s
             continue
         name = canonicalize_name(req.name)
         if name == "torch":
-            if not req.specifier.contains(torch.split("+")[0], prereleases=True):
+            public = torch.split("+")[0]  # a pin may name the build (==2.13.0+rocm6.4) or not
+            if not any(req.specifier.contains(v, prereleases=True) for v in (torch, public)):
                 raise SourceError(
                     f"the tree needs {text} but torch {torch} is installed; "
                     f"install a matching ROCm build: {ROCM_TORCH}"

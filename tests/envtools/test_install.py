@@ -105,6 +105,17 @@ def test_torch_requirement_not_met(tmp_path: Path) -> None:
         installer.plan(make_tree(tmp_path / "t", ["torch>=3.0"]), True, tmp_path, have=HAVE)
 
 
+@pytest.mark.parametrize("pin", ["torch==2.13.0+cpu", "torch===2.13.0+cpu", "torch==2.13.0"])
+def test_a_pin_of_the_installed_torch_build_is_met(tmp_path: Path, pin: str) -> None:
+    assert installer.plan(make_tree(tmp_path / "t", [pin]), True, tmp_path, have=HAVE).deps == []
+
+
+@pytest.mark.parametrize("pin", ["torch==2.13.0+rocm6.4", "torch<2.13"])
+def test_a_pin_of_another_torch_build_is_not(tmp_path: Path, pin: str) -> None:
+    with pytest.raises(SourceError, match="the tree needs"):
+        installer.plan(make_tree(tmp_path / "t", [pin]), True, tmp_path, have=HAVE)
+
+
 def test_dynamic_dependencies_come_from_core_requirements(tmp_path: Path) -> None:
     tree = make_tree(tmp_path / "t", None)
     (tree / "megatron/core/requirements.txt").write_text("torch\npackaging  # comment\n\n")
