@@ -255,7 +255,11 @@ def _wants_json(parser: _Parser, argv: Sequence[str]) -> bool:
         formats = _option_values(argv, "--format")
         return formats == ["json"] and not _option_values(argv, "--out")
     sub = parser.verbs.get(verb)
-    return sub is not None and sub.prints_json and "--json" in argv
+    return (
+        sub is not None
+        and sub.prints_json
+        and any(w == "--json" or w.startswith("--json=") for w in argv)  # --json=1 is refused
+    )
 
 
 def _option_values(argv: Sequence[str], option: str) -> list[str]:

@@ -314,3 +314,12 @@ def test_a_cache_folder_that_cannot_be_found_is_one_line_and_exit_3(monkeypatch,
     assert result.code == 4
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "traceback in /" in err and "Traceback" not in err
+
+
+def test_a_json_flag_given_a_value_still_gets_a_json_error_document(capsys):
+    import json
+
+    assert main(["doctor", "--json=1"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["exit_code"] == 2
+    assert captured.err.count("\n") == 1
