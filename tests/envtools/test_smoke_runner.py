@@ -85,6 +85,13 @@ def test_select_unknown_is_usage_error() -> None:
         runner.select(CHECKS, ["kern"])  # a prefix must end at a dot
 
 
+def test_a_tree_swallowed_by_only_is_named_as_such(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Megatron-LM").mkdir()
+    with pytest.raises(UsageError, match="give the tree first .megatron-rocm smoke Megatron-LM"):
+        runner.select(CHECKS, ["kernels", "Megatron-LM"])
+
+
 def test_registry_has_the_whole_suite() -> None:
     pytest.importorskip("torch")  # the check modules import torch
     names = list(runner.load_checks())

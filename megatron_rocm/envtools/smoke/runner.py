@@ -141,6 +141,11 @@ def select(checks: dict[str, Check], only: Sequence[str] | None) -> list[Check]:
     chosen: list[Check] = []
     for pattern in only:
         hits = [c for n, c in checks.items() if n == pattern or n.startswith(pattern + ".")]
+        if not hits and Path(pattern).is_dir():  # `smoke --only kernels TREE`
+            raise UsageError(
+                f"no smoke check matches {pattern!r}, a folder: --only takes every word after "
+                f"it, so give the tree first (megatron-rocm smoke {pattern} --only ...)"
+            )
         if not hits:
             raise UsageError(f"no smoke check matches {pattern!r}; checks: {', '.join(checks)}")
         chosen += [c for c in hits if c not in chosen]
