@@ -322,11 +322,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result.code
 
 
+def _tolerant_output() -> None:
+    """A path of bytes that are not UTF-8 (Python holds them as surrogates) is printed escaped
+    rather than ending the command with an internal error, where the locale makes the
+    console's encoding strict (``en_US.UTF-8``; ``C.UTF-8`` already escapes)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and stream.errors == "strict":
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="backslashreplace")
+
+
 def cli() -> int:
     """The console command: ``main``, then no traceback from a Ctrl-C that lands once it is
     done. The exit code is decided by then, so a late SIGINT is ignored for the exit itself
     (SIGTERM and SIGHUP end the process without a traceback anyway); one that lands in
     ``main``'s own last lines is said in one line, as any interrupt is."""
+    _tolerant_output()
     try:
         code = main()
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import pytest
 from toyrepo import apply_argv, run
@@ -323,3 +324,17 @@ def test_a_json_flag_given_a_value_still_gets_a_json_error_document(capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["exit_code"] == 2
     assert captured.err.count("\n") == 1
+
+
+def test_the_console_prints_a_non_utf8_path_escaped_under_a_strict_locale(monkeypatch):
+    import io
+
+    from megatron_rocm import main as cli_module
+
+    raw = io.BytesIO()
+    strict = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", strict)
+    cli_module._tolerant_output()
+    print("tree /tmp/T\udcff", file=strict)
+    strict.flush()
+    assert raw.getvalue() == b"tree /tmp/T\\udcff\n"
