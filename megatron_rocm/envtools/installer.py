@@ -27,7 +27,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
-from megatron_rocm.errors import FatalError, SourceError, UsageError
+from megatron_rocm.errors import FatalError, Interrupted, SourceError, UsageError
 from megatron_rocm.patchtool import interrupts, refnames
 
 try:
@@ -430,11 +430,8 @@ def execute(
     A failed step raises FatalError naming it; Ctrl-C / SIGTERM raise ``Interrupted`` with the
     rollback in its message (further signals wait until the rollback is over). Returns the
     rollback-free outcome: (step titles done, files written into the tree)."""
-    from megatron_rocm.errors import Interrupted
-
     write_constraints(p)
-    before = pip_list(run)
-    (p.constraints.parent / "pip-list-before.json").write_text(json.dumps(before, indent=1))
+    before = _pip_snapshot(p, run, "before")
     done: list[str] = []
     built: dict[Path, Path | None] = {}  # file written into the tree -> its copy from before
     n = len(p.steps)
@@ -452,9 +449,15 @@ def execute(
                 raise Interrupted(signum, f"interrupted at step {k}/{n}; {where}") from None
             raise FatalError(f"step {k}/{n} ({step.title}) failed: {e}; {where}") from e
         done.append(step.title)
-    after = pip_list(run)
-    (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
+    _pip_snapshot(p, run, "after")
     return done, list(built)
+
+
+def _pip_snapshot(p: Plan, run: Runner, when: str) -> dict[str, str]:
+    """``pip_list``, also kept as ``pip-list-<when>.json`` beside the constraints file."""
+    installed = pip_list(run)
+    (p.constraints.parent / f"pip-list-{when}.json").write_text(json.dumps(installed, indent=1))
+    return installed
 
 
 def _run_step(
@@ -493,9 +496,7 @@ def _undo(
     """Put pip's packages and the tree's built files back as they were before the run."""
     undone: list[str] = []
     try:
-        after = pip_list(run)
-        (p.constraints.parent / "pip-list-after.json").write_text(json.dumps(after, indent=1))
-        undone += rollback(before, after, run)
+        undone += rollback(before, _pip_snapshot(p, run, "after"), run)
     except FatalError as e:
         undone.append(f"COULD NOT read pip's state to undo it ({e})")
     for target, saved in built.items():

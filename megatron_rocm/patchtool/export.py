@@ -38,6 +38,7 @@ from megatron_rocm.patchtool.series import (
     Series,
     Variant,
     format_patch_toml,
+    is_control,
     release_of,
     update_patch_toml,
 )
@@ -348,7 +349,7 @@ def _check_reason(c: ForkCommit) -> None:
         problem = "has no subject"
     elif any(0xD800 <= ord(ch) <= 0xDFFF for ch in c.subject):
         problem = "has a subject that is not UTF-8 text"
-    elif any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in c.subject):
+    elif any(is_control(ch) for ch in c.subject):
         problem = f"has a control character in its subject ({c.subject!r})"
     else:
         return

@@ -221,8 +221,13 @@ def _q(s: str) -> str:
     return '"' + "".join(_TOML_ESCAPES.get(c) or _escape_control(c) for c in s) + '"'
 
 
+def is_control(c: str) -> bool:
+    """A C0 control character or DEL: what TOML strings (and one-line texts) cannot hold raw."""
+    return ord(c) < 0x20 or ord(c) == 0x7F
+
+
 def _escape_control(c: str) -> str:
-    return f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+    return f"\\u{ord(c):04X}" if is_control(c) else c
 
 
 _FIELD = re.compile(r'^(?P<key>diff|since|until)\s*=\s*"(?P<value>[^"]*)"(?P<rest>.*)$')
