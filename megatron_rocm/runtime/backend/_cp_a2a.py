@@ -231,17 +231,41 @@ class PreparedScatter:
         stages: int,
         link: CopyEngineLink | None,
     ) -> None:
+        # [pieces, len, b, cp, stages, h, d] -> [cp, stages, pieces, len, b, h, d]
+        per_ranks = [shards.by_head(x, stages).permute(3, 4, 0, 1, 2, 5, 6) for x in tensors]
+        self._start(shards, [dict(enumerate(p)) for p in per_ranks], stages, link)
+
+    @classmethod
+    def of_parts(
+        cls,
+        shards: Shards,
+        parts: dict[int, tuple[Tensor, ...]],
+        stages: int,
+        link: CopyEngineLink | None,
+    ) -> PreparedScatter:
+        """A scatter of tensors given per rank of the group as ``[stages, pieces, len, b, h',
+        d]`` views (``parts[j]``: the heads rank ``j`` owns, of this rank's tokens), the peers'
+        only: the rank's own come with ``post(own=...)``, so that they can be computed while
+        the peers' travel (``_cp_a2a_qkv``)."""
+        scatter = cls.__new__(cls)
+        per_ranks = [{j: part[t] for j, part in parts.items()} for t in range(len(next(iter(
+            parts.values()))))]  # fmt: skip
+        scatter._start(shards, per_ranks, stages, link)
+        return scatter
+
+    def _start(
+        self,
+        shards: Shards,
+        per_ranks: list[dict[int, Tensor]],
+        stages: int,
+        link: CopyEngineLink | None,
+    ) -> None:
         settle_open(group_key(shards.group))  # a started exchange nobody took: complete it
         self.shards, self.stages, self.link = shards, stages, link
-        self.wholes: list[Tensor] = []
-        self.per_ranks: list[Tensor] = []
-        for x in tensors:
-            parts = shards.by_head(x, stages)  # [pieces, len, b, cp, stages, h, d]
-            per_rank = parts.permute(3, 4, 0, 1, 2, 5, 6)  # [cp, stages, pieces, len, b, h, d]
-            whole = x.new_empty(stages, shards.size * shards.pieces * shards.piece_len,
-                                *per_rank.shape[-3:])  # fmt: skip
-            self.wholes.append(whole)
-            self.per_ranks.append(per_rank)
+        self.per_ranks = per_ranks
+        length = shards.size * shards.pieces * shards.piece_len
+        self.wholes = [_a_part(p).new_empty(stages, length, *_a_part(p).shape[-3:])
+                       for p in per_ranks]  # fmt: skip
         self.pending: list[Pending | Arrival] | None = None
         self._posted = False
         if link is None:
@@ -267,8 +291,8 @@ class PreparedScatter:
     def _pack(self, link: CopyEngineLink) -> None:
         """Pack each peer's heads into this rank's outbox and queue the barrier after which
         every outbox is packed."""
-        self.layout = Layout([(tuple(t.shape[1:]), t.dtype) for t in self.per_ranks],
-                             self.shards.size)  # fmt: skip
+        self.layout = Layout([(tuple(_a_part(p).shape), _a_part(p).dtype)
+                              for p in self.per_ranks], self.shards.size)  # fmt: skip
         link.reserve(self.layout.nbytes)
         link.uses(self.wholes)  # the pulls write them
         link.before_packing()
@@ -277,15 +301,24 @@ class PreparedScatter:
                 copy_wide(box, per_rank[j])
         link.barrier()
 
-    def post(self) -> None:
+    def post(self, own: tuple[Tensor, ...] | None = None) -> None:
         """Queue the pulls of every peer's pieces for this rank (copy engines; one batch per
-        stage) and copy the rank's own tokens into place. Once only."""
+        stage) and copy the rank's own tokens into place (``own``: its part, where
+        ``of_parts`` left it out). Once only."""
         if self._posted:
             return
-        if self.link is not None:
-            self.pending = list(self._pull(self.link))
+        self.post_peers()
+        if own is not None:
+            for per_rank, part in zip(self.per_ranks, own, strict=True):
+                per_rank[self.shards.rank] = part
         self._own_part()
         self._posted = True
+
+    def post_peers(self) -> None:
+        """Queue the pulls (copy engines; the process group's transfers are posted already)
+        before the rank's own part is computed: it then runs beside them (``post`` later)."""
+        if self.link is not None and self.pending is None:
+            self.pending = list(self._pull(self.link))
 
     def _pull(self, link: CopyEngineLink) -> list[Arrival]:
         """One batch of copies per stage. They need only the barrier, which the side stream
@@ -324,6 +357,11 @@ class PreparedScatter:
         else:
             for pending in self.pending or []:
                 pending.wait()
+
+
+def _a_part(per_rank: dict[int, Tensor]) -> Tensor:
+    """One rank's part of a tensor to scatter (every rank's part has its shape and dtype)."""
+    return next(iter(per_rank.values()))
 
 
 class Gather:
@@ -400,6 +438,89 @@ class Gather:
         return self.outputs
 
 
+class Attended:
+    """Attention over exchanged whole-sequence heads, its output's way back posted
+    (``attend``): what a Ulysses Function keeps for its backward (``attend_backward``)."""
+
+    def __init__(self, output: Tensor, saved: list[Tensor], states: list[Any]) -> None:
+        self.output, self.saved, self.states = output, saved, states
+
+
+def attend(
+    shards: Shards,
+    wholes: list[Tensor],
+    pending: list[Pending | Arrival],
+    like: Tensor,
+    out_shape: tuple[int, int],
+    *,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    kernel: BlockKernel,
+    stages: int,
+    link: CopyEngineLink | None,
+    early: list[Gather] | None,
+) -> Attended:
+    """Attention per head group as its heads arrive, each group's output sent back as soon as
+    it is computed; ``out_shape`` is ``(query heads, value dim)`` of the local output, ``like``
+    a local input (dtype, device, batch). ``early``: a list to leave the output's exchange in,
+    unfinished (``_cp_early_output``), instead of finishing it here."""
+    gather = Gather(shards, stages, [out_shape], like, link)
+    outs, lses, states = [], [], []
+    for n in range(stages):
+        pending[n].wait()
+        q, k, v = (bhsd(whole[n]) for whole in wholes)
+        out, lse, state = kernel.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
+        gather.post(n, (sbhd(out),))
+        outs.append(out)
+        lses.append(lse)
+        states.append(state)
+    if early is None:
+        (output,) = gather.finish()
+    else:  # the rank's own heads are in place; the peers' land later
+        early.append(gather)
+        (output,) = gather.outputs
+    return Attended(output, [*wholes, *outs, *lses], states)
+
+
+def attend_backward(
+    saved: tuple[Tensor, ...],
+    states: list[Any],
+    grad_output: Tensor,
+    shapes: list[tuple[int, int]],
+    *,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    kernel: BlockKernel,
+    stages: int,
+    link: CopyEngineLink | None,
+    group: Any,
+    handoff: Handoff | None,
+    scatter_gradient: Callable[[Tensor], PreparedScatter],
+) -> Gather:
+    """``attend``'s backward up to the way back: the output's gradient exchanged (or taken
+    from the ``handoff`` that started it), each group's q/k/v gradients sent back as soon as
+    they are computed. The returned ``Gather`` holds the rank's own heads in place; its
+    ``finish`` lands the peers' (``shapes``: heads and head dim of q, k and v)."""
+    wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages : 3 + 2 * stages]
+    shards = Shards(group, grad_output.shape[0], causal)
+    taken = handoff.take(grad_output) if handoff is not None else None
+    if taken is None:  # nobody started it (or with another gradient): exchange it here
+        taken = scatter_gradient(grad_output).result()
+    (douts,), pending = taken
+    gather = Gather(shards, stages, shapes, grad_output, link)
+    for n in range(stages):
+        pending[n].wait()
+        q, k, v = (bhsd(whole[n]) for whole in wholes)
+        grads = kernel.backward(
+            bhsd(douts[n]), q, k, v, outs[n], lses[n], states[n],
+            causal=causal, scale=scale, dropout_p=dropout_p,
+        )  # fmt: skip
+        gather.post(n, tuple(sbhd(g) for g in grads))
+    return gather
+
+
 class UlyssesAttention(torch.autograd.Function):
     """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]``; see the module docstring."""
 
@@ -421,57 +542,86 @@ class UlyssesAttention(torch.autograd.Function):
         early: list[Gather] | None = None,
     ):
         """``scatter_gradient``: the backward's first exchange, of the output's gradient (the
-        one ``handoff`` may have started already); ``early``: a list to leave the output's
-        exchange in, unfinished (for ``_cp_early_output``), instead of finishing it here."""
+        one ``handoff`` may have started already); ``early``: see ``attend``."""
         shards = Shards(group, query.shape[0], causal)
         wholes, pending = shards.scatter((query, key, value), stages, link)
-        gather = Gather(shards, stages, [(query.shape[2], value.shape[3])], query, link)
-        outs, lses, states = [], [], []
-        for n in range(stages):
-            pending[n].wait()
-            q, k, v = (bhsd(whole[n]) for whole in wholes)
-            out, lse, state = kernel.forward(
-                q, k, v, causal=causal, scale=scale, dropout_p=dropout_p
-            )
-            gather.post(n, (sbhd(out),))
-            outs.append(out)
-            lses.append(lse)
-            states.append(state)
-        if early is None:
-            (output,) = gather.finish()
-        else:  # the rank's own heads are in place; the peers' land later
-            early.append(gather)
-            (output,) = gather.outputs
-        ctx.save_for_backward(*wholes, *outs, *lses)
+        attended = attend(
+            shards, wholes, pending, query, (query.shape[2], value.shape[3]), causal=causal,
+            scale=scale, dropout_p=dropout_p, kernel=kernel, stages=stages, link=link, early=early,
+        )  # fmt: skip
+        ctx.save_for_backward(*attended.saved)
         shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
-        ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, states, shapes)
+        ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, attended.states, shapes)
         ctx.scatter_gradient, ctx.handoff = scatter_gradient, handoff
-        return output
+        return attended.output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
         group, causal, scale, dropout_p, kernel, stages, link, states, shapes = ctx.args
-        saved = ctx.saved_tensors
-        wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages :]
-        shards = Shards(group, grad_output.shape[0], causal)
-        handoff: Handoff | None = ctx.handoff
-        taken = handoff.take(grad_output) if handoff is not None else None
-        if taken is None:  # nobody started it (or with another gradient): exchange it here
-            taken = ctx.scatter_gradient(grad_output).result()
-        (douts,), pending = taken
-        gather = Gather(shards, stages, shapes, grad_output, link)
-        for n in range(stages):
-            pending[n].wait()
-            q, k, v = (bhsd(whole[n]) for whole in wholes)
-            grads = kernel.backward(
-                bhsd(douts[n]), q, k, v, outs[n], lses[n], states[n],
-                causal=causal, scale=scale, dropout_p=dropout_p,
-            )  # fmt: skip
-            gather.post(n, tuple(sbhd(g) for g in grads))
+        gather = attend_backward(
+            ctx.saved_tensors, states, grad_output, shapes, causal=causal, scale=scale,
+            dropout_p=dropout_p, kernel=kernel, stages=stages, link=link, group=group,
+            handoff=ctx.handoff, scatter_gradient=ctx.scatter_gradient,
+        )  # fmt: skip
         dq, dk, dv = (
             out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
         )
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+class Call:
+    """What one a2a attention call settles before its Function runs, and hands on after: the
+    transport, the head groups, the backward's first exchange and the output projection's
+    handoffs (``_cp_handoff``, ``_cp_early_output``)."""
+
+    def __init__(
+        self,
+        group: Any,
+        causal: bool,
+        device: torch.device,
+        heads: int,
+        groups: int,
+        value_dim: int,
+        needs_grad: bool,
+    ) -> None:
+        self.group, self.size = group, dist.get_world_size(group)
+        requested_stages()  # a bad value fails here, before the transport's collectives
+        self.link = link_for_call(group, device)
+        self.stages = stage_count(heads, groups, self.size, copy_engines=self.link is not None)
+        douts_shape = (heads, value_dim)
+        link, stages = self.link, self.stages
+
+        def scatter_gradient(grad: Tensor) -> PreparedScatter:
+            shards = Shards(group, grad.shape[0], causal)
+            return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
+
+        self.scatter_gradient = scatter_gradient
+        directions = handoff_directions()
+        if directions and capturing(device):
+            # untested inside a CUDA graph: the exchanges stay the attention's own there
+            directions = frozenset()
+            log_fallback_once(
+                "a2a-handoff:capture",
+                "a2a keeps its exchanges from the output projection while a CUDA graph is captured",
+            )
+        self.handoff = None
+        if "backward" in directions and torch.is_grad_enabled() and needs_grad:
+            self.handoff = Handoff(scatter_gradient, group_key(group))
+        compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+        self.early: list[Gather] | None = [] if "forward" in directions and not compiling else None
+
+    def hand_on(self, output: Tensor) -> Tensor:
+        """The Function's output as the projection takes it: offered for the backward's
+        handoff, and early (before the peers' heads land) where the forward's is on."""
+        if self.handoff is not None:
+            offer(self.handoff, output)
+        if not self.early:
+            return output
+        (gather,) = self.early
+        width = output.shape[-1] // self.size
+        rank = dist.get_rank(self.group)
+        own_heads = slice(rank * width, (rank + 1) * width)
+        return hand_on_early(output, own_heads, gather.finish, group_key(self.group))
 
 
 def a2a_attention(
@@ -486,44 +636,14 @@ def a2a_attention(
     kernel: BlockKernel,
 ) -> Tensor:
     """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` over head-split exchanges."""
-    size = dist.get_world_size(group)
     heads, groups = query.shape[2], key.shape[2]
-    requested_stages()  # a bad value fails here, before the transport's collectives
-    link = link_for_call(group, query.device)
-    stages = stage_count(heads, groups, size, copy_engines=link is not None)
-    if groups % size:  # kv heads cannot be split evenly: give every query head its own
+    needs_grad = any(t.requires_grad for t in (query, key, value))
+    call = Call(group, causal, query.device, heads, groups, value.shape[3], needs_grad)
+    if groups % call.size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-    douts_shape = (heads, value.shape[3])
-
-    def scatter_gradient(grad: Tensor) -> PreparedScatter:
-        shards = Shards(group, grad.shape[0], causal)
-        return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
-
-    directions = handoff_directions()
-    if directions and capturing(query.device):
-        # untested inside a CUDA graph: the exchanges stay the attention's own there
-        directions = frozenset()
-        log_fallback_once(
-            "a2a-handoff:capture",
-            "a2a keeps its exchanges from the output projection while a CUDA graph is captured",
-        )
-    handoff = None
-    if "backward" in directions and torch.is_grad_enabled():
-        if any(t.requires_grad for t in (query, key, value)):
-            handoff = Handoff(scatter_gradient, group_key(group))
-    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
-    early: list[Gather] | None = [] if "forward" in directions and not compiling else None
     output = UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, stages, link,
-        scatter_gradient, handoff, early,
+        query, key, value, group, causal, scale, dropout_p, kernel, call.stages, call.link,
+        call.scatter_gradient, call.handoff, call.early,
     )  # fmt: skip
-    if handoff is not None:
-        offer(handoff, output)
-    if not early:
-        return output
-    (gather,) = early
-    width = output.shape[-1] // size
-    rank = dist.get_rank(group)
-    own_heads = slice(rank * width, (rank + 1) * width)
-    return hand_on_early(output, own_heads, gather.finish, group_key(group))
+    return call.hand_on(output)

@@ -262,6 +262,22 @@ class TEDotProductAttention(torch.nn.Module):
                 kernels=self.kernels.sdpa if self.kernels else None,
             )
 
+    def project_around_a2a(
+        self,
+        attention: Any,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: Any,
+        **inputs: Any,
+    ) -> torch.Tensor | None:
+        """Upstream's ``Attention.forward`` from its input to this module's output, computed
+        with the QKV projection around a2a's exchanges (the ``a2a-qkv-projection`` patch calls
+        it; ``a2a_projection``), or None where upstream's own path must compute it. ``inputs``
+        are upstream's other forward inputs (cross-attention states, packed and inference
+        parameters, attention bias), all None for this path to run."""
+        from megatron_rocm.runtime.backend.a2a_projection import projected_self_attention
+
+        return projected_self_attention(self, attention, hidden_states, rotary_pos_emb, inputs)
+
     def _follow_dynamic_cp(self, params: Any) -> None:
         """Hybrid CP (``--hybrid-context-parallel``) hands each batch its CP group in
         ``PackedSeqParams``; ``local_cp_size == 1`` without a group turns CP off. As TE's

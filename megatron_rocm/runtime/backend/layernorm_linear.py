@@ -93,10 +93,15 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return super().forward(self.normalize(x))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in front of the GEMM (a2a's projection, ``a2a_projection``, runs the GEMM
+        itself)."""
         # An fp32 residual stream meets low-precision params here: TE narrows the input too.
         if x.dtype != self.layer_norm_weight.dtype:
             x = x.to(self.layer_norm_weight.dtype)
-        normed = apply_norm(
+        return apply_norm(
             x,
             self.layer_norm_weight,
             getattr(self, "layer_norm_bias", None),
@@ -104,7 +109,6 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
             self.normalization,
             self.zero_centered_gamma,
         )
-        return super().forward(normed)
 
     def extra_repr(self) -> str:
         return f"{self.normalization} -> " + super().extra_repr()

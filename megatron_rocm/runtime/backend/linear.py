@@ -149,21 +149,26 @@ class TERowParallelLinear(RowParallelLinear):
         return (output + self.bias if self.bias is not None else output), None
 
     def _gemm_only(self) -> bool:
-        """Whether upstream's forward is a plain GEMM here whose weight gradient
-        ``LinearFunction`` computes alike: no TP, expert, remat or offloading path, a trainable
-        weight, Megatron's DDP ``main_grad`` where the gradient goes into it (upstream raises
-        without one), not Megatron-FSDP's (whose buffers main writes over)."""
-        weight = self.weight
-        return (
-            self.input_size_per_partition == self.input_size
-            and not self.sequence_parallel
-            and not self.explicit_expert_comm
-            and getattr(self, "gtp_remat_size", 1) == 1
-            and not getattr(self.config, "cpu_offloading", False)
-            and weight.requires_grad
-            and (hasattr(weight, "main_grad") or not self.gradient_accumulation_fusion)
-            and not hasattr(weight, "__fsdp_param__")
-        )
+        return gemm_only(self, self.input_size_per_partition == self.input_size)
+
+
+def gemm_only(linear: Any, whole: bool) -> bool:
+    """Whether upstream's forward of a column or row parallel ``linear`` is a plain GEMM here
+    whose weight gradient the native Functions compute alike (``whole``: its weight is not
+    split over TP ranks): no TP, expert, remat or offloading path, a trainable weight,
+    Megatron's DDP ``main_grad`` where the gradient goes into it (upstream raises without
+    one), not Megatron-FSDP's (whose buffers main writes over)."""
+    weight = linear.weight
+    return (
+        whole
+        and not linear.sequence_parallel
+        and not linear.explicit_expert_comm
+        and getattr(linear, "gtp_remat_size", 1) == 1
+        and not getattr(linear.config, "cpu_offloading", False)
+        and weight.requires_grad
+        and (hasattr(weight, "main_grad") or not linear.gradient_accumulation_fusion)
+        and not hasattr(weight, "__fsdp_param__")
+    )
 
 
 class TELinear(torch.nn.Module):

@@ -176,6 +176,25 @@ def fused_apply_rotary_pos_emb(
     return _apply(t, freqs, interleaved)
 
 
+def rotate_sbhd(
+    t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, inverse: bool = False
+) -> torch.Tensor:
+    """The rotation of ``fused_apply_rotary_pos_emb`` (or, ``inverse``, its transpose: the
+    gradient) without autograd, for callers that write their own backward
+    (``backend._cp_a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
+    dim (e.g. a slice of the fused QKV projection); the result is a new contiguous tensor."""
+    _check(t, freqs)
+    freqs = freqs[: t.size(0)]
+    angles, problem = _sbhd_angles(t, freqs)
+    if _triton(t, freqs, problem):
+        return _run_triton(t, angles, None, interleaved, inverse)
+    if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
+        freqs = freqs.squeeze(-2)
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    return _rotate(t, cos, sin, interleaved, sign=-1.0 if inverse else 1.0).contiguous()
+
+
 def _thd_positions(
     cu_seqlens: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int, device: torch.device
 ) -> torch.Tensor:

@@ -777,3 +777,111 @@ def graph_case(*, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         "eager": [t.float().cpu() for t in eager],
         "replayed": [t.float().cpu() for t in replayed],
     }
+
+
+def projected_case(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    out_weight: torch.Tensor,
+    grad: torch.Tensor,
+    heads: int,
+    groups: int,
+    causal: bool = True,
+    dtype: torch.dtype = torch.float32,
+    fuse: bool = False,
+    interleaved: bool = False,
+    transport: str | None = None,
+    handoff: str = "1",
+    kernel: str = "auto",
+    projected_weight: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Upstream's ``SelfAttention`` from the normalised input to the output projection, on this
+    rank's shard, two ways: as upstream computes it (one QKV GEMM, the split, RoPE, then
+    ``context_parallel_attention``, all plain autograd) and through ``_cp_a2a_qkv`` (the
+    projection split by rank around a2a's exchanges); both followed by the output projection
+    as ``TERowParallelLinear`` computes it at one TP rank, so that its handoffs run too.
+    ``fuse``: the QKV weight's gradient goes into ``main_grad`` (Megatron's fusion);
+    ``projected_weight``: another QKV weight for the second way (a negative control).
+
+    Returns, for each way (``upstream``, ``projected``), the output and the gradients of the
+    input, both weights and the bias, and how many batches each posted to the process group."""
+    from megatron_rocm.runtime.backend import (
+        _cp_a2a,
+        _cp_a2a_qkv,
+        _cp_copy_engine,
+        _cp_handoff,
+        _linear_function,
+    )
+    from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
+    from megatron_rocm.runtime.kernels.rope import rope_reference
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
+    os.environ[_cp_handoff.HANDOFF_ENV] = handoff
+    if transport is not None:
+        os.environ[_cp_copy_engine.TRANSPORT_ENV] = transport
+        _cp_copy_engine.decide_again()
+    cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
+    head_dim = weight.shape[0] // (heads + 2 * groups)
+    local_freqs = None if freqs is None else shard(freqs, cp, rank).to(device)
+    posted, post = [], _cp_a2a.post
+    _cp_a2a.post = lambda *args: posted.append(args) or post(*args)
+
+    def leaves(qkv_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tensors = [shard(x, cp, rank), qkv_weight, bias, out_weight]
+        # copies: each way's leaves must gather their own gradients
+        return tuple(None if t is None else t.to(device, dtype).clone().requires_grad_()
+                     for t in tensors)  # fmt: skip
+
+    def upstream(xl, w, b) -> torch.Tensor:  # noqa: ANN001
+        mixed = torch.nn.functional.linear(xl, w, b)
+        s, batch = mixed.shape[:2]
+        mixed = mixed.view(s, batch, groups, (heads // groups + 2) * head_dim)
+        q, k, v = torch.split(mixed, [heads // groups * head_dim, head_dim, head_dim], dim=3)
+        q = q.reshape(s, batch, -1, head_dim)
+        if local_freqs is not None:
+            q = rope_reference(q, local_freqs, interleaved)
+            k = rope_reference(k, local_freqs, interleaved)
+        return context_parallel_attention(
+            q, k, v, cp_group=None, causal=causal, softmax_scale=None, comm_type="a2a"
+        )
+
+    def projected(xl, w, b) -> torch.Tensor:  # noqa: ANN001
+        shape = (xl.shape[0], xl.shape[1], heads, head_dim)
+        stand_in = xl.new_empty(()).expand(shape)
+        return _cp_a2a_qkv.projected_a2a_attention(
+            xl, w, b, heads=heads, groups=groups, head_dim=head_dim, freqs=local_freqs,
+            interleaved=interleaved, fuse_wgrad=fuse, group=None, causal=causal,
+            scale=head_dim**-0.5, dropout_p=0.0,
+            kernel=pick_kernel(stand_in, stand_in, stand_in, 0.0),
+        )  # fmt: skip
+
+    results: dict[str, Any] = {}
+    try:
+        for name, attention in (("upstream", upstream), ("projected", projected)):
+            wrong = projected_weight is not None and name == "projected"
+            xl, w, b, wo = leaves(projected_weight if wrong else weight)
+            if fuse and name == "projected":
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+                w.grad_added_to_main_grad = False
+            before = len(posted)
+            out = attention(xl, w, b)
+            y = _linear_function.project_attention_output(out, wo, False)
+            assert (y is None) == (handoff == "0"), "a handoff missing, or one too many"
+            if y is None:
+                y = _linear_function.LinearFunction.apply(out, wo, False)
+            y.backward(shard(grad, cp, rank).to(device, dtype))
+            dw = w.main_grad if fuse and name == "projected" else w.grad
+            result = {"y": y, "dx": xl.grad, "dw": dw, "dwo": wo.grad}
+            if b is not None:
+                result["db"] = b.grad
+            results[name] = {n: t.detach().float().cpu() for n, t in result.items()}
+            results[name]["posts"] = len(posted) - before
+    finally:
+        _cp_a2a.post = post
+        os.environ.pop(_cp_handoff.HANDOFF_ENV, None)
+        os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
+    results["copy_engine"] = _cp_copy_engine.uses_copy_engines(None)
+    return results
