@@ -11,7 +11,11 @@ none), no q/k norms, output gate, bias, packed or inference inputs, offloading, 
 recompute or CUDA-graph capture. Anywhere else it returns None and upstream's path runs; where
 a2a is in use it logs why once.
 
-``MEGATRON_ROCM_CP_A2A_QKV=0`` turns it off (``1``, the default, on).
+``MEGATRON_ROCM_CP_A2A_QKV=1`` turns it on; ``0``, the default, leaves upstream's path. It
+stays opt-in until a GPU training run confirms its loss: the runs that measured it on two
+H100s (docs/results.md, twenty-ninth session) read the weight before the module's hooks had
+run, which ``--overlap-param-gather`` needs, and trained to another loss; the projection now
+runs inside ``linear_qkv``'s call, checked on the CPU only.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ QKV_ENV = "MEGATRON_ROCM_CP_A2A_QKV"
 
 
 def enabled() -> bool:
-    """``MEGATRON_ROCM_CP_A2A_QKV``: ``1`` (the default) or ``0``; anything else is an error."""
-    text = os.environ.get(QKV_ENV, "").strip() or "1"
+    """``MEGATRON_ROCM_CP_A2A_QKV``: ``0`` (the default) or ``1``; anything else is an error."""
+    text = os.environ.get(QKV_ENV, "").strip() or "0"
     if text not in ("0", "1"):
         raise ValueError(f"{QKV_ENV}={text!r} is not 0 or 1")
     return text == "1"
@@ -155,26 +159,32 @@ def projected_self_attention(
         return None
     log_fallback_once(  # said once, so that a run shows which path computed it
         "a2a-qkv:on",
-        f"a2a attention computes the QKV projection around its exchanges ({QKV_ENV}=0 turns "
-        f"it off)",
+        f"a2a attention computes the QKV projection around its exchanges ({QKV_ENV}=1)",
     )
     from megatron_rocm.runtime.backend._cp_a2a_qkv import projected_a2a_attention
     from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
 
     linear = attention.linear_qkv
-    normed = linear.normalize(hidden_states)
     heads = attention.num_attention_heads_per_partition
+    groups = attention.num_query_groups_per_partition
     head_dim = attention.hidden_size_per_attention_head
-    stand_in = normed.new_empty(()).expand(normed.shape[0], normed.shape[1], heads, head_dim)
+    interleaved = bool(getattr(attention.config, "rotary_interleaved", False))
+    causal = str(getattr(attention.attn_mask_type, "name", "")) == "causal"
     dropout_p = core._dropout_p()
-    kernel = pick_kernel(stand_in, stand_in, stand_in, dropout_p,
-                         core.kernels.cp_blocks if core.kernels else None)  # fmt: skip
-    with core._rng_context():
+
+    def project(normed: torch.Tensor) -> torch.Tensor:
+        # the weight is read here, inside the module's call: after its hooks (param sync)
+        shape = (normed.shape[0], normed.shape[1], heads, head_dim)
+        stand_in = normed.new_empty(()).expand(shape)
+        kernel = pick_kernel(stand_in, stand_in, stand_in, dropout_p,
+                             core.kernels.cp_blocks if core.kernels else None)  # fmt: skip
         return projected_a2a_attention(
-            normed, linear.weight, linear.bias, heads=heads,
-            groups=attention.num_query_groups_per_partition, head_dim=head_dim, freqs=freqs,
-            interleaved=bool(getattr(attention.config, "rotary_interleaved", False)),
+            normed, linear.weight, linear.bias, heads=heads, groups=groups, head_dim=head_dim,
+            freqs=freqs, interleaved=interleaved,
             fuse_wgrad=bool(linear.gradient_accumulation_fusion), group=core.cp_group,
-            causal=str(getattr(attention.attn_mask_type, "name", "")) == "causal",
-            scale=core.softmax_scale, dropout_p=dropout_p, kernel=kernel,
+            causal=causal, scale=core.softmax_scale, dropout_p=dropout_p, kernel=kernel,
         )  # fmt: skip
+
+    with core._rng_context():
+        output, _ = linear(hidden_states, around_a2a=project)
+    return output

@@ -92,12 +92,22 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
             self.zero_centered_gamma,
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return super().forward(self.normalize(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        around_a2a: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Norm, then GEMM; or, with ``around_a2a`` (``a2a_projection``), norm, then that
+        function of the normalised input, which computes the GEMM itself. Either way inside
+        the module's call, so that its hooks run first: Megatron's DDP waits there for this
+        module's parameters (``--overlap-param-gather``)."""
+        normed = self.normalize(x)
+        if around_a2a is not None:
+            return around_a2a(normed), None
+        return super().forward(normed)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm in front of the GEMM (a2a's projection, ``a2a_projection``, runs the GEMM
-        itself)."""
+        """The norm in front of the GEMM."""
         # An fp32 residual stream meets low-precision params here: TE narrows the input too.
         if x.dtype != self.layer_norm_weight.dtype:
             x = x.to(self.layer_norm_weight.dtype)

@@ -161,3 +161,29 @@ def test_gpu_projected_a2a_matches_upstreams_order(gpu_world, transport: str) ->
             scale = upstream[name].abs().max().item()
             err = (projected[name] - upstream[name]).abs().max().item()
             assert err <= 2e-2 * scale, f"rank {rank} {name}: {err} against {scale}"
+
+
+def test_the_native_projection_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rocm.runtime.backend import a2a_projection
+
+    monkeypatch.delenv(a2a_projection.QKV_ENV, raising=False)
+    assert not a2a_projection.enabled()
+    monkeypatch.setenv(a2a_projection.QKV_ENV, "1")
+    assert a2a_projection.enabled()
+    monkeypatch.setenv(a2a_projection.QKV_ENV, "yes")
+    with pytest.raises(ValueError, match="is not 0 or 1"):
+        a2a_projection.enabled()
+
+
+def test_rope_table_takes_one_shared_table_only() -> None:
+    from megatron_rocm.runtime.backend.a2a_projection import rope_table
+
+    freqs = torch.zeros(8, 1, 1, 4)
+    assert rope_table(None, 8) == (None, None)
+    assert rope_table((freqs, freqs), 8)[0] is freqs
+    assert "different" in rope_table((freqs, freqs.clone()), 8)[1]
+    assert "shorter" in rope_table((freqs, freqs), 9)[1]
+    flat = freqs[:, 0]
+    assert "[s, 1, 1, rot]" in rope_table((flat, flat), 8)[1]
+    learned = freqs.clone().requires_grad_()
+    assert "learned" in rope_table((learned, learned), 8)[1]

@@ -1,0 +1,185 @@
+"""Upstream's GPT with the TE spec under a2a context parallelism, QKV projection on and off (CPU).
+
+    python a2a_qkv_probe.py --tree PATCHED_TREE --out RESULT.json [--qk-layernorm]
+
+Launches a gloo world of two ranks (CP=2, ``--cp-comm-type a2a``), each running this file on
+the patched tree: upstream's ``GPTModel`` built through ``get_gpt_layer_with_transformer_engine_
+spec()`` (the native backend, TE being absent), forward and backward on the rank's zigzag shard
+of one batch, twice from the same seed: with ``MEGATRON_ROCM_CP_A2A_QKV=1`` (the
+``a2a-qkv-projection`` hunk hands the projection to ``_cp_a2a_qkv``) and ``=0`` (upstream's
+path). Each rank writes its losses, logits and gradients of both runs side by side, how often
+the projected path ran in each, and what ``a2a_projection`` logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+SEQ, BATCH, VOCAB, CP = 16, 2, 96, 2
+
+
+def launch(args: argparse.Namespace) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(CP):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(CP), OMP_NUM_THREADS="1")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=args.timeout)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            logs.append(proc.communicate()[0] + "\n[timed out]")
+    results = []
+    for rank, log in enumerate(logs):
+        part = Path(args.out).with_suffix(f".rank{rank}.json")
+        if part.is_file():
+            results.append(json.loads(part.read_text()))
+            part.unlink()
+        else:
+            results.append({"error": "rank died: " + " | ".join(log.splitlines()[-6:])})
+    Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+def shard(x, dim: int, rank: int):  # noqa: ANN001, ANN201
+    """Upstream's CP split along ``dim``: chunks ``rank`` and ``2cp-1-rank``."""
+    import torch
+
+    chunks = x.chunk(2 * CP, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * CP - 1 - rank]], dim=dim)
+
+
+def defer_parameters(model) -> None:  # noqa: ANN001
+    """Each module's own parameters hold zeros until its forward pre-hook puts them back, as
+    Megatron's DDP with ``--overlap-param-gather`` waits for a module's all-gather only in
+    that module's pre-hook: a path that reads a module's weight without calling the module
+    reads zeros here (on a GPU: a stale or half-gathered weight)."""
+    import torch
+
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.zero_()
+
+        def gather(_module, _args, params=params, saved=saved) -> None:  # noqa: ANN001
+            with torch.no_grad():
+                for p, value in zip(params, saved):
+                    p.copy_(value)
+
+        module.register_forward_pre_hook(gather)
+
+
+def run_rank(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, args.tree)
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cpu_shim  # upstream's CP rotary table asks for pinned CUDA memory
+
+    cpu_shim.install()
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=CP)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rocm.runtime.backend import _cp_a2a_qkv, a2a_projection
+    from megatron_rocm.runtime.kernels import _runtime
+
+    parallel_state.initialize_model_parallel(context_parallel_size=CP)
+    projected, logged = [], []
+    forward = _cp_a2a_qkv.ProjectedUlyssesAttention.forward
+    _cp_a2a_qkv.ProjectedUlyssesAttention.forward = staticmethod(
+        lambda *a, **k: projected.append(1) or forward(*a, **k)
+    )
+    log_once = a2a_projection.log_fallback_once
+    a2a_projection.log_fallback_once = lambda key, msg: logged.append(msg) or log_once(key, msg)
+    _runtime._logged.clear()
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+        ffn_hidden_size=96, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_layernorm,
+        context_parallel_size=CP, cp_comm_type="a2a", use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        apply_rope_fusion=args.rope_fusion,
+    )  # fmt: skip
+    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    local_tokens, local_positions = shard(tokens, 1, rank), shard(positions, 1, rank)
+    runs = {}
+    for setting in ("1", "0"):
+        os.environ[a2a_projection.QKV_ENV] = setting
+        before = len(projected)
+        torch.manual_seed(1234)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope")  # fmt: skip
+        if args.deferred_parameters:
+            defer_parameters(model)
+        logits = model(local_tokens, local_positions, None)
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        runs[setting] = {
+            "loss": loss.item(),
+            "logits": logits.detach().float().flatten().tolist(),
+            "grads": {
+                n: p.grad.float().flatten().tolist()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            },  # fmt: skip
+            "projected_calls": len(projected) - before,
+        }
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"on": runs["1"], "off": runs["0"], "logged": logged}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--qk-layernorm", action="store_true")
+    ap.add_argument("--qkv-bias", action="store_true")
+    ap.add_argument("--rope-fusion", action="store_true")
+    ap.add_argument("--deferred-parameters", action="store_true", help="see defer_parameters")
+    ap.add_argument("--timeout", type=float, default=300)
+    args = ap.parse_args()
+    if "RANK" not in os.environ:
+        return launch(args)
+    try:
+        result = run_rank(args)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(args.out).with_suffix(f".rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
