@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 import warnings
@@ -27,32 +25,10 @@ SEQ, BATCH, VOCAB, CP = 16, 2, 96, 2
 
 
 def launch(args: argparse.Namespace) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(CP):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(CP), OMP_NUM_THREADS="1")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=args.timeout)[0])
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            logs.append(proc.communicate()[0] + "\n[timed out]")
-    results = []
-    for rank, log in enumerate(logs):
-        part = Path(args.out).with_suffix(f".rank{rank}.json")
-        if part.is_file():
-            results.append(json.loads(part.read_text()))
-            part.unlink()
-        else:
-            results.append({"error": "rank died: " + " | ".join(log.splitlines()[-6:])})
+    from gloo_ranks import run_ranks  # beside this script, on sys.path when it runs
+
+    cmd = [sys.executable, __file__, *sys.argv[1:]]
+    results = run_ranks(cmd, CP, Path(args.out), args.timeout)
     Path(args.out).write_text(json.dumps(results))
     return 0
 

@@ -24,8 +24,6 @@ import datetime
 import inspect
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -36,43 +34,13 @@ HERE = Path(__file__).resolve().parent
 TRAIN, MORE = 3, 3  # steps before the save, steps after it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace) -> int:
-    port, out = _free_port(), Path(args.out)
+    from gloo_ranks import run_ranks
+
+    out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="distopt-") as ckpt:
-        procs = []
-        for rank in range(args.world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world))
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--ckpt", ckpt]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=subprocess.PIPE, text=True, stderr=subprocess.STDOUT
-                )
-            )
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=args.timeout)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                logs.append(p.communicate()[0] + "\n[timed out]")
-    results = []
-    for rank, log in enumerate(logs):
-        f = out.with_suffix(f".rank{rank}.json")
-        if f.is_file():
-            results.append(json.loads(f.read_text()))
-            f.unlink()
-        else:
-            results.append(
-                {"ok": False, "error": "rank died: " + " | ".join(log.splitlines()[-5:])}
-            )
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--ckpt", ckpt]
+        results = run_ranks(cmd, args.world, out, args.timeout)
     verdict = dict(results[0])
     verdict["ok"] = all(r["ok"] for r in results)
     verdict["errors"] = [r.get("error") for r in results if r.get("error")]

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -446,145 +445,28 @@ class Attended:
         self.output, self.saved, self.states = output, saved, states
 
 
-def attend(
-    shards: Shards,
-    wholes: list[Tensor],
-    pending: list[Pending | Arrival],
-    like: Tensor,
-    out_shape: tuple[int, int],
-    *,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    kernel: BlockKernel,
-    stages: int,
-    link: CopyEngineLink | None,
-    early: list[Gather] | None,
-) -> Attended:
-    """Attention per head group as its heads arrive, each group's output sent back as soon as
-    it is computed; ``out_shape`` is ``(query heads, value dim)`` of the local output, ``like``
-    a local input (dtype, device, batch). ``early``: a list to leave the output's exchange in,
-    unfinished (``_cp_early_output``), instead of finishing it here."""
-    gather = Gather(shards, stages, [out_shape], like, link)
-    outs, lses, states = [], [], []
-    for n in range(stages):
-        pending[n].wait()
-        q, k, v = (bhsd(whole[n]) for whole in wholes)
-        out, lse, state = kernel.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
-        gather.post(n, (sbhd(out),))
-        outs.append(out)
-        lses.append(lse)
-        states.append(state)
-    if early is None:
-        (output,) = gather.finish()
-    else:  # the rank's own heads are in place; the peers' land later
-        early.append(gather)
-        (output,) = gather.outputs
-    return Attended(output, [*wholes, *outs, *lses], states)
-
-
-def attend_backward(
-    saved: tuple[Tensor, ...],
-    states: list[Any],
-    grad_output: Tensor,
-    shapes: list[tuple[int, int]],
-    *,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    kernel: BlockKernel,
-    stages: int,
-    link: CopyEngineLink | None,
-    group: Any,
-    handoff: Handoff | None,
-    scatter_gradient: Callable[[Tensor], PreparedScatter],
-) -> Gather:
-    """``attend``'s backward up to the way back: the output's gradient exchanged (or taken
-    from the ``handoff`` that started it), each group's q/k/v gradients sent back as soon as
-    they are computed. The returned ``Gather`` holds the rank's own heads in place; its
-    ``finish`` lands the peers' (``shapes``: heads and head dim of q, k and v)."""
-    wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages : 3 + 2 * stages]
-    shards = Shards(group, grad_output.shape[0], causal)
-    taken = handoff.take(grad_output) if handoff is not None else None
-    if taken is None:  # nobody started it (or with another gradient): exchange it here
-        taken = scatter_gradient(grad_output).result()
-    (douts,), pending = taken
-    gather = Gather(shards, stages, shapes, grad_output, link)
-    for n in range(stages):
-        pending[n].wait()
-        q, k, v = (bhsd(whole[n]) for whole in wholes)
-        grads = kernel.backward(
-            bhsd(douts[n]), q, k, v, outs[n], lses[n], states[n],
-            causal=causal, scale=scale, dropout_p=dropout_p,
-        )  # fmt: skip
-        gather.post(n, tuple(sbhd(g) for g in grads))
-    return gather
-
-
-class UlyssesAttention(torch.autograd.Function):
-    """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]``; see the module docstring."""
-
-    @staticmethod
-    def forward(  # noqa: ANN205
-        ctx,  # noqa: ANN001
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        group: Any,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        kernel: BlockKernel,
-        stages: int,
-        link: CopyEngineLink | None,
-        scatter_gradient: Callable[[Tensor], PreparedScatter],
-        handoff: Handoff | None = None,
-        early: list[Gather] | None = None,
-    ):
-        """``scatter_gradient``: the backward's first exchange, of the output's gradient (the
-        one ``handoff`` may have started already); ``early``: see ``attend``."""
-        shards = Shards(group, query.shape[0], causal)
-        wholes, pending = shards.scatter((query, key, value), stages, link)
-        attended = attend(
-            shards, wholes, pending, query, (query.shape[2], value.shape[3]), causal=causal,
-            scale=scale, dropout_p=dropout_p, kernel=kernel, stages=stages, link=link, early=early,
-        )  # fmt: skip
-        ctx.save_for_backward(*attended.saved)
-        shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
-        ctx.args = (group, causal, scale, dropout_p, kernel, stages, link, attended.states, shapes)
-        ctx.scatter_gradient, ctx.handoff = scatter_gradient, handoff
-        return attended.output
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
-        group, causal, scale, dropout_p, kernel, stages, link, states, shapes = ctx.args
-        gather = attend_backward(
-            ctx.saved_tensors, states, grad_output, shapes, causal=causal, scale=scale,
-            dropout_p=dropout_p, kernel=kernel, stages=stages, link=link, group=group,
-            handoff=ctx.handoff, scatter_gradient=ctx.scatter_gradient,
-        )  # fmt: skip
-        dq, dk, dv = (
-            out.unflatten(2, (h, d)) for out, (h, d) in zip(gather.finish(), shapes, strict=True)
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
-
-
 class Call:
     """What one a2a attention call settles before its Function runs, and hands on after: the
-    transport, the head groups, the backward's first exchange and the output projection's
-    handoffs (``_cp_handoff``, ``_cp_early_output``)."""
+    attention's math (``kernel``, ``causal``, ``scale``, ``dropout_p``), the transport, the
+    head groups, the backward's first exchange and the output projection's handoffs
+    (``_cp_handoff``, ``_cp_early_output``)."""
 
     def __init__(
         self,
         group: Any,
-        causal: bool,
         device: torch.device,
         heads: int,
         groups: int,
         value_dim: int,
         needs_grad: bool,
+        *,
+        kernel: BlockKernel,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
     ) -> None:
         self.group, self.size = group, dist.get_world_size(group)
+        self.kernel, self.causal, self.scale, self.dropout_p = kernel, causal, scale, dropout_p
         requested_stages()  # a bad value fails here, before the transport's collectives
         self.link = link_for_call(group, device)
         self.stages = stage_count(heads, groups, self.size, copy_engines=self.link is not None)
@@ -610,6 +492,9 @@ class Call:
         compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
         self.early: list[Gather] | None = [] if "forward" in directions and not compiling else None
 
+    def shards(self, local_tokens: int) -> Shards:
+        return Shards(self.group, local_tokens, self.causal)
+
     def hand_on(self, output: Tensor) -> Tensor:
         """The Function's output as the projection takes it: offered for the backward's
         handoff, and early (before the peers' heads land) where the forward's is on."""
@@ -622,6 +507,90 @@ class Call:
         rank = dist.get_rank(self.group)
         own_heads = slice(rank * width, (rank + 1) * width)
         return hand_on_early(output, own_heads, gather.finish, group_key(self.group))
+
+
+def attend(
+    call: Call,
+    shards: Shards,
+    wholes: list[Tensor],
+    pending: list[Pending | Arrival],
+    like: Tensor,
+    out_shape: tuple[int, int],
+) -> Attended:
+    """Attention per head group as its heads arrive, each group's output sent back as soon as
+    it is computed; ``out_shape`` is ``(query heads, value dim)`` of the local output, ``like``
+    a local input (dtype, device, batch). Where ``call.early`` is a list, the output's exchange
+    is left in it unfinished (``_cp_early_output``) instead of finished here."""
+    gather = Gather(shards, call.stages, [out_shape], like, call.link)
+    outs, lses, states = [], [], []
+    for n in range(call.stages):
+        pending[n].wait()
+        q, k, v = (bhsd(whole[n]) for whole in wholes)
+        out, lse, state = call.kernel.forward(
+            q, k, v, causal=call.causal, scale=call.scale, dropout_p=call.dropout_p
+        )
+        gather.post(n, (sbhd(out),))
+        outs.append(out)
+        lses.append(lse)
+        states.append(state)
+    if call.early is None:
+        (output,) = gather.finish()
+    else:  # the rank's own heads are in place; the peers' land later
+        call.early.append(gather)
+        (output,) = gather.outputs
+    return Attended(output, [*wholes, *outs, *lses], states)
+
+
+def attend_backward(
+    call: Call,
+    saved: tuple[Tensor, ...],
+    states: list[Any],
+    grad_output: Tensor,
+    shapes: list[tuple[int, int]],
+) -> Gather:
+    """``attend``'s backward up to the way back: the output's gradient exchanged (or taken
+    from the handoff that started it), each group's q/k/v gradients sent back as soon as
+    they are computed. The returned ``Gather`` holds the rank's own heads in place; its
+    ``finish`` lands the peers' (``shapes``: heads and head dim of q, k and v)."""
+    stages = call.stages
+    wholes, outs, lses = saved[:3], saved[3 : 3 + stages], saved[3 + stages : 3 + 2 * stages]
+    taken = call.handoff.take(grad_output) if call.handoff is not None else None
+    if taken is None:  # nobody started it (or with another gradient): exchange it here
+        taken = call.scatter_gradient(grad_output).result()
+    (douts,), pending = taken
+    gather = Gather(call.shards(grad_output.shape[0]), stages, shapes, grad_output, call.link)
+    for n in range(stages):
+        pending[n].wait()
+        q, k, v = (bhsd(whole[n]) for whole in wholes)
+        grads = call.kernel.backward(
+            bhsd(douts[n]), q, k, v, outs[n], lses[n], states[n],
+            causal=call.causal, scale=call.scale, dropout_p=call.dropout_p,
+        )  # fmt: skip
+        gather.post(n, tuple(sbhd(g) for g in grads))
+    return gather
+
+
+class UlyssesAttention(torch.autograd.Function):
+    """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, call: Call):  # noqa: ANN001, ANN205
+        shards = call.shards(query.shape[0])
+        wholes, pending = shards.scatter((query, key, value), call.stages, call.link)
+        attended = attend(call, shards, wholes, pending, query, (query.shape[2], value.shape[3]))
+        ctx.save_for_backward(*attended.saved)
+        ctx.call, ctx.states = call, attended.states
+        ctx.shapes = [(t.shape[2], t.shape[3]) for t in (query, key, value)]
+        return attended.output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
+        gather = attend_backward(ctx.call, ctx.saved_tensors, ctx.states, grad_output, ctx.shapes)
+        dq, dk, dv = (
+            out.unflatten(2, (h, d))
+            for out, (h, d) in zip(gather.finish(), ctx.shapes, strict=True)
+        )
+        return dq, dk, dv, None
 
 
 def a2a_attention(
@@ -638,12 +607,9 @@ def a2a_attention(
     """``[s, b, np, hn]`` local q/k/v -> ``[s, b, np * hv]`` over head-split exchanges."""
     heads, groups = query.shape[2], key.shape[2]
     needs_grad = any(t.requires_grad for t in (query, key, value))
-    call = Call(group, causal, query.device, heads, groups, value.shape[3], needs_grad)
+    call = Call(group, query.device, heads, groups, value.shape[3], needs_grad,
+                kernel=kernel, causal=causal, scale=scale, dropout_p=dropout_p)  # fmt: skip
     if groups % call.size:  # kv heads cannot be split evenly: give every query head its own
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
-    output = UlyssesAttention.apply(
-        query, key, value, group, causal, scale, dropout_p, kernel, call.stages, call.link,
-        call.scatter_gradient, call.handoff, call.early,
-    )  # fmt: skip
-    return call.hand_on(output)
+    return call.hand_on(UlyssesAttention.apply(query, key, value, call))

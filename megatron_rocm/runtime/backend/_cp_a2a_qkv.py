@@ -162,47 +162,33 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
         bias: Tensor | None,
         projection: Projection,
         call: Call,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        kernel: BlockKernel,
     ):
-        shards = Shards(call.group, x.shape[0], causal)
-        stages, link = call.stages, call.link
+        shards = call.shards(x.shape[0])
+        stages = call.stages
         peers = {}
         for j, _ in shards.peers:  # the peers' heads first: their exchange starts at once
             peers[j] = tuple(_per_stage(t, shards, stages)
                              for t in projection.heads(x, weight, bias, j))  # fmt: skip
-        scatter = PreparedScatter.of_parts(shards, peers, stages, link)
+        scatter = PreparedScatter.of_parts(shards, peers, stages, call.link)
         scatter.post_peers()
         own = projection.heads(x, weight, bias, shards.rank)  # while the peers' heads travel
         scatter.post(own=tuple(_per_stage(t, shards, stages) for t in own))
         wholes, pending = scatter.result()
-        q_own = own[0]
-        heads = q_own.shape[2] * shards.size
-        attended = attend(
-            shards, wholes, pending, q_own, (heads, own[2].shape[3]), causal=causal,
-            scale=scale, dropout_p=dropout_p, kernel=kernel, stages=stages, link=link,
-            early=call.early,
-        )  # fmt: skip
+        shapes = [(t.shape[2] * shards.size, t.shape[3]) for t in own]  # q, k, v: all heads
+        attended = attend(call, shards, wholes, pending, own[0], (shapes[0][0], shapes[2][1]))
         ctx.save_for_backward(x, weight, *attended.saved)
         ctx.has_bias = bias is not None
         ctx.fuse_wgrad = projection.fuse_wgrad and (
             hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
         )
-        shapes = [(t.shape[2] * shards.size, t.shape[3]) for t in own]
-        ctx.args = (causal, scale, dropout_p, kernel, call, attended.states, shapes, projection)
+        ctx.call, ctx.states, ctx.shapes, ctx.projection = call, attended.states, shapes, projection
         return attended.output
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
-        causal, scale, dropout_p, kernel, call, states, shapes, projection = ctx.args
+        shapes, projection = ctx.shapes, ctx.projection
         x, weight, *saved = ctx.saved_tensors
-        gather = attend_backward(
-            tuple(saved), states, grad_output, shapes, causal=causal, scale=scale,
-            dropout_p=dropout_p, kernel=kernel, stages=call.stages, link=call.link,
-            group=call.group, handoff=call.handoff, scatter_gradient=call.scatter_gradient,
-        )  # fmt: skip
+        gather = attend_backward(ctx.call, tuple(saved), ctx.states, grad_output, shapes)
         shards = gather.shards
         rows = projection.rows
         x2d = x.reshape(-1, x.shape[-1])
@@ -232,7 +218,7 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
         grad_x = torch.mm(grad_mixed, weight).view(x.shape)
         grad_bias = grad_mixed.sum(0) if ctx.has_bias else None
         grad_weight = wgrad.result() if wgrad is not None else None
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 class _WeightGradient:
@@ -292,9 +278,7 @@ def projected_a2a_attention(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    call = Call(group, causal, x.device, heads, groups, head_dim, needs_grad)
+    call = Call(group, x.device, heads, groups, head_dim, needs_grad,
+                kernel=kernel, causal=causal, scale=scale, dropout_p=dropout_p)  # fmt: skip
     projection = Projection(rows, freqs, interleaved, fuse_wgrad)
-    output = ProjectedUlyssesAttention.apply(
-        x, weight, bias, projection, call, causal, scale, dropout_p, kernel
-    )
-    return call.hand_on(output)
+    return call.hand_on(ProjectedUlyssesAttention.apply(x, weight, bias, projection, call))
