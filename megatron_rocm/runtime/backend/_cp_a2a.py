@@ -502,7 +502,7 @@ class Call:
             offer(self.handoff, output)
         if not self.early:
             return output
-        (gather,) = self.early
+        gather = self.early.pop()  # the landing holds it now: ctx keeps this Call to backward
         width = output.shape[-1] // self.size
         rank = dist.get_rank(self.group)
         own_heads = slice(rank * width, (rank + 1) * width)

@@ -104,7 +104,9 @@ def _per_stage(x: Tensor, shards: Shards, stages: int) -> Tensor:
 def _project(x2d: Tensor, weight: Tensor, bias: Tensor | None, rows: slice, s: int) -> Tensor:
     """``x W[rows]^T (+ b[rows])`` as ``[s, b, rows]``."""
     w = weight[rows]
-    out = torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias[rows], x2d, w.t())
+    out = torch.mm(x2d, w.t())
+    if bias is not None:  # added after the GEMM's rounding, as upstream's linear adds it
+        out = out + bias[rows]
     return out.view(s, -1, w.shape[0])
 
 
@@ -188,12 +190,13 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):  # noqa: ANN001, ANN205
         shapes, projection = ctx.shapes, ctx.projection
         x, weight, *saved = ctx.saved_tensors
-        gather = attend_backward(ctx.call, tuple(saved), ctx.states, grad_output, shapes)
-        shards = gather.shards
         rows = projection.rows
         x2d = x.reshape(-1, x.shape[-1])
+        # before the exchanges start: whatever raises here leaves every rank's unposted
         wgrad = _WeightGradient(ctx.fuse_wgrad, weight, x2d) if ctx.needs_input_grad[1] else None
         grad_mixed = x2d.new_empty(x2d.shape[0], weight.shape[0])
+        gather = attend_backward(ctx.call, tuple(saved), ctx.states, grad_output, shapes)
+        shards = gather.shards
         width = [h // shards.size * d for h, d in shapes]
 
         def block_of(rank: int, outputs: list[Tensor]) -> Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_rocm.runtime.backend.attention import mask_name
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
@@ -116,8 +117,7 @@ def why_not(core: Any, attention: Any, hidden_states: torch.Tensor, inputs: dict
         (getattr(attention, "_yarn_concentration_factor", 1.0) in (None, 1.0), "YaRN mscale"),
         (core.window_size is None, "a sliding window"),
         (
-            str(getattr(attention.attn_mask_type, "name", attention.attn_mask_type))
-            in ("causal", "no_mask"),
+            mask_name(attention.attn_mask_type) in ("causal", "no_mask"),
             "a mask type other than causal or no_mask",
         ),
         (not capturing(hidden_states.device), "CUDA-graph capture"),
@@ -169,7 +169,7 @@ def projected_self_attention(
     groups = attention.num_query_groups_per_partition
     head_dim = attention.hidden_size_per_attention_head
     interleaved = bool(getattr(attention.config, "rotary_interleaved", False))
-    causal = str(getattr(attention.attn_mask_type, "name", "")) == "causal"
+    causal = mask_name(attention.attn_mask_type) == "causal"
     dropout_p = core._dropout_p()
 
     def project(normed: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ from megatron_rocm.runtime.platform import capturing
 _OWNER = "TEDotProductAttention"
 
 
-def _mask_name(mask_type: Any) -> str:
+def mask_name(mask_type: Any) -> str:
+    """An ``AttnMaskType`` (or its name) as its name: ``causal``, ``no_mask``, ..."""
     return str(getattr(mask_type, "name", mask_type))
 
 
@@ -217,9 +218,7 @@ class TEDotProductAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if num_splits is not None:
             self._refuse_te_only(self.config, num_splits)
-        mask_type = _mask_name(
-            attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        )
+        mask_type = mask_name(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         qkv_format = getattr(packed_seq_params, "qkv_format", None) or self.qkv_format
         if packed_seq_params is not None:
             self._follow_dynamic_cp(packed_seq_params)
@@ -441,6 +440,6 @@ class TEDotProductAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"native SDPA, mask={_mask_name(self.attn_mask_type)}, dropout="
+            f"native SDPA, mask={mask_name(self.attn_mask_type)}, dropout="
             f"{self.attention_dropout}, scale={self.softmax_scale:.4g}, cp={self.cp_size}"
         )

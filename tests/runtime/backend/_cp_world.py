@@ -836,7 +836,9 @@ def projected_case(
                      for t in tensors)  # fmt: skip
 
     def upstream(xl, w, b) -> torch.Tensor:  # noqa: ANN001
-        mixed = torch.nn.functional.linear(xl, w, b)
+        mixed = xl.matmul(w.t())  # upstream's linear: the GEMM, then the bias
+        if b is not None:
+            mixed = mixed + b
         s, batch = mixed.shape[:2]
         mixed = mixed.view(s, batch, groups, (heads // groups + 2) * head_dim)
         q, k, v = torch.split(mixed, [heads // groups * head_dim, head_dim, head_dim], dim=3)
@@ -885,3 +887,36 @@ def projected_case(
         os.environ.pop(_cp_copy_engine.TRANSPORT_ENV, None)
     results["copy_engine"] = _cp_copy_engine.uses_copy_engines(None)
     return results
+
+
+def retained_case(*, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """a2a forward with the default handoffs, both ways (upstream's q/k/v and the projection
+    around the exchanges), each output read (landed) as the projection would; then, before any
+    backward, how many of a2a's ``Gather``\\ s are still alive: a landed forward's receive buffers
+    must not wait in the autograd graph for the backward."""
+    import gc
+
+    from megatron_rocm.runtime.backend import _cp_a2a, _cp_a2a_qkv
+    from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
+
+    os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v = (shard(tensors[n], cp, rank).requires_grad_() for n in "qkv")
+    s, b, heads, dim = q.shape
+    groups = k.shape[2]
+    kernel = pick_kernel(q, k, v, 0.0)
+    plain = context_parallel_attention(
+        q, k, v, cp_group=None, causal=True, softmax_scale=None, comm_type="a2a"
+    )
+    x = torch.randn(s, b, 16, requires_grad=True)
+    weight = torch.randn((heads + 2 * groups) * dim, 16, requires_grad=True)
+    projected = _cp_a2a_qkv.projected_a2a_attention(
+        x, weight, None, heads=heads, groups=groups, head_dim=dim, freqs=None,
+        interleaved=False, fuse_wgrad=False, group=None, causal=True, scale=dim**-0.5,
+        dropout_p=0.0, kernel=kernel,
+    )  # fmt: skip
+    losses = [(out * 1.0).sum() for out in (plain, projected)]  # reads: both land
+    gc.collect()
+    alive = sum(isinstance(o, _cp_a2a.Gather) for o in gc.get_objects())
+    sum(losses).backward()
+    return {"alive": alive}

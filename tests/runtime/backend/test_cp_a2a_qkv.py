@@ -187,3 +187,21 @@ def test_rope_table_takes_one_shared_table_only() -> None:
     assert "[s, 1, 1, rot]" in rope_table((flat, flat), 8)[1]
     learned = freqs.clone().requires_grad_()
     assert "learned" in rope_table((learned, learned), 8)[1]
+
+
+def test_a_landed_forward_keeps_no_receive_buffers_to_the_backward(worlds) -> None:  # noqa: ANN001
+    """Each Function keeps its call for the backward; the forward's way back, once landed,
+    must not stay in it (one receive buffer per peer and layer until the backward)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(16, 1, h, 8, generator=g) for n, h in (("q", 4), ("k", 2), ("v", 2))}
+    for result in worlds(2).run("retained_case", tensors=tensors):
+        assert result["alive"] == 0
+
+
+def test_bf16_forward_and_input_gradient_are_upstreams_bit_for_bit(worlds) -> None:  # noqa: ANN001
+    """In bf16 the projection rounds as upstream's linear does (the GEMM, then the bias), and
+    the input gradient is upstream's one GEMM over every head: the same bits."""
+    inputs = _inputs(16, 2, 12, 4, 2, 8, bias=True, rope=8)
+    for result in worlds(2).run("projected_case", **inputs, dtype=torch.bfloat16):
+        for name in ("y", "dx"):
+            assert torch.equal(result["projected"][name], result["upstream"][name]), name
