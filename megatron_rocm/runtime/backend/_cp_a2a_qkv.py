@@ -39,6 +39,7 @@ from megatron_rocm.runtime.backend._cp_a2a import (
     attend_backward,
 )
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
+from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
 from megatron_rocm.runtime.kernels.grad_accum import (
     main_grad_for_wgrad,
     wgrad_gemm_accum_fp16,
@@ -138,12 +139,8 @@ class Projection:
         ``[s, b, h, d]`` gradients (RoPE's backward on q and k)."""
         rows = self.rows
         s, b = dq.shape[:2]
-        g, groups, per_group, dim = (
-            b * rows.rank_groups,
-            rows.rank_groups,
-            rows.per_group,
-            rows.head_dim,
-        )
+        groups, per_group, dim = rows.rank_groups, rows.per_group, rows.head_dim
+        g = b * groups
         block = out.view(s, b, groups, per_group + 2, dim)  # out's rows are strided: no b*g
         dq = _rope(dq.reshape(s, g, per_group, dim), self.freqs, self.interleaved, inverse=True)
         dk = _rope(dk.reshape(s, g, 1, dim), self.freqs, self.interleaved, inverse=True)
@@ -192,14 +189,14 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
         x, weight, *saved = ctx.saved_tensors
         rows = projection.rows
         x2d = x.reshape(-1, x.shape[-1])
-        # before the exchanges start: whatever raises here leaves every rank's unposted
+        # before the exchanges start: if this raises, no rank has posted anything yet
         wgrad = _WeightGradient(ctx.fuse_wgrad, weight, x2d) if ctx.needs_input_grad[1] else None
         grad_mixed = x2d.new_empty(x2d.shape[0], weight.shape[0])
         gather = attend_backward(ctx.call, tuple(saved), ctx.states, grad_output, shapes)
         shards = gather.shards
         width = [h // shards.size * d for h, d in shapes]
 
-        def block_of(rank: int, outputs: list[Tensor]) -> Tensor:
+        def block_of(rank: int, outputs: list[Tensor]) -> None:
             """Rank ``rank``'s block of the projection's gradient, written in place."""
             dq, dk, dv = (
                 out[..., rank * w : (rank + 1) * w].unflatten(2, (-1, d))
@@ -209,7 +206,6 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
             projection.grad_block(dq, dk, dv, block)
             if wgrad is not None:  # its rows of the weight gradient need this block only
                 wgrad.add(rows.rows(rank), block)
-            return block
 
         try:  # the rank's own heads while the peers' gradients travel
             block_of(shards.rank, gather.outputs)
@@ -243,16 +239,11 @@ class _WeightGradient:
             wgrad_gemm_accum_fp16(self.x2d, block, self.main_grad[rows])
 
     def result(self) -> Tensor | None:
-        """What autograd gets for the weight: the gradient, or where it went into
-        ``main_grad`` a placeholder where Megatron's DDP expects one (else None)."""
+        """What autograd gets for the weight: the gradient, or, where it went into
+        ``main_grad``, ``_linear_function.added_to_main_grad``'s placeholder."""
         if self.main_grad is None:
             return self.grad
-        weight = self.weight
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        weight.grad_added_to_main_grad = True
-        return make(self.main_grad.shape, dtype=self.x2d.dtype, device=self.x2d.device)
+        return added_to_main_grad(self.weight, self.main_grad, self.x2d)
 
 
 def projected_a2a_attention(

@@ -100,8 +100,17 @@ def _weight_gradient(fuse: bool, x: torch.Tensor, weight: Any, grad_output: torc
         wgrad_gemm_accum_fp32(x, grad_output, main_grad)
     else:
         wgrad_gemm_accum_fp16(x, grad_output, main_grad)
+    return added_to_main_grad(weight, main_grad, x)
+
+
+def added_to_main_grad(
+    weight: Any, main_grad: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor | None:
+    """What autograd gets for a weight whose gradient went into ``main_grad``: a placeholder
+    of its shape (in ``like``'s dtype and device) flagged ``grad_added_to_main_grad`` where Megatron's DDP
+    expects one, so that its hooks do not add it again; else None."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     weight.grad_added_to_main_grad = True
-    return make(main_grad.shape, dtype=x.dtype, device=x.device)
+    return make(main_grad.shape, dtype=like.dtype, device=like.device)
