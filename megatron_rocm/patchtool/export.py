@@ -31,7 +31,7 @@ from megatron_rocm.patchtool.forkscan import (
     patch_with_reason,
     refuse_busy_or_dirty,
 )
-from megatron_rocm.patchtool.hunks import apply_file, decode, encode, split_lines
+from megatron_rocm.patchtool.hunks import FileDiff, apply_file, decode, encode, split_lines
 from megatron_rocm.patchtool.results import accepts
 from megatron_rocm.patchtool.series import (
     Patch,
@@ -144,19 +144,23 @@ def _unchanged(
         or engine.in_scope(fd.path, scope)
         or cat.read(f"{c.parent}:{fd.path}") is not None
     ]
-    if sorted(fd.path for fd in fds) != sorted(touched):
+    by_path: dict[str, list[FileDiff]] = {}
+    for fd in fds:  # a type change (file <-> symlink) is a deletion and a creation of one path
+        by_path.setdefault(fd.path, []).append(fd)
+    if sorted(by_path) != sorted(touched):
         return False
-    for fd in fds:
-        old_mode, new_mode = touched[fd.path]
-        expected = (fd.new_mode or "100644") if fd.is_new else old_mode
-        if not fd.is_deleted and new_mode != expected:
+    for path, diffs in by_path.items():
+        old_mode, new_mode = touched[path]
+        data, mode = cat.read(f"{c.parent}:{path}"), old_mode
+        for fd in diffs:  # in order, each on what the one before left, as apply does
+            outcome = apply_file(None if data is None else split_lines(decode(data)), fd)
+            if not all(accepts(r.label) for r in outcome.results):
+                return False
+            data = None if outcome.lines is None else encode("".join(outcome.lines))
+            mode = (fd.new_mode or "100644") if fd.is_new else mode
+        if data is not None and new_mode != mode:
             return False
-        before = cat.read(f"{c.parent}:{fd.path}")
-        outcome = apply_file(None if before is None else split_lines(decode(before)), fd)
-        if not all(accepts(r.label) for r in outcome.results):
-            return False
-        after = None if outcome.lines is None else encode("".join(outcome.lines))
-        if after != cat.read(f"{c.commit}:{fd.path}"):
+        if data != cat.read(f"{c.commit}:{path}"):
             return False
     return True
 

@@ -23,6 +23,7 @@ _MODE_RE = re.compile(r"^new file mode (\d+)$", re.M)
 _MODE_CHANGE_RE = re.compile(r"^old mode (\d+)\nnew mode (\d+)$", re.M)
 _RENAME_RE = re.compile(r"^(rename|copy) from ", re.M)
 _GITLINK_RE = re.compile(r"^(?:new file mode|deleted file mode|index \S+) 160000$", re.M)
+_SPACED_HEADER = re.compile(r"^diff --git [^\n]* [^\n]* ", re.M)  # a name holds a space
 
 
 @dataclass
@@ -83,6 +84,79 @@ def unquote(name: str) -> str:
     return out.decode("utf-8", errors="surrogateescape")
 
 
+def _quote(name: str) -> str:
+    """``name`` C-quoted as ``unquote`` reads it, every space, control and non-ASCII byte as
+    an octal escape: a quoted name with no space in it."""
+    out = []
+    for byte in name.encode("utf-8", errors="surrogateescape"):
+        if byte in (0x22, 0x5C):
+            out.append("\\" + chr(byte))
+        elif byte <= 0x20 or byte >= 0x7F:
+            out.append(f"\\{byte:03o}")
+        else:
+            out.append(chr(byte))
+    return '"' + "".join(out) + '"'
+
+
+def _header_name(names: str) -> str | None:
+    """The one path of a ``diff --git`` line's ``a/X b/X`` (quoted or not), found as git
+    finds it: the split where both halves name the same file. None for two different names
+    (a rename or copy, refused later) or a line that is not of this form."""
+    if names.startswith('"'):
+        end = 1
+        while end < len(names) and names[end] != '"':
+            end += 2 if names[end] == "\\" else 1
+        if names[end + 1 : end + 3] != ' "':
+            return None
+        try:
+            a, b = unquote(names[: end + 1]), unquote(names[end + 2 :])
+        except UsageError:
+            return None
+    else:
+        half = (len(names) - 1) // 2
+        a, b = names[:half], names[half + 1 :]
+        if names[half : half + 1] != " ":
+            return None
+    if a[:2] == "a/" and b[:2] == "b/" and a[2:] == b[2:]:
+        return a[2:]
+    return None
+
+
+def _spaces_quoted(text: str) -> str:
+    """``text`` with the names of a file whose path holds a space written quoted, space and
+    all escaped, in its ``diff --git``, ``---`` and ``+++`` lines (only for the parser: the
+    stored diff is git's). unidiff splits ``diff --git a/x b/y b/x b/y`` at the wrong space: a
+    new file's ``+++`` line then looked like a second file's ("Target without source"), and a
+    deleted file got the path ``x b/y b/x``."""
+    if not _SPACED_HEADER.search(text):
+        return text
+    out: list[str] = []
+    name: str | None = None  # the spaced path of the file whose header lines these are
+    for line in split_lines(text):
+        if line.startswith("diff --git "):
+            name = _header_name(line[len("diff --git ") :].rstrip("\n"))
+            if name is not None and " " in name:
+                line = f"diff --git {_quote('a/' + name)} {_quote('b/' + name)}\n"
+            else:
+                name = None
+        elif line.startswith("@@"):
+            name = None  # hunk lines from here on: a "--- x" is a removed line
+        elif name is not None and line.startswith(("--- ", "+++ ")):
+            side = "a/" if line[0] == "-" else "b/"
+            given = line[4:].rstrip("\n").removesuffix("\t")
+            if given != "/dev/null" and _unquoted(given) == side + name:
+                line = f"{line[:4]}{_quote(side + name)}\n"
+        out.append(line)
+    return "".join(out)
+
+
+def _unquoted(name: str) -> str | None:
+    try:
+        return unquote(name)
+    except UsageError:
+        return None
+
+
 def _strip_prefix(name: str) -> str:
     name = unquote(name)
     return name[2:] if name[:2] in ("a/", "b/") else name
@@ -133,7 +207,7 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
     is not a plain path inside the tree (``git update-index`` ignores a ``.git/`` or absolute
     one, which made an empty commit called applied)."""
     try:
-        patch_set = unidiff.PatchSet(text)
+        patch_set = unidiff.PatchSet(_spaces_quoted(text))
     except unidiff.UnidiffParseError as e:
         raise UsageError(f"{origin}: corrupt or malformed diff ({e})") from None
     if not len(patch_set):
@@ -147,15 +221,15 @@ def parse_diff(text: str, origin: str = "diff") -> list[FileDiff]:
         )
     files = []
     for pf in patch_set:
+        path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
         if getattr(pf, "is_binary_file", False):
-            raise UsageError(f"{origin}: binary changes are not supported ({pf.path})")
+            raise UsageError(f"{origin}: binary changes are not supported ({path})")
         info = str(pf.patch_info or "")
         index = _INDEX_RE.search(info)
         mode = _MODE_RE.search(info)
         for name in (pf.source_file, pf.target_file):
             if name != "/dev/null":
                 _check_tree_path(_strip_prefix(name), origin)
-        path = _strip_prefix(pf.source_file if pf.is_removed_file else pf.target_file)
         if _RENAME_RE.search(info):  # the reader sees only the target: the rename is dropped
             raise UsageError(
                 f"{origin}: renames and copies are not supported ({path}); write the diff "

@@ -5,7 +5,8 @@ binary files and attributes that make a text file binary, a fork's diff settings
 commits, mode changes, a cherry-pick of several commits still running, a series write that
 fails half way, a second export of a new patch, a patch commit that lost its trailer in an
 amend, a variant replaced whole, an ignored file in the switch's way, a patched fork's branch
-given to ``check``, and ``--json`` on arguments argparse refuses.
+given to ``check``, ``--json`` on arguments argparse refuses, a type change (file <-> symlink)
+and a path holding " b/".
 """
 
 from __future__ import annotations
@@ -253,3 +254,58 @@ def test_export_in_a_bare_repository_is_bad_input(fork, capsys):
     run("clone", "-q", "--bare", str(dest), str(bare), cwd=root)
     assert main(["export", "--repo", str(bare), "--series", str(series)]) == 2
     assert "bare repository" in _one_line(capsys)
+
+
+def _file_to_symlink(dest) -> str:
+    (dest / "README.md").unlink()
+    os.symlink("megatron/core/norm.py", dest / "README.md")
+    run("commit", "-qam", "Link the readme", cwd=dest)
+    return "README.md"
+
+
+def _symlink_to_file(dest) -> str:
+    os.symlink("README.md", dest / "docs")
+    run("add", "docs", cwd=dest)
+    run("commit", "-qm", "Link the docs", cwd=dest)
+    (dest / "docs").unlink()
+    (dest / "docs").write_text("docs\n")
+    run("commit", "-qam", "Write the docs", cwd=dest)
+    return "docs"
+
+
+@pytest.mark.parametrize("edit", [_file_to_symlink, _symlink_to_file])
+def test_a_typechange_round_trips_and_a_second_export_is_unchanged(fork, capsys, edit):
+    # a type change is a deletion and a creation of one path: apply replays both, and export
+    # compared the two against one changed file, so it reported "updated" every time
+    root, upstream, series, dest = fork
+    path = edit(dest)
+    assert _export(dest, series) == 0
+    exported = _series_files(series)
+    again = root / "again"
+    assert main(apply_argv(upstream, series, again)) == 0
+    assert (
+        run("ls-tree", "HEAD", path, cwd=again).split()[0]
+        == run("ls-tree", "HEAD", path, cwd=dest).split()[0]
+    )
+    assert os.path.islink(again / path) == os.path.islink(dest / path)
+    capsys.readouterr()
+    assert _export(again, series, "--json") == 0
+    document = json.loads(capsys.readouterr().out)
+    assert {i["action"] for i in document["patches"]} == {"unchanged"}
+    assert _series_files(series) == exported
+
+
+@pytest.mark.parametrize("name", ["docs/a b/c.txt", "a b/b b/c", "x b/"])
+def test_a_path_holding_space_b_slash_round_trips_through_export_and_apply(fork, capsys, name):
+    root, upstream, series, dest = fork
+    path = dest / name.rstrip("/") / "f.txt" if name.endswith("/") else dest / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("y\n")
+    run("add", "-A", cwd=dest)
+    run("commit", "-qm", "Spaced names", cwd=dest)
+    assert _export(dest, series) == 0, capsys.readouterr().err
+    rel = str(path.relative_to(dest))
+    assert f"+++ b/{rel}" in (series / "spaced-names" / "v0.2.diff").read_text()
+    again = root / "again"
+    assert main(apply_argv(upstream, series, again)) == 0
+    assert (again / rel).read_text() == "y\n"

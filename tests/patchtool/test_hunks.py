@@ -106,3 +106,40 @@ index 0000000000000000000000000000000000000000..0a89ff9b1b3f5e5d8f3b8d3c2a1b0f9e
 def test_what_the_reader_would_drop_or_misapply_is_refused(diff, says):
     with pytest.raises(UsageError, match=re.escape(says)):
         parse_diff(diff, origin="x.diff")
+
+
+def _git(repo, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["docs/a b/c.txt", "a b/b b/c", "q\tb b/x", 'é "b/ z b/', "one space.txt"]
+)
+def test_a_path_holding_space_b_slash_is_read_as_git_wrote_it(tmp_path, name):
+    # unidiff splits "diff --git a/x b/y b/x b/y" at the wrong space: a new file's "+++" line
+    # was refused as "Target without source", a deleted file got the path "x b/y b/x"
+    name = name.rstrip("/") + "/f" if name.endswith("/") else name
+    _git(tmp_path, "init", "-q")
+    edited, gone, empty = tmp_path / name, tmp_path / (name + ".old"), tmp_path / (name + ".e")
+    edited.parent.mkdir(parents=True, exist_ok=True)
+    edited.write_text("a\nb\n")
+    gone.write_text("x\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    edited.write_text("a\nB\n")
+    gone.unlink()
+    empty.write_text("")
+    (tmp_path / (name + ".new")).write_text("n\n")
+    _git(tmp_path, "add", "-A")
+    diff = _git(tmp_path, "-c", "core.quotepath=false", "diff", "--cached", "--full-index")
+    got = {fd.path: (fd.is_new, fd.is_deleted) for fd in parse_diff(diff)}
+    assert got == {
+        name: (False, False),
+        name + ".old": (False, True),
+        name + ".e": (True, False),
+        name + ".new": (True, False),
+    }
+    (fd,) = [fd for fd in parse_diff(diff) if fd.path == name]
+    assert "".join(apply_file(["a\n", "b\n"], fd).lines) == "a\nB\n"
