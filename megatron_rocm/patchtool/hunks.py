@@ -108,9 +108,8 @@ def _header_name(names: str) -> str | None:
             end += 2 if names[end] == "\\" else 1
         if names[end + 1 : end + 3] != ' "':
             return None
-        try:
-            a, b = unquote(names[: end + 1]), unquote(names[end + 2 :])
-        except UsageError:
+        a, b = _unquoted(names[: end + 1]), _unquoted(names[end + 2 :])
+        if a is None or b is None:
             return None
     else:
         half = (len(names) - 1) // 2

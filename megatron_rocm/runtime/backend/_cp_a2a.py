@@ -247,8 +247,7 @@ class PreparedScatter:
         only: the rank's own come with ``post(own=...)``, so that they can be computed while
         the peers' travel (``_cp_a2a_qkv``)."""
         scatter = cls.__new__(cls)
-        per_ranks = [{j: part[t] for j, part in parts.items()} for t in range(len(next(iter(
-            parts.values()))))]  # fmt: skip
+        per_ranks = [dict(zip(parts, column, strict=True)) for column in zip(*parts.values())]
         scatter._start(shards, per_ranks, stages, link)
         return scatter
 
@@ -263,8 +262,8 @@ class PreparedScatter:
         self.shards, self.stages, self.link = shards, stages, link
         self.per_ranks = per_ranks
         length = shards.size * shards.pieces * shards.piece_len
-        self.wholes = [_a_part(p).new_empty(stages, length, *_a_part(p).shape[-3:])
-                       for p in per_ranks]  # fmt: skip
+        parts = [_a_part(p) for p in per_ranks]
+        self.wholes = [part.new_empty(stages, length, *part.shape[-3:]) for part in parts]
         self.pending: list[Pending | Arrival] | None = None
         self._posted = False
         if link is None:
@@ -470,14 +469,7 @@ class Call:
         requested_stages()  # a bad value fails here, before the transport's collectives
         self.link = link_for_call(group, device)
         self.stages = stage_count(heads, groups, self.size, copy_engines=self.link is not None)
-        douts_shape = (heads, value_dim)
-        link, stages = self.link, self.stages
-
-        def scatter_gradient(grad: Tensor) -> PreparedScatter:
-            shards = Shards(group, grad.shape[0], causal)
-            return PreparedScatter(shards, (grad.unflatten(2, douts_shape),), stages, link)
-
-        self.scatter_gradient = scatter_gradient
+        self.douts_shape = (heads, value_dim)
         directions = handoff_directions()
         if directions and capturing(device):
             # untested inside a CUDA graph: the exchanges stay the attention's own there
@@ -488,12 +480,18 @@ class Call:
             )
         self.handoff = None
         if "backward" in directions and torch.is_grad_enabled() and needs_grad:
-            self.handoff = Handoff(scatter_gradient, group_key(group))
+            self.handoff = Handoff(self.scatter_gradient, group_key(group))
         compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
         self.early: list[Gather] | None = [] if "forward" in directions and not compiling else None
 
     def shards(self, local_tokens: int) -> Shards:
         return Shards(self.group, local_tokens, self.causal)
+
+    def scatter_gradient(self, grad: Tensor) -> PreparedScatter:
+        """The backward's first exchange: the output's gradient to the ranks owning its heads
+        (the one ``handoff`` may have started already)."""
+        heads = grad.unflatten(2, self.douts_shape)
+        return PreparedScatter(self.shards(grad.shape[0]), (heads,), self.stages, self.link)
 
     def hand_on(self, output: Tensor) -> Tensor:
         """The Function's output as the projection takes it: offered for the backward's

@@ -40,11 +40,7 @@ from megatron_rocm.runtime.backend._cp_a2a import (
 )
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
 from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
-from megatron_rocm.runtime.kernels.grad_accum import (
-    main_grad_for_wgrad,
-    wgrad_gemm_accum_fp16,
-    wgrad_gemm_accum_fp32,
-)
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
 from megatron_rocm.runtime.kernels.rope import rotate_sbhd
 
 Tensor = torch.Tensor
@@ -225,7 +221,7 @@ class _WeightGradient:
     (Megatron's gradient-accumulation fusion, as ``_linear_function``) or assembled."""
 
     def __init__(self, fuse: bool, weight: Tensor, x2d: Tensor) -> None:
-        self.fuse, self.weight, self.x2d = fuse, weight, x2d
+        self.weight, self.x2d = weight, x2d
         self.main_grad = main_grad_for_wgrad(weight) if fuse else None
         self.grad = None if fuse else torch.empty_like(weight)
 
@@ -233,10 +229,8 @@ class _WeightGradient:
         if self.main_grad is None:
             assert self.grad is not None
             torch.mm(block.t(), self.x2d, out=self.grad[rows])
-        elif self.main_grad.dtype == torch.float32:
-            wgrad_gemm_accum_fp32(self.x2d, block, self.main_grad[rows])
         else:
-            wgrad_gemm_accum_fp16(self.x2d, block, self.main_grad[rows])
+            wgrad_gemm_accum(self.x2d, block, self.main_grad[rows])
 
     def result(self) -> Tensor | None:
         """What autograd gets for the weight: the gradient, or, where it went into
@@ -269,9 +263,7 @@ def projected_a2a_attention(
     Ulysses attention over ``group``, returned as ``a2a_attention`` returns it."""
     size = torch.distributed.get_world_size(group)
     rows = QKVRows(heads, groups, head_dim, size)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
-    )
+    needs_grad = any(t is not None and t.requires_grad for t in (x, weight, bias))
     call = Call(group, x.device, heads, groups, head_dim, needs_grad,
                 kernel=kernel, causal=causal, scale=scale, dropout_p=dropout_p)  # fmt: skip
     projection = Projection(rows, freqs, interleaved, fuse_wgrad)

@@ -15,11 +15,7 @@ import torch
 
 from megatron_rocm.runtime.backend._cp_early_output import Landing, take
 from megatron_rocm.runtime.backend._cp_handoff import Handoff, claim
-from megatron_rocm.runtime.kernels.grad_accum import (
-    main_grad_for_wgrad,
-    wgrad_gemm_accum_fp16,
-    wgrad_gemm_accum_fp32,
-)
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
 
 
 class LinearFunction(torch.autograd.Function):
@@ -96,10 +92,7 @@ def _weight_gradient(fuse: bool, x: torch.Tensor, weight: Any, grad_output: torc
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         return grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))
     main_grad = main_grad_for_wgrad(weight)
-    if main_grad.dtype == torch.float32:
-        wgrad_gemm_accum_fp32(x, grad_output, main_grad)
-    else:
-        wgrad_gemm_accum_fp16(x, grad_output, main_grad)
+    wgrad_gemm_accum(x, grad_output, main_grad)
     return added_to_main_grad(weight, main_grad, x)
 
 
@@ -107,8 +100,8 @@ def added_to_main_grad(
     weight: Any, main_grad: torch.Tensor, like: torch.Tensor
 ) -> torch.Tensor | None:
     """What autograd gets for a weight whose gradient went into ``main_grad``: a placeholder
-    of its shape (in ``like``'s dtype and device) flagged ``grad_added_to_main_grad`` where Megatron's DDP
-    expects one, so that its hooks do not add it again; else None."""
+    of its shape (in ``like``'s dtype and device) flagged ``grad_added_to_main_grad`` where
+    Megatron's DDP expects one, so that its hooks do not add it again; else None."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

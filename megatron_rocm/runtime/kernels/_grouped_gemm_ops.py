@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+from megatron_rocm.runtime.kernels.grad_accum import wgrad_gemm_accum
 
 _CACHE_SIZE = 256  # device-side index tensors kept: per call shape and per weight layout
 
@@ -240,10 +240,9 @@ def loop_wgrad(dy: torch.Tensor, x: torch.Tensor, s: Splits, dtype: torch.dtype)
 
 
 def loop_wgrad_accumulate(dy: torch.Tensor, x: torch.Tensor, s: Splits, out: Matrices) -> None:
-    accumulate = wgrad_gemm_accum_fp32 if out.dtype == torch.float32 else wgrad_gemm_accum_fp16
     for ds, xs, main_grad in zip(dy.split(s.counts), x.split(s.counts), out.tensors):
         if ds.shape[0]:
-            accumulate(xs, ds, main_grad)
+            wgrad_gemm_accum(xs, ds, main_grad)
 
 
 # -- dispatch -------------------------------------------------------------------------------

@@ -103,6 +103,17 @@ def wgrad_gemm_accum_fp16(
     main_grad.addmm_(_as_2d(grad_output).t(), _as_2d(total_input))
 
 
+def wgrad_gemm_accum(
+    total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+) -> None:
+    """``main_grad += grad_output^T @ total_input`` through the function of ``main_grad``'s
+    dtype (``wgrad_gemm_accum_fp32`` for fp32, else ``wgrad_gemm_accum_fp16``)."""
+    if main_grad.dtype == torch.float32:
+        wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    else:
+        wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+
+
 def main_grad_for_wgrad(weight: torch.Tensor) -> torch.Tensor:
     """The buffer a fused weight-gradient GEMM adds into, ready to add into.
 

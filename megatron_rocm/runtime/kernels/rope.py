@@ -146,14 +146,32 @@ def _check(t: torch.Tensor, freqs: torch.Tensor) -> int:
     return rot_dim
 
 
+def _tables(t: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of the angles, rounded as Megatron's unfused path: cast to t's dtype."""
+    return torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+
+
 def _apply(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate ``t`` by angles ``freqs`` already aligned (broadcastable) to ``t[..., :rot]``."""
-    # Same rounding as Megatron's unfused path: the tables are cast to t's dtype first.
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
+    cos, sin = _tables(t, freqs)
     if freqs.requires_grad:  # learned angles: let autograd differentiate the plain math
         return _rotate(t, cos, sin, interleaved, sign=1.0)
     return _RotaryFunction.apply(t, cos, sin, interleaved)
+
+
+def _sbhd_inputs(
+    t: torch.Tensor, freqs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+    """``freqs`` checked and cut to ``t``'s positions, with the Triton kernel's angle table
+    (``_sbhd_angles``) or why the kernel cannot take this layout."""
+    _check(t, freqs)
+    if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
+        freqs = freqs.squeeze(-2)  # [s, 1, 1, d] for a 3-D t
+    if freqs.size(0) < t.size(0):
+        raise ValueError(f"freqs cover {freqs.size(0)} positions, t has {t.size(0)}")
+    freqs = freqs[: t.size(0)]
+    angles, problem = _sbhd_angles(t, freqs)
+    return freqs, angles, problem
 
 
 def fused_apply_rotary_pos_emb(
@@ -164,13 +182,7 @@ def fused_apply_rotary_pos_emb(
 ) -> torch.Tensor:
     """RoPE on ``t`` in sbhd layout; ``transpose_output_memory`` is a layout hint, ignored
     (TE ignores it too)."""
-    _check(t, freqs)
-    if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
-        freqs = freqs.squeeze(-2)  # [s, 1, 1, d] for a 3-D t
-    if freqs.size(0) < t.size(0):
-        raise ValueError(f"freqs cover {freqs.size(0)} positions, t has {t.size(0)}")
-    freqs = freqs[: t.size(0)]
-    angles, problem = _sbhd_angles(t, freqs)
+    freqs, angles, problem = _sbhd_inputs(t, freqs)
     if _triton(t, freqs, problem):
         return _TritonRotaryFunction.apply(t, angles, None, interleaved)
     return _apply(t, freqs, interleaved)
@@ -183,15 +195,10 @@ def rotate_sbhd(
     gradient) without autograd, for callers that write their own backward
     (``backend._cp_a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
     dim (e.g. a slice of the fused QKV projection); the result is a new contiguous tensor."""
-    _check(t, freqs)
-    freqs = freqs[: t.size(0)]
-    angles, problem = _sbhd_angles(t, freqs)
+    freqs, angles, problem = _sbhd_inputs(t, freqs)
     if _triton(t, freqs, problem):
         return _run_triton(t, angles, None, interleaved, inverse)
-    if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:
-        freqs = freqs.squeeze(-2)
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
+    cos, sin = _tables(t, freqs)
     return _rotate(t, cos, sin, interleaved, sign=-1.0 if inverse else 1.0).contiguous()
 
 
