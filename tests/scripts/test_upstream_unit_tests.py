@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 import textwrap
 import time
@@ -557,3 +558,24 @@ def test_a_port_lost_to_another_process_is_retried_not_blamed(ut, tmp_path: Path
     found, attempts = runner.run_chunk(chunk, settings)
     assert attempts == 2 and len(calls) == 2
     assert found == {"a.py::x": results.Result("passed")}
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_resume_runs_what_the_budget_left(ut, toy_run, tmp_path: Path) -> None:
+    """Tests a run's budget left ``not_run`` are run by ``--resume``; nothing else is."""
+    _, argv, first = toy_run
+    out = tmp_path / "out"
+    shutil.copytree(Path(argv[argv.index("--out") + 1]), out)
+    argv = [*argv[: argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2 :]]
+    doc = json.loads((out / "toy" / "results.json").read_text())
+    left = next(k for k in doc["tests"] if k.endswith("::test_after"))
+    doc["tests"][left] = {"outcome": "not_run", "message": "wall-clock budget ran out"}
+    doc["complete"] = False
+    (out / "toy" / "results.json").write_text(json.dumps(doc))
+    assert ut.main([*argv, "--resume"]) == 0
+    again = json.loads((out / "toy" / "results.json").read_text())
+    assert again["complete"] and again["tests"][left]["outcome"] == "passed"
+    assert {k: v["outcome"] for k, v in again["tests"].items()} == {
+        k: v["outcome"] for k, v in first["tests"].items()
+    }

@@ -163,10 +163,12 @@ def test_gpu_projected_a2a_matches_upstreams_order(gpu_world, transport: str) ->
             assert err <= 2e-2 * scale, f"rank {rank} {name}: {err} against {scale}"
 
 
-def test_the_native_projection_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_native_projection_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_rocm.runtime.backend import a2a_projection
 
     monkeypatch.delenv(a2a_projection.QKV_ENV, raising=False)
+    assert a2a_projection.enabled()
+    monkeypatch.setenv(a2a_projection.QKV_ENV, "0")
     assert not a2a_projection.enabled()
     monkeypatch.setenv(a2a_projection.QKV_ENV, "1")
     assert a2a_projection.enabled()
