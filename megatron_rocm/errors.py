@@ -6,7 +6,8 @@ Exit codes (README "Commands", ``megatron-rocm --help``), each with one meaning:
 - 1 patches do not apply / checks failed
 - 2 usage or bad input (bad option values, ref or branch names, a malformed series, a dirty
   fork), always reported before anything is cloned or changed
-- 3 source or environment (unreachable source, missing git, unwritable paths, wrong Python)
+- 3 source or environment (unreachable source, missing git, unwritable paths, wrong Python, a
+  failed install step)
 - 4 internal error (a bug: one line here, the traceback in the log it names)
 - 5 busy: another megatron-rocm process holds the lock on that destination; nothing changed
 - 130 / 143 interrupted by SIGINT / SIGTERM (128 + the signal number)

@@ -427,7 +427,7 @@ def execute(
 ) -> tuple[list[str], list[Path]]:
     """Run the steps; on a failure, or an interrupt, roll back and say what was undone.
 
-    A failed step raises FatalError naming it; Ctrl-C / SIGTERM raise ``Interrupted`` with the
+    A failed step raises SourceError (exit 3) naming it; Ctrl-C / SIGTERM raise ``Interrupted`` with the
     rollback in its message (further signals wait until the rollback is over). Returns the
     rollback-free outcome: (step titles done, files written into the tree)."""
     write_constraints(p)
@@ -447,7 +447,9 @@ def execute(
             if isinstance(e, KeyboardInterrupt):
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
                 raise Interrupted(signum, f"interrupted at step {k}/{n}; {where}") from None
-            raise FatalError(f"step {k}/{n} ({step.title}) failed: {e}; {where}") from e
+            # pip, the compiler or the import check failed: the environment (or the tree
+            # given as its source), not a patch, so exit 3, never 1 ("checks failed")
+            raise SourceError(f"step {k}/{n} ({step.title}) failed: {e}; {where}") from e
         done.append(step.title)
     _pip_snapshot(p, run, "after")
     return done, list(built)
@@ -480,14 +482,14 @@ def _run_step(
         built[target] = saved
         res = run(helpers_command(p.helpers, run))
         if res.returncode != 0:
-            raise RuntimeError(_tail(res))
+            raise _failed(p, res)
     elif step.kind == "verify":
         _verify(p, run)
     else:
         assert step.argv is not None
         res = run(step.argv)
         if res.returncode != 0:
-            raise RuntimeError(_tail(res))
+            raise _failed(p, res)
 
 
 def _undo(
@@ -509,6 +511,12 @@ def _undo(
     return undone
 
 
-def _tail(res: subprocess.CompletedProcess, lines: int = 6) -> str:
-    text = ((res.stdout or "") + (res.stderr or "")).strip().splitlines()
-    return f"exit {res.returncode}: " + " | ".join(text[-lines:])
+def _failed(p: Plan, res: subprocess.CompletedProcess, lines: int = 6) -> RuntimeError:
+    """The failure of a command, its last lines in the message and all of its output kept in
+    ``failed-step.log`` beside the constraints file: pip's last lines are often only "see
+    above", and the one line the CLI prints has no "above"."""
+    text = ((res.stdout or "") + (res.stderr or "")).strip()
+    log = p.constraints.parent / "failed-step.log"
+    log.write_text(f"$ {shlex.join(res.args)}\n{text}\n", encoding="utf-8")
+    tail = " | ".join(text.splitlines()[-lines:])
+    return RuntimeError(f"exit {res.returncode}: {tail} (whole output: {log})")

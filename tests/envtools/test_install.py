@@ -155,8 +155,12 @@ def test_failed_step_rolls_back_and_names_the_step(tmp_path: Path) -> None:
     tree = make_tree(tmp_path / "t", ["numpy"])
     p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
     pip = ScriptedPip(fail_on=str(tree))
-    with pytest.raises(FatalError, match=r"step 2/3 \(install the tree.*exit 1: error: boom") as e:
+    with pytest.raises(SourceError, match=r"step 2/3 \(install the tree.*exit 1: error: boom") as e:
         installer.execute(p, run=pip, log=lambda _: None)
+    assert e.value.code == 3  # the environment (pip), not "checks failed"
+    kept = tmp_path / "w" / "failed-step.log"  # the one line has no "see above": keep it all
+    assert f"whole output: {kept}" in str(e.value)
+    assert kept.read_text().startswith("$ ") and "error: boom" in kept.read_text()
     assert "uninstalled pybind11" in str(e.value) and "restored numpy==1.26.0" in str(e.value)
     assert [c[3:] for c in pip.calls if c[3] == "uninstall"] == [["uninstall", "-y", "pybind11"]]
     assert (tmp_path / "w" / "pip-list-before.json").is_file()
