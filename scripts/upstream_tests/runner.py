@@ -150,6 +150,7 @@ def run_chunk(chunk: Chunk, s: Settings) -> tuple[dict[str, Result], int]:
         deselect.write_text("".join(f"{n}\n" for n in sorted((expected - todo) | chunk.skip)))
         junit = tree.out / "junit" / f"{tag}.xml"
         log = tree.out / "logs" / f"{tag}.log"
+        _forget_earlier_run(base, junit, log, s.nproc)
         # A temp dir of its own per process group: upstream's tmp_path_dist_ckpt lives beside
         # pytest's basetemp ($TMPDIR/pytest-of-<user>/tmp_dist_ckpt), so chunks running at
         # once would otherwise write their checkpoints into one folder (seen with --jobs 4).
@@ -196,6 +197,18 @@ def run_chunk(chunk: Chunk, s: Settings) -> tuple[dict[str, Result], int]:
                 found[nodeid] = Result("error", f"never ran: {note}")
             return found, attempt
     return found, MAX_ATTEMPTS
+
+
+def _forget_earlier_run(base: Path, junit: Path, log: Path, nproc: int) -> None:
+    """A ``--resume`` numbers its chunks afresh, so a tag may be one an earlier run used: its
+    progress logs would be read as this process's (their silence taken for a hang, their
+    "end" for a run that never collected the tests), and its log's last lines as this
+    process's way of dying. The progress logs go; the log is kept as ``<tag>.earlier.log``."""
+    for r in range(nproc):
+        Path(f"{base}.rank{r}.jsonl").unlink(missing_ok=True)
+    junit.unlink(missing_ok=True)
+    if log.is_file():
+        log.replace(log.with_suffix(".earlier.log"))
 
 
 def stub_test_data(trees: list[Tree], say) -> None:

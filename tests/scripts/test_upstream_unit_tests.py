@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -563,10 +564,17 @@ def test_a_port_lost_to_another_process_is_retried_not_blamed(ut, tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.torch
 def test_resume_runs_what_the_budget_left(ut, toy_run, tmp_path: Path) -> None:
-    """Tests a run's budget left ``not_run`` are run by ``--resume``; nothing else is."""
+    """Tests a run's budget left ``not_run`` are run by ``--resume``; nothing else is. The
+    first run's progress logs are long silent by then, and the resume's chunks are numbered
+    afresh, so a tag may name one of them: it must not be read as the new process's (the
+    watchdog took its silence for a hang and killed the process at once, and its old "end"
+    said the tests were never collected)."""
     _, argv, first = toy_run
     out = tmp_path / "out"
     shutil.copytree(Path(argv[argv.index("--out") + 1]), out)
+    hour_ago = time.time() - 3600
+    for old in (out / "toy" / "progress").glob("*.jsonl"):
+        os.utime(old, (hour_ago, hour_ago))
     argv = [*argv[: argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2 :]]
     doc = json.loads((out / "toy" / "results.json").read_text())
     left = next(k for k in doc["tests"] if k.endswith("::test_after"))
@@ -576,6 +584,7 @@ def test_resume_runs_what_the_budget_left(ut, toy_run, tmp_path: Path) -> None:
     assert ut.main([*argv, "--resume"]) == 0
     again = json.loads((out / "toy" / "results.json").read_text())
     assert again["complete"] and again["tests"][left]["outcome"] == "passed"
+    assert list((out / "toy" / "logs").glob("*.earlier.log"))  # the first run's, kept
     assert {k: v["outcome"] for k, v in again["tests"].items()} == {
         k: v["outcome"] for k, v in first["tests"].items()
     }
