@@ -427,9 +427,10 @@ def execute(
 ) -> tuple[list[str], list[Path]]:
     """Run the steps; on a failure, or an interrupt, roll back and say what was undone.
 
-    A failed step raises SourceError (exit 3) naming it; Ctrl-C / SIGTERM raise ``Interrupted`` with the
-    rollback in its message (further signals wait until the rollback is over). Returns the
-    rollback-free outcome: (step titles done, files written into the tree)."""
+    A failed step raises SourceError (exit 3) naming it; Ctrl-C / SIGTERM raise
+    ``Interrupted`` with the rollback in its message (further signals wait until the rollback
+    is over). Returns the rollback-free outcome: (step titles done, files written into the
+    tree)."""
     write_constraints(p)
     before = _pip_snapshot(p, run, "before")
     done: list[str] = []
