@@ -109,6 +109,11 @@ class TEDotProductAttention(torch.nn.Module):
     """Core attention with TE's constructor and forward contract, computed with torch SDPA."""
 
     cp_stream: Any = None  # TE keeps a class-level CP stream; kept for attribute parity
+    # Upstream keeps the mask of a training call past the prompt (ModelOpt's EAGLE training
+    # through a StaticInferenceContext) only with TE >= 2.2; this attention computes what TE's
+    # does there (an arbitrary mask against the cached keys, TE's top-left causal where sq !=
+    # sk), so the `modelopt-without-te` patch keeps it for this class too.
+    keeps_mask_past_prompt = True
 
     def __init__(
         self,
