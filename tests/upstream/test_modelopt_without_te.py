@@ -1,6 +1,7 @@
 """The ``modelopt-without-te`` patch on a real megatron-core sdist, on CPU.
 
-The series is applied to the 0.19.2 sdist and ``modelopt_probe.py`` builds upstream's ModelOpt
+The series is applied to the 0.16.1 and 0.19.2 sdists (the patch's two variants with the mask;
+0.13.1 for the norm alone) and ``modelopt_probe.py`` builds upstream's ModelOpt
 spec layer (the one ModelOpt's EAGLE draft is built from) and runs its self-attention as EAGLE's
 training does: past the prompt of a ``StaticInferenceContext``, in training. Without TE,
 upstream's ``Norm`` raised ImportError, and past the prompt the attention's mask was turned off
@@ -27,27 +28,42 @@ pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("modelopt_probe.py")
 REPO = Path(__file__).resolve().parents[2]
-RELEASE = "0.19.2"  # the patch's newest variant
+MASKED = ["0.16.1", "0.19.2"]  # v0.16.diff, v0.17.diff: the norm and the mask past the prompt
 SEQ, STEPS = 6, 3  # modelopt_probe's
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    dest = tmp_path_factory.mktemp("modelopt") / RELEASE
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
-        assert main(["apply", "--source", "pypi", "--ref", RELEASE, "--dest", str(dest)]) == 0
-    out = dest.parent / "probe.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
-    cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
-    subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=900)
-    found = json.loads(out.read_text())
-    assert "error" not in found, f"{found['error']}\n{found.get('trace')}"
-    return found
+def probed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """release -> the probe's findings on the patched sdist, each run once."""
+    found: dict[str, dict] = {}
+
+    def get(release: str) -> dict:
+        if release not in found:
+            dest = tmp_path_factory.mktemp("modelopt") / release
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
+                argv = ["apply", "--source", "pypi", "--ref", release, "--dest", str(dest)]
+                assert main(argv) == 0
+            out = dest.parent / "probe.json"
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
+            cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
+            subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=900)
+            found[release] = json.loads(out.read_text())
+        result = found[release]
+        assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
+        return result
+
+    return get
 
 
-def test_the_modelopt_norms_are_the_native_ones(result) -> None:  # noqa: ANN001
-    for kind, norm in result["norms"].items():
+@pytest.fixture(params=MASKED)
+def result(request: pytest.FixtureRequest, probed) -> dict:  # noqa: ANN001
+    return probed(request.param)
+
+
+@pytest.mark.parametrize("release", ["0.13.1", *MASKED])
+def test_the_modelopt_norms_are_the_native_ones(release: str, probed) -> None:  # noqa: ANN001
+    for kind, norm in probed(release)["norms"].items():
         assert norm["module"].startswith("megatron_rocm.runtime."), kind
         assert "_extra_state" not in norm["state"] and norm["finite"], kind
 
