@@ -459,6 +459,16 @@ def auto_order(q: Tensor) -> tuple[str, ...]:
     return ("cudnn", "flash", "efficient") if q.is_cuda else ("cpu_flash",)
 
 
+def requested_kernel() -> str:
+    """The block kernel ``MEGATRON_ROCM_CP_KERNEL`` names (``auto`` if unset)."""
+    requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
+    if requested != "auto" and requested not in KERNELS:
+        raise ValueError(
+            f"MEGATRON_ROCM_CP_KERNEL={requested!r} is not one of auto, {', '.join(KERNELS)}"
+        )
+    return requested
+
+
 def pick_kernel(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float, order: tuple[str, ...] | None = None
 ) -> BlockKernel:
@@ -475,13 +485,9 @@ def pick_kernel(
             "context-parallel attention: no kernel that --attention-backend names runs these "
             f"inputs ({'; '.join(reasons)}); use --attention-backend auto"
         )
-    requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
+    requested = requested_kernel()
     if requested != "auto":
-        kernel = KERNELS.get(requested)
-        if kernel is None:
-            raise ValueError(
-                f"MEGATRON_ROCM_CP_KERNEL={requested!r} is not one of auto, {', '.join(KERNELS)}"
-            )
+        kernel = KERNELS[requested]
         reason = kernel.unsupported(q, k, v, dropout_p)
         if reason:
             raise ValueError(f"MEGATRON_ROCM_CP_KERNEL={requested}: this kernel {reason}")

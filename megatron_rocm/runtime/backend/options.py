@@ -5,7 +5,9 @@ an assertion at the first step) and some are silently ignored: ``--fp8-format`` 
 because ``get_fp8_context`` returns a null context. The ``te-spec-backend`` patch calls
 :func:`reject_te_only_options` in ``validate_args``; when ``transformer_engine`` cannot be
 imported, every option below that is set stops the run before any GPU work, one line per
-option, naming the flag and what to do instead. With TE installed it does nothing.
+option, naming the flag and what to do instead. With TE installed none of them is refused.
+The same call stops a run whose ``MEGATRON_ROCM_*`` switches are malformed or unknown
+(``runtime.switches``), TE or not.
 
 Every option is read with ``getattr``: each exists only at some Megatron versions.
 """
@@ -260,9 +262,13 @@ def te_only_options_in_use(args: Any) -> list[str]:
 
 
 def reject_te_only_options(args: Any) -> None:
-    """Without TE, raise one ``ValueError`` listing each TE-only option in use."""
-    if transformer_engine_installed():
-        return
-    problems = te_only_options_in_use(args)
+    """Without TE, raise one ``ValueError`` listing each TE-only option in use; with or
+    without TE, each malformed or unknown ``MEGATRON_ROCM_*`` switch too (``switches``: they
+    are read where they act, minutes into a run, and a misspelt one never)."""
+    from megatron_rocm.runtime import switches
+
+    problems = switches.problems()
+    if not transformer_engine_installed():
+        problems += te_only_options_in_use(args)
     if problems:
         raise ValueError("megatron-rocm: " + "\n".join(problems))

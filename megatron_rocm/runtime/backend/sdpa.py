@@ -49,9 +49,18 @@ def _backend_priority(spec: str) -> tuple[object, ...]:
     chosen = []
     for item in (s.strip().lower() for s in spec.split(",") if s.strip()):
         if item not in names:
-            raise ValueError(f"{BACKENDS_ENV}: unknown SDPA backend {item!r}; use {sorted(names)}")
+            raise ValueError(
+                f"{BACKENDS_ENV}={spec!r}: unknown SDPA backend {item!r}; use {sorted(names)}"
+            )
         chosen.append(getattr(SDPBackend, names[item]))
     return tuple(chosen)
+
+
+def requested_backends() -> str:
+    """``MEGATRON_ROCM_SDPA_BACKENDS`` ("" if unset), checked: each name must be a kernel."""
+    spec = os.environ.get(BACKENDS_ENV, "").strip()
+    _backend_priority(spec)
+    return spec
 
 
 @contextlib.contextmanager

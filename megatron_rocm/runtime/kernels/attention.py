@@ -45,9 +45,16 @@ _MASK_TYPE_NAMES = {
 _SUPPORTED = frozenset({"padding", "causal", "no_mask", "arbitrary"})
 
 
+_SDPA_SWITCH = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
 def sdpa_enabled() -> bool:
-    """On unless ``MEGATRON_ROCM_SDPA`` is 0/false/off (read at every call: tests and A/B runs)."""
-    return os.environ.get("MEGATRON_ROCM_SDPA", "1").strip().lower() not in ("0", "false", "off")
+    """``MEGATRON_ROCM_SDPA``: on (1/true/on, the default) or off (0/false/off), read at every
+    call (tests and A/B runs); anything else is an error, not "on"."""
+    text = os.environ.get("MEGATRON_ROCM_SDPA", "").strip().lower() or "1"
+    if text not in _SDPA_SWITCH:
+        raise ValueError(f"MEGATRON_ROCM_SDPA={text!r} is not one of {', '.join(_SDPA_SWITCH)}")
+    return _SDPA_SWITCH[text]
 
 
 def _mask_type_name(attn_mask_type: Any) -> str:

@@ -88,12 +88,20 @@ def _triton_problem(x: torch.Tensor) -> str | None:
     return None
 
 
+def requested_implementation() -> str:
+    """What ``MEGATRON_ROCM_GROUPED_GEMM`` asks for: auto (the default), torch, triton or loop."""
+    wanted = os.environ.get(ENV, "").strip().lower() or "auto"
+    if wanted not in ("auto", "torch", "triton", "loop"):
+        raise ValueError(f"{ENV}={wanted!r}: expected auto, torch, triton or loop")
+    return wanted
+
+
 def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = None) -> str:
     """The implementation for ``x`` and weights of ``features = (out, in)``.
 
     ``requested`` (or ``$MEGATRON_ROCM_GROUPED_GEMM``) names one: it runs or this raises.
     """
-    wanted = (requested or os.environ.get(ENV, "auto")).strip().lower()
+    wanted = requested.strip().lower() if requested else requested_implementation()
     if wanted == "auto" and reference_forced("grouped_gemm"):
         return "loop"
     checks = {
