@@ -448,6 +448,9 @@ def execute(
             if isinstance(e, KeyboardInterrupt):
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
                 raise Interrupted(signum, f"interrupted at step {k}/{n}; {where}") from None
+            if not isinstance(e, (RuntimeError, OSError, FatalError)):
+                e.add_note(f"install step {k}/{n} ({step.title}); {where}")
+                raise  # a bug of ours: the CLI's internal error (exit 4), traceback in its log
             # pip, the compiler or the import check failed: the environment (or the tree
             # given as its source), not a patch, so exit 3, never 1 ("checks failed")
             raise SourceError(f"step {k}/{n} ({step.title}) failed: {e}; {where}") from e

@@ -325,6 +325,25 @@ def test_an_interrupt_rolls_back_like_a_failure(tmp_path: Path) -> None:
     assert "uninstalled pybind11" in str(e.value) and "restored numpy==1.26.0" in str(e.value)
 
 
+def test_a_bug_of_ours_in_a_step_stays_an_internal_error(tmp_path: Path) -> None:
+    """Not "environment" (exit 3): the CLI reports an internal error (exit 4), after the same
+    rollback, which the exception's note names."""
+    tree = make_tree(tmp_path / "t", ["numpy"])
+    p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
+
+    class Buggy(ScriptedPip):
+        def __call__(self, argv):
+            if str(tree) in " ".join(argv):
+                raise KeyError("a bug")
+            return super().__call__(argv)
+
+    pip = Buggy(fail_on="\0")
+    with pytest.raises(KeyError) as e:
+        installer.execute(p, run=pip, log=lambda _: None)
+    assert not isinstance(e.value, FatalError)
+    assert "rolled back: uninstalled pybind11" in " ".join(e.value.__notes__)
+
+
 def test_a_failed_rebuild_puts_the_earlier_helpers_library_back(tmp_path: Path) -> None:
     tree = make_tree(tmp_path / "t", [], helpers=True)
     p = installer.plan(tree, True, tmp_path / "w", have=HAVE)
