@@ -76,6 +76,12 @@ def test_local_is_not_a_kernel_of_the_te_spec():
         attention(AttnBackend.local)
 
 
+@pytest.mark.parametrize("env", ["MEGATRON_ROCM_CP_KERNEL", "MEGATRON_ROCM_PACKED_ATTENTION"])
+def test_a_kernel_variable_at_auto_chooses_nothing(monkeypatch, env):
+    monkeypatch.setenv(env, "auto")
+    assert attention(AttnBackend.unfused).kernels is not None  # the flag's choice stands
+
+
 @pytest.mark.parametrize("env", ["MEGATRON_ROCM_SDPA_BACKENDS", "MEGATRON_ROCM_CP_KERNEL",
                                  "MEGATRON_ROCM_PACKED_ATTENTION"])  # fmt: skip
 def test_the_flag_and_a_kernel_variable_together_are_refused(monkeypatch, env):
