@@ -29,6 +29,10 @@ def _uses(pattern: str) -> set[str]:
     }
 
 
+def _line_of(rel: str, text: str) -> str:
+    return next(ln for ln in (PACKAGE / rel).read_text(encoding="utf-8").splitlines() if text in ln)
+
+
 def test_acceptance_is_decided_in_results_only():
     assert _uses(r"\.label\.applies|label\.applies\b") <= {"patchtool/results.py"}
 
@@ -38,7 +42,10 @@ def test_diff_files_are_parsed_by_diffio_only():
 
 
 def test_cache_folder_comes_from_one_function():
-    assert _uses(r"MEGATRON_ROCM_CACHE") == {"cache.py"}
+    # runtime/switches.py names the variable only so that a training run leaves the tool's
+    # setting alone (it refuses MEGATRON_ROCM_* names nothing reads); it reads no folder
+    assert _uses(r"MEGATRON_ROCM_CACHE") - {"runtime/switches.py"} == {"cache.py"}
+    assert "environ" not in _line_of("runtime/switches.py", "MEGATRON_ROCM_CACHE")
     assert _uses(r"XDG_CACHE_HOME") <= {"cache.py"}
 
 
