@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
     import cpu_shim  # upstream's rotary table moves its frequencies to the current CUDA device
 
     cpu_shim.install()
-    store = tempfile.NamedTemporaryFile(delete=False).name
+    store = Path(args.out).with_name("gloo.store")  # beside the result, not left in /tmp
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron.core.inference.contexts import StaticInferenceContext

@@ -88,12 +88,15 @@ def _triton_problem(x: torch.Tensor) -> str | None:
     return None
 
 
-def requested_implementation() -> str:
-    """What ``MEGATRON_ROCM_GROUPED_GEMM`` asks for: auto (the default), torch, triton or loop."""
-    wanted = os.environ.get(ENV, "").strip().lower() or "auto"
+def _checked(wanted: str) -> str:
     if wanted not in ("auto", "torch", "triton", "loop"):
         raise ValueError(f"{ENV}={wanted!r}: expected auto, torch, triton or loop")
     return wanted
+
+
+def requested_implementation() -> str:
+    """What ``MEGATRON_ROCM_GROUPED_GEMM`` asks for: auto (the default), torch, triton or loop."""
+    return _checked(os.environ.get(ENV, "").strip().lower() or "auto")
 
 
 def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = None) -> str:
@@ -101,7 +104,7 @@ def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = N
 
     ``requested`` (or ``$MEGATRON_ROCM_GROUPED_GEMM``) names one: it runs or this raises.
     """
-    wanted = requested.strip().lower() if requested else requested_implementation()
+    wanted = _checked(requested.strip().lower()) if requested else requested_implementation()
     if wanted == "auto" and reference_forced("grouped_gemm"):
         return "loop"
     checks = {
@@ -117,8 +120,6 @@ def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = N
                 f"({ENV}=auto chooses what can)"
             )
         return wanted
-    if wanted != "auto":
-        raise ValueError(f"{ENV}={wanted!r}: expected auto, torch, triton or loop")
     for name in ("torch", "triton"):
         problem = checks[name](True)
         if problem is None:
