@@ -256,7 +256,7 @@ SETTINGS: dict[str, Setting] = {
             None,
             area="tool (cache.py)",
             runtime=False,
-            default_text="$XDG_CACHE_HOME/megatron-rocm or ~/.cache/megatron-rocm",
+            default_text="the user cache folder's megatron-rocm (cache.py)",
             values_text="a folder",
             doc="the cache folder: upstream mirrors, sdists, logs",
         ),
@@ -363,6 +363,12 @@ def get(name: str) -> object:
 def is_set(name: str) -> bool:
     """Whether ``name`` (or a deprecated name of it) is set to a non-blank value."""
     return any(_raw(n) for n in (name, *SETTINGS[name].deprecated))
+
+
+def chooses(name: str) -> bool:
+    """Whether ``name`` is set to something other than ``auto``, valid or not (a kernel switch
+    beside ``--attention-backend``: two choices are refused before the value is parsed)."""
+    return any(_raw(n).lower() not in ("", "auto") for n in (name, *SETTINGS[name].deprecated))
 
 
 def runtime_names() -> list[str]:

@@ -72,7 +72,7 @@ def resolve(config: Any) -> KernelChoice | None:
             f"spec's attention; use auto, flash, fused or unfused"
         )
     for env in _KERNEL_ENVS:
-        if settings.get(env) != settings.SETTINGS[env].default:  # auto: no choice
+        if settings.chooses(env):  # auto: no choice
             raise ValueError(
                 f"TEDotProductAttention: --attention-backend {name} and {env} both choose the "
                 f"attention kernel; unset {env} or leave --attention-backend at auto"
