@@ -327,6 +327,11 @@ def _parsed(name: str, text: str) -> object:
     return (s.parse or _PARSERS[s.kind])(s, text)
 
 
+def parse(name: str, text: str) -> object:
+    """``text`` parsed as switch ``name`` would be (an argument that takes the same values)."""
+    return _parsed(name, text)
+
+
 def _raw(name: str) -> str:
     return os.environ.get(name, "").strip()
 
