@@ -271,6 +271,40 @@ def test_a_module_acts_on_the_registry_value(
     assert getattr(mod, function)(*args) == value
 
 
+# what ``settings.get`` is stubbed to answer, and what the module then returns
+STUBBED = {
+    "MEGATRON_ROCM_KERNELS": (frozenset({"norm"}), True),
+    "MEGATRON_ROCM_LOCAL_SDPA": (False, False),
+    "MEGATRON_ROCM_TRITON_NORMS": (("LayerNorm",), True),
+    "MEGATRON_ROCM_GROUPED_GEMM": ("loop", "loop"),
+    "MEGATRON_ROCM_CP_A2A_QKV": (False, False),
+    "MEGATRON_ROCM_CP_A2A_HANDOFF": (frozenset({"backward"}), frozenset({"backward"})),
+    "MEGATRON_ROCM_CP_A2A_TRANSPORT": ("process-group", "process-group"),
+    "MEGATRON_ROCM_CP_A2A_STAGES": (7, 7),
+    "MEGATRON_ROCM_CP_KERNEL": ("cpu_flash", "cpu_flash"),
+    "MEGATRON_ROCM_SDPA_BACKENDS": (("efficient", "math"), "efficient,math"),
+    "MEGATRON_ROCM_PACKED_ATTENTION": ("reference", "reference"),
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "function", "args", "name"), [t[:3] + (t[3],) for t in THROUGH_THE_REGISTRY]
+)
+def test_a_module_asks_the_registry(
+    module: str, function: str, args: tuple, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """With the environment empty, the module answers what the registry answers."""
+    pytest.importorskip("torch")
+    import importlib
+
+    mod = importlib.import_module(f"megatron_rocm.runtime.{module}")
+    name = settings.DEPRECATED.get(name, name)
+    answer, expected = STUBBED[name]
+    asked = []
+    monkeypatch.setattr(settings, "get", lambda n: asked.append(n) or answer)
+    assert getattr(mod, function)(*args) == expected and name in asked
+
+
 def test_the_modules_take_their_choices_from_the_registry() -> None:
     pytest.importorskip("torch")
     from megatron_rocm.runtime.backend import _cp_block_attention, _cp_copy_engine, sdpa
