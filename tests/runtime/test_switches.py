@@ -370,3 +370,12 @@ def test_the_markdown_command() -> None:
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("usage:")
+
+
+def test_the_registry_imports_no_torch() -> None:
+    """``envtools`` (the doctor) lists the switches without torch installed."""
+    code = "import sys, megatron_rocm.runtime.settings; print('torch' in sys.modules)"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "False"
