@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PREFIX = "MEGATRON_ROCM_"
 TEST_PREFIX = "MEGATRON_ROCM_TEST_"  # the test suite's own variables, never checked
@@ -50,7 +50,6 @@ class Setting:
     deprecated: tuple[str, ...] = ()  # old names still accepted, with a warning
     runtime: bool = True  # False: a tool's setting, not read (nor parsed) by the runtime
     values_text: str = ""  # the allowed values as the docs show them, where not ``choices``
-    parse: Callable[[Setting, str], object] | None = field(default=None, repr=False)
 
 
 def _bool(s: Setting, text: str) -> bool:
@@ -324,7 +323,7 @@ def choices(name: str) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=256)
 def _parsed(name: str, text: str) -> object:
     s = SETTINGS[name]
-    return (s.parse or _PARSERS[s.kind])(s, text)
+    return _PARSERS[s.kind](s, text)
 
 
 def parse(name: str, text: str) -> object:
