@@ -171,8 +171,11 @@ def plan(
     def current(path: str) -> bytes | None:
         return overlay[path] if path in overlay else cat.read(f"{commit}:{path}")
 
+    def upstream_file(path: str) -> bytes | None:  # what a variant's `when` probes read
+        return cat.read(f"{commit}:{path}")
+
     for patch in series.patches:
-        variant = patch.variant_for(version)
+        variant = patch.variant_for(version, upstream_file)
         result = PatchResult(patch.id, variant.diff if variant else None)
         pp = PatchPlan(patch, variant, result)
         plans.append(pp)
