@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from toyrepo import SOFTMAX, commit_all, run, softmax_patched, write
 
 from megatron_rocm.main import main
 from megatron_rocm.patchtool.gitcmd import DIFF_ARGS
 from megatron_rocm.patchtool.series import load_series, parse_version
-from toyrepo import SOFTMAX, commit_all, run, softmax_patched, write
 
 PROBE = "softmax_19 = 'changed'"  # what core_v0.3.0 changed next to p-softmax's line
 
