@@ -21,7 +21,7 @@ from packaging.version import InvalidVersion, Version
 
 from megatron_rocm import __version__
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import diffio, engine, gitcmd, results, surface
+from megatron_rocm.patchtool import diffio, engine, gitcmd, refnames, results, surface
 from megatron_rocm.patchtool.hunks import FileDiff
 from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport
 from megatron_rocm.patchtool.series import Series
@@ -123,8 +123,7 @@ def select_refs(
     repo: Path, patterns: list[str] | None, watch: Sequence[str] | None = None
 ) -> list[RefSpec]:
     """Default: release tags >= core_v0.12.0, ``main`` and ``dev``, plus the refs matching
-    ``watch`` (``DEFAULT_WATCH`` when None; no match is fine for the default list, an
-    error for one the user gave). ``patterns`` (``--tags``) replace all of that."""
+    ``watch`` (``DEFAULT_WATCH`` when None). ``patterns`` (``--tags``) replace all of that."""
     refs = list_refs(repo)
     if not patterns:
         chosen = [
@@ -137,8 +136,7 @@ def select_refs(
                 f"{', '.join(DEFAULT_BRANCHES)}; pass --tags"
             )
         names = {r.name for r in chosen}
-        given = watch is not None
-        for r in _matching(repo, refs, list(DEFAULT_WATCH if watch is None else watch), given):
+        for r in _matching(repo, refs, list(DEFAULT_WATCH if watch is None else watch), False):
             if r.name not in names:
                 names.add(r.name)
                 chosen.append(RefSpec(r.name, r.commit, r.kind, watched=True))
@@ -154,7 +152,9 @@ def _matching(
     option: str = "--refs",
 ) -> list[RefSpec]:
     """Refs whose names match the glob ``patterns``; an exact name that is no listed ref may
-    be any commit git resolves. With ``strict`` a pattern that matches nothing is an error."""
+    be any commit git resolves. An exact name that names nothing is an error; so is a glob
+    that matches nothing with ``strict`` (a watched glob, say ``pull-request/*`` while no
+    pull request is open, may match nothing)."""
     chosen_by_name: dict[str, RefSpec] = {}
     for pat in patterns:
         both = [] if any(c in pat for c in "*?[") else _ambiguous(refs, pat)
@@ -167,7 +167,7 @@ def _matching(
         if not hits and not any(c in pat for c in "*?["):
             commit = gitcmd.rev_parse(repo, pat)
             hits = [RefSpec(pat, commit, "commit")] if commit else []
-        if not hits and strict:
+        if not hits and (strict or not refnames.is_glob(pat)):
             raise UsageError(f"{option} {pat!r} matches no tag or branch in {repo}")
         for r in hits:
             chosen_by_name.setdefault(r.name, r)
