@@ -90,14 +90,18 @@ def list_refs(repo: Path) -> dict[str, RefSpec]:
     return refs
 
 
+_QUALIFIERS = ("tags/", "heads/", "remotes/")
+
+
+def _bare(qualified: str) -> str:
+    """``tags/X``, ``heads/X``, ``remotes/<remote>/X`` -> ``X`` (the name ``list_refs``
+    qualified because it is a tag and a branch)."""
+    return qualified.split("/", 2 if qualified.startswith("remotes/") else 1)[-1]
+
+
 def _ambiguous(refs: dict[str, RefSpec], name: str) -> list[str]:
     """The qualified names ``list_refs`` split ``name`` into, when it is a tag and a branch."""
-    return [
-        q
-        for q in refs
-        if q.startswith(("tags/", "heads/", "remotes/"))
-        and q.split("/", 2 if q.startswith("remotes/") else 1)[-1] == name
-    ]
+    return [q for q in refs if q.startswith(_QUALIFIERS) and _bare(q) == name]
 
 
 def _release_key(name: str) -> tuple[int, ...]:
@@ -163,7 +167,12 @@ def _matching(
                 f"{option} {pat!r} is ambiguous: both refs/{both[0]} and refs/{both[1]}; "
                 f"pick one with {option} {both[0]} or {option} {both[1]}"
             )
-        hits = [r for n, r in refs.items() if fnmatch.fnmatchcase(n, pat)]
+        hits = [
+            r
+            for n, r in refs.items()
+            if fnmatch.fnmatchcase(n, pat)
+            or (n.startswith(_QUALIFIERS) and fnmatch.fnmatchcase(_bare(n), pat))
+        ]
         if not hits and not any(c in pat for c in "*?["):
             commit = gitcmd.rev_parse(repo, pat)
             hits = [RefSpec(pat, commit, "commit")] if commit else []
