@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from toyrepo import SOFTMAX, commit_all, run, softmax_patched, write
+from toyrepo import SOFTMAX, apply_argv, commit_all, run, softmax_patched, write
 
 from megatron_rocm.main import main
 from megatron_rocm.patchtool.gitcmd import DIFF_ARGS
@@ -90,3 +90,22 @@ def test_a_malformed_probe_is_a_usage_error(toy, capsys, when):
     err = capsys.readouterr().err
     assert code == 2
     assert "'when'" in err and str(toml) in err
+
+
+def test_export_of_a_fork_built_from_a_probed_variant_changes_nothing(toy, capsys):
+    """export takes the variant apply took: without the probe it would read the fork's
+    commit as an edit of the plain diff and overwrite it with the probed one's content."""
+    root, upstream, series = toy
+    _probed_variant(root, upstream, series)
+    # p-norm is fuzz on core_v0.3.0: leave it out so the fork is the probed patch alone
+    (series / "series").write_text("p-softmax\n")
+    before = {p: p.read_bytes() for p in sorted(series.rglob("*")) if p.is_file()}
+    dest = root / "fork"
+    assert main(apply_argv(upstream, series, dest, ref="core_v0.3.0")) == 0
+    capsys.readouterr()
+    assert main(["export", "--repo", str(dest), "--series", str(series), "--json"]) == 0
+    items = json.loads(capsys.readouterr().out)["patches"]
+    assert [(i["patch_id"], i["action"], i["diff"]) for i in items] == [
+        ("p-softmax", "unchanged", "probed.diff")
+    ]
+    assert {p: p.read_bytes() for p in sorted(series.rglob("*")) if p.is_file()} == before
