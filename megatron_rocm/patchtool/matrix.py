@@ -473,7 +473,7 @@ def build_matrix(
 ) -> Matrix:
     """Check every ref (in memory) and, when ``scan``, run the CUDA-surface scan alongside."""
     t0 = time.perf_counter()
-    job = surface.GrepJob(repo, [s.commit for s in specs]) if scan else None
+    job = surface.GrepJob(repo, [s.commit for s in specs if not s.watched]) if scan else None
     patched = patched_commits(repo, [s.commit for s in specs])
     with gitcmd.CatFile(repo) as cat:
         rows = [
@@ -490,8 +490,9 @@ def build_matrix(
     )
     m.timings["check_s"] = t1 - t0
     if job is not None:
-        # error rows are not upstream Megatron trees: their findings would only mislead
-        checked = [r for r in rows if not r.error]
+        # error rows are not upstream Megatron trees: their findings would only mislead;
+        # watched refs (pull requests) are not upstream yet: "new at" must name a tag or branch
+        checked = [r for r in rows if not r.error and not r.spec.watched]
         cache: dict[tuple[str, str], list[FileDiff]] = {}
         cov = {r.name: coverage_for(series, r.report, cache) for r in checked}
         m.surface = surface.scan(repo, [(r.name, r.spec.commit) for r in checked], cov, job)

@@ -90,6 +90,8 @@ def test_a_watched_break_is_reported_but_never_gates(watched, tmp_path):
     data = m.to_dict()
     assert new_breaks(data, None) == []  # the CI job's gate ignores it
     assert {r["ref"]: r["watched"] for r in data["refs"]}["pull-request/7"] is True
+    scanned = build_matrix(repo, specs, load_series(series), source=str(repo), scan=True)
+    assert [r.ref for r in scanned.surface.refs] == ["dev"]  # a PR is not upstream yet
 
 
 def _check_json(capsys, repo: Path, series: Path, *args: str) -> dict:
