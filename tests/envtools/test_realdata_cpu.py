@@ -42,7 +42,9 @@ needs_mirror = pytest.mark.skipif(
     not (MIRROR / "HEAD").exists(), reason="needs a Megatron-LM mirror (MEGATRON_ROCM_TEST_MIRROR)"
 )
 # Full trees whose requires-python admits 3.11 and whose pretrain_gpt.py trains on this CPU
-REFS = ["core_v0.16.0"]
+REFS = [
+    r for r in os.environ.get("MEGATRON_ROCM_TEST_REALDATA_REFS", "core_v0.16.0").split(",") if r
+]
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +194,52 @@ def test_checkpoint_saver_starts_without_te_and_needs_the_patch(trees, tmp_path)
     unfixed = _unpatched(tree, tmp_path, "checkpoint-tools-without-te")
     bad = subprocess.run([sys.executable, "-c", SAVER], cwd=unfixed, capture_output=True, text=True)
     assert "PackageNotFoundError" in bad.stderr and "transformer-engine" in bad.stderr
+
+
+BRIDGE = "megatron-bridge==0.3.1"  # the newest release for megatron-core < 0.17 (Python 3.11)
+
+
+@pytest.fixture(scope="module")
+def bridge_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Megatron-Bridge's wheel, unpacked; ``--no-deps``: its metadata requires
+    transformer-engine, mamba-ssm and nvidia-resiliency-ext, which it does not need here."""
+    from cache_paths import DOWNLOAD_CACHE
+
+    cache = DOWNLOAD_CACHE / "megatron-bridge"
+    wheels = sorted(cache.glob("megatron_bridge-0.3.1-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", BRIDGE, "-d", str(cache)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot download {BRIDGE}: {res.stderr.strip().splitlines()[-1:]}")
+        wheels = sorted(cache.glob("megatron_bridge-0.3.1-*.whl"))
+    dest = tmp_path_factory.mktemp("bridge")
+    shutil.unpack_archive(str(wheels[0]), dest, "zip")
+    return dest
+
+
+@pytest.mark.upstream
+@needs_mirror
+def test_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel, tmp_path) -> None:
+    """HF Llama (config-made) -> Megatron (the TE spec on the native backend) -> HF: logits
+    equal HF's and every exported tensor equals the original, TE never imported."""
+    for mod in ("transformers", "rich", "omegaconf"):
+        pytest.importorskip(mod, reason=f"Megatron-Bridge imports {mod} (pip install it)")
+    tree = trees("core_v0.16.0")  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
+    )
+    script = HERE / "realdata" / "bridge_roundtrip.py"
+    res = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, res.stderr[-1500:]
+    import json
+
+    got = json.loads(line[0][len("RESULT ") :])
+    assert got["have_te"] is False
+    assert got["qkv_module"].startswith("megatron_rocm.runtime.backend")
+    assert got["max_logit_diff"] < 1e-4
+    assert got["same_names"] and got["exact"]
