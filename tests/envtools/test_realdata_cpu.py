@@ -41,9 +41,12 @@ MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+
 needs_mirror = pytest.mark.skipif(
     not (MIRROR / "HEAD").exists(), reason="needs a Megatron-LM mirror (MEGATRON_ROCM_TEST_MIRROR)"
 )
-# Full trees whose requires-python admits 3.11 and whose pretrain_gpt.py trains on this CPU
+# Full trees whose requires-python admits 3.11: the oldest and newest by default (0.14.0 and
+# 0.15.3 pass too); MEGATRON_ROCM_TEST_REALDATA_REFS=ref,ref,... picks others
+NEWEST = "core_v0.16.0"  # the newest full tree for Python 3.11
+_DEFAULT_REFS = f"core_v0.12.0,{NEWEST}"
 REFS = [
-    r for r in os.environ.get("MEGATRON_ROCM_TEST_REALDATA_REFS", "core_v0.16.0").split(",") if r
+    r for r in os.environ.get("MEGATRON_ROCM_TEST_REALDATA_REFS", _DEFAULT_REFS).split(",") if r
 ]
 
 
@@ -159,7 +162,7 @@ COMPILE = "from megatron.core.datasets.utils import compile_helpers; compile_hel
 @needs_mirror
 def test_compile_helpers_builds_for_this_interpreter_and_needs_the_patch(trees, tmp_path) -> None:
     env = dict(os.environ, PATH=cpu_env(tmp_path)["PATH"])
-    tree = trees(REFS[0])
+    tree = trees(NEWEST)
     unfixed = _unpatched(tree, tmp_path, "dataset-helpers-interpreter")
     for t in (tree, unfixed):
         for old in (t / "megatron/core/datasets").glob("helpers_cpp*"):
@@ -188,7 +191,7 @@ print("checked")
 @needs_mirror
 def test_checkpoint_saver_starts_without_te_and_needs_the_patch(trees, tmp_path) -> None:
     pytest.importorskip("packaging")
-    tree = trees(REFS[0])
+    tree = trees(NEWEST)
     ok = subprocess.run([sys.executable, "-c", SAVER], cwd=tree, capture_output=True, text=True)
     assert ok.stdout.strip() == "checked", ok.stderr[-800:]
     unfixed = _unpatched(tree, tmp_path, "checkpoint-tools-without-te")
@@ -225,7 +228,7 @@ def test_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel, tmp_pa
     equal HF's and every exported tensor equals the original, TE never imported."""
     for mod in ("transformers", "rich", "omegaconf"):
         pytest.importorskip(mod, reason=f"Megatron-Bridge imports {mod} (pip install it)")
-    tree = trees("core_v0.16.0")  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
+    tree = trees(NEWEST)  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
     env = dict(os.environ, MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
