@@ -132,12 +132,16 @@ def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, i
     ]
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     data = Path(f"{prefix}_text_document")
-    if res.returncode != 0 or not data.with_suffix(".bin").is_file():
+    binary = data.with_suffix(".bin")
+    if res.returncode != 0 or not binary.is_file() or binary.stat().st_size == 0:
         last = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        raise CheckFailed(f"preprocess_data.py failed (exit {res.returncode}): {' | '.join(last)}")
+        raise CheckFailed(
+            f"preprocess_data.py failed (exit {res.returncode}, {binary.name} "
+            f"{'empty' if binary.is_file() else 'missing'}): {' | '.join(last)}"
+        )
     import numpy  # Megatron's IndexedDataset stores a vocabulary under 65500 as uint16
 
-    ids = numpy.fromfile(data.with_suffix(".bin"), dtype=numpy.uint16).tolist()
+    ids = numpy.fromfile(binary, dtype=numpy.uint16).tolist()
     expected = sum(len(realdata.encode(t, ranks, vocab)) + 1 for t in texts)  # + EOD each
     return data, realdata.unigram_entropy(ids), len(ids), expected
 
