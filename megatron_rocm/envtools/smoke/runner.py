@@ -122,11 +122,20 @@ def load_checks() -> dict[str, Check]:
         checks_imports,
         checks_kernels,
         checks_parallel,
+        checks_realdata,
         checks_resume,
         checks_training,
     )
 
-    order = ("imports", "kernels", "training", "training.resume", "collectives", "parallel")
+    order = (
+        "imports",
+        "kernels",
+        "training",
+        "training.resume",
+        "real-data",
+        "collectives",
+        "parallel",
+    )
 
     def rank(name: str) -> int:  # the longest prefix decides: resume after the other trainings
         return max(i for i, p in enumerate(order) if name == p or name.startswith(p + "."))
