@@ -14,9 +14,10 @@ from megatron_rocm.runtime.backend.options import (
 )
 
 DEFAULTS = {
-    "fp8": None,
     "fp4": None,
     "fp8_param_gather": False,
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
     "tp_comm_overlap": False,
     "cuda_graph_impl": "none",
     "external_cuda_graph": False,
@@ -41,7 +42,6 @@ DEFAULTS = {
 }
 SET = {
     "te_precision_config_file": "precision.yaml",
-    "fp8": "hybrid",
     "fp4": "nvfp4",
     "cuda_graph_impl": "transformer_engine",
     "softmax_type": "learnable",
@@ -82,7 +82,7 @@ def test_local_cuda_graphs_and_vanilla_softmax_are_fine():
 
 
 def test_several_options_one_line_each():
-    args = SimpleNamespace(**{**DEFAULTS, "fp8": "e4m3", "tp_comm_overlap": True})
+    args = SimpleNamespace(**{**DEFAULTS, "fp4": "nvfp4", "tp_comm_overlap": True})
     assert len(te_only_options_in_use(args)) == 2
 
 
