@@ -11,6 +11,7 @@ A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K i
 
 * ``gemm``: one GEMM alone, ``torch.mm`` in bf16 against ``torch._scaled_mm`` on operands
   already in FP8 (the ceiling the FP8 path can reach);
+* ``quantize``: the input's quantization, eager torch against Inductor's (what a GPU runs);
 * ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
   native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
   with the weight gradient accumulated into an fp32 ``main_grad``.
@@ -94,6 +95,15 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
             lambda: fp8.fp8_mm(x8, x_inv, w8.t(), w_inv, dtype), device
         ),
     }
+    top = float(torch.finfo(formats.forward).max)
+    ms["quantize_eager"] = bench_timing.median_ms(
+        lambda: fp8._quantize(x, formats.forward, top, 0), device
+    )
+    if device == "cuda":  # Inductor on the CPU takes minutes to compile: GPU runs only
+        compiled = fp8._compiled_quantize()
+        ms["quantize_compiled"] = bench_timing.median_ms(
+            lambda: compiled(x, formats.forward, top, 0), device
+        )
     xg = x.clone().requires_grad_()
     wp = torch.nn.Parameter(w.clone())
     wp.main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)

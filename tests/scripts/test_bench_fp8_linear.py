@@ -32,5 +32,11 @@ def test_smoke_run_reports_every_column(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert bench_fp8_linear.main(["--smoke", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["ms"]) == {"gemm_bf16", "gemm_fp8", "linear_bf16", "linear_fp8"}
+    assert set(row["ms"]) == {
+        "gemm_bf16",
+        "gemm_fp8",
+        "quantize_eager",
+        "linear_bf16",
+        "linear_fp8",
+    }
     assert 1e-3 < row["fp8_forward_rel_error"] < 0.06

@@ -33,7 +33,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-KERNELS = ("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu")
+KERNELS = ("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu", "fp8")
 
 
 def reference_forced(kernel: str | None = None) -> bool:

@@ -197,3 +197,34 @@ def test_frozen_weight_gets_no_gradient() -> None:
     w = torch.randn(16, 32)
     backend_fp8.fp8_linear(x, w, True, _recipe()).sum().backward()
     assert x.grad is not None and w.grad is None
+
+
+@pytest.mark.slow
+def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
+    """What a GPU runs (Inductor; compiled here on the CPU, about a minute) against the path
+    the tests above check."""
+    compiled = fp8._compiled_quantize()
+    for shape, dtype in (((64, 48), E4M3), ((100, 32), E5M2)):
+        x = torch.randn(*shape, dtype=torch.bfloat16) * 3
+        top = torch.finfo(dtype).max
+        want, got = fp8._quantize(x, dtype, top, 1), compiled(x, dtype, top, 1)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+
+
+def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(fp8, "_compiled_quantize", lambda: lambda *a: calls.append(a) or a)
+    cuda_like = torch.ones(4, 4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is cuda_like))
+    fp8.quantize(cuda_like, E4M3)
+    assert len(calls) == 1 and calls[0][2] == 448.0
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
+    fp8.quantize(cuda_like, E4M3)
+    fp8.quantize(torch.ones(4, 4), E4M3)  # the CPU: eager
+    assert len(calls) == 1
+
+
+def test_an_empty_tensor_quantizes_with_scale_one() -> None:
+    x_fp8, inv = fp8.quantize(torch.empty(0, 16), E4M3)
+    assert x_fp8.shape == (0, 16) and x_fp8.dtype == E4M3 and inv.item() == 1.0
