@@ -256,6 +256,19 @@ def fp8_problems(args: Any) -> list[str]:
             "--fp8-format with --num-experts: without TransformerEngine MoE models train in "
             "bf16 (upstream's MoE FP8 checks TE's version; the native experts have no FP8)"
         )
+    granularity = getattr(args, "recompute_granularity", None)
+    modules = set(getattr(args, "recompute_modules", None) or ["core_attn"]) - {"core_attn"}
+    if granularity == "full" or (granularity == "selective" and modules):
+        what = (
+            "--recompute-granularity full"
+            if granularity == "full"
+            else ("--recompute-modules " + " ".join(sorted(modules)))
+        )
+        problems.append(
+            f"--fp8-format with {what}: upstream recomputes FP8 layers through TE's "
+            "checkpoint (te_checkpoint), which needs TransformerEngine; recompute core_attn "
+            "only (--recompute-granularity selective) or train in bf16"
+        )
     if getattr(args, "use_megatron_fsdp", False):
         problems.append(
             "--fp8-format with --use-megatron-fsdp: without TransformerEngine the FP8 "

@@ -189,6 +189,8 @@ def no_gpu(monkeypatch):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_fp8_with_current_scaling_is_accepted(no_gpu, fmt) -> None:
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt}))
+    selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
 
 
 @pytest.mark.parametrize(
@@ -204,6 +206,12 @@ def test_fp8_with_current_scaling_is_accepted(no_gpu, fmt) -> None:
         ({"fp8_param_gather": True}, "--fp8-param-gather", "quantize them each step"),
         ({"fp8_dot_product_attention": True}, "--fp8-dot-product-attention", "bf16"),
         ({"fp8_multi_head_attention": True}, "--fp8-multi-head-attention", "bf16"),
+        ({"recompute_granularity": "full"}, "--recompute-granularity full", "te_checkpoint"),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+            "--recompute-modules mlp",
+            "core_attn only",
+        ),
     ],
 )
 def test_what_the_native_fp8_cannot_do_is_one_line_each(no_gpu, change, flag, advice) -> None:
