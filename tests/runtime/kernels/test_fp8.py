@@ -228,3 +228,32 @@ def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) ->
 def test_an_empty_tensor_quantizes_with_scale_one() -> None:
     x_fp8, inv = fp8.quantize(torch.empty(0, 16), E4M3)
     assert x_fp8.shape == (0, 16) and x_fp8.dtype == E4M3 and inv.item() == 1.0
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_gpu_fp8_linear_matches_the_cpu_emulation(fmt) -> None:
+    """The GPU path (Inductor's quantize, ``torch._scaled_mm`` with its layouts) against the
+    CPU's (eager quantize, fp32 GEMM of the dequantized operands), forward and backward,
+    on the dtypes this GPU uses; 20 tokens exercise the weight gradient's padding."""
+    torch.manual_seed(4)
+    recipe = _recipe(fmt)
+    x = torch.randn(20, 64, dtype=torch.bfloat16)
+    w = (torch.randn(48, 64) / 8).to(torch.bfloat16)
+    dy = torch.randn(20, 48, dtype=torch.bfloat16)
+    results = []
+    for device in ("cuda", "cpu"):
+        xd = x.to(device).requires_grad_()
+        wd = w.to(device).requires_grad_()
+        backend_fp8.fp8_linear(xd, wd, False, recipe).backward(dy.to(device))
+        y = backend_fp8.fp8_linear(xd.detach(), wd.detach(), False, recipe)
+        results.append([t.float().cpu() for t in (y, xd.grad, wd.grad)])
+        if device == "cuda":
+            q_gpu = fp8.quantize(x.cuda(), recipe.formats.forward)
+    q_cpu = fp8.quantize(x, recipe.formats.forward)
+    assert torch.equal(q_gpu[0].cpu().view(torch.uint8), q_cpu[0].view(torch.uint8))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
