@@ -8,7 +8,7 @@ option, naming the flag and what to do instead. With TE installed none of them i
 ``--fp8-format`` runs on the native linears (``backend.fp8``) with current scaling
 (``--fp8-recipe tensorwise``); :func:`fp8_problems` names what of upstream's FP8 they cannot do.
 The same call stops a run whose ``MEGATRON_ROCM_*`` switches are malformed or unknown
-(``runtime.switches``), TE or not.
+(``runtime.settings``), TE or not.
 
 Every option is read with ``getattr``: each exists only at some Megatron versions.
 """
@@ -338,11 +338,11 @@ def te_only_options_in_use(args: Any) -> list[str]:
 
 def reject_te_only_options(args: Any) -> None:
     """Without TE, raise one ``ValueError`` listing each TE-only option in use; with or
-    without TE, each malformed or unknown ``MEGATRON_ROCM_*`` switch too (``switches``: they
+    without TE, each malformed or unknown ``MEGATRON_ROCM_*`` switch too (``settings``: they
     are read where they act, minutes into a run, and a misspelt one never)."""
-    from megatron_rocm.runtime import switches
+    from megatron_rocm.runtime import settings
 
-    problems = switches.problems()
+    problems = settings.problems()
     if not transformer_engine_installed():
         problems += te_only_options_in_use(args)
     if problems:
