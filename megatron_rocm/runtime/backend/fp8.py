@@ -113,7 +113,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         x_fp8, x_inv = quantize(rows, fmt, recipe.margin)
         w_fp8, w_inv = quantize(weight, fmt, recipe.margin)
-        out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype)
+        out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         saved_x = x_fp8 if recipe.wgrad_in_fp8 else rows
         ctx.save_for_backward(saved_x, x_inv, w_fp8, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype

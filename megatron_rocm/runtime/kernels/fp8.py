@@ -79,7 +79,8 @@ def unsupported_gpu_reason() -> str | None:
 def _quantize(
     x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)  # one read of x
+    # one read of x; the largest |x| is one of x's values: exact in x's dtype
+    amax = torch.linalg.vector_norm(x, float("inf")).float()
     scale = torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
     x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale.reciprocal()
@@ -112,29 +113,48 @@ def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor
 
 
 def scaled_mm(
-    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: Any
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a * a_inv) @ (b * b_inv)`` for 2-D FP8 ``a`` [M, K] and ``b`` [K, N] on
-    ``torch._scaled_mm``: ``a`` made row-major and ``b`` column-major where they are not."""
+    ``torch._scaled_mm``: ``a`` made row-major and ``b`` column-major where they are not.
+    ``fast_accum``: Hopper's faster, less exact FP8 accumulation (TE and torchao use it for
+    the forward's GEMM only; other GPUs ignore it)."""
     if not a.is_contiguous():
         a = a.contiguous()
     if not b.t().is_contiguous():
         b = b.t().contiguous().t()
-    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
 
 
 def _emulated_mm(
-    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: Any
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     return (dequantize(a, a_inv) @ dequantize(b, b_inv)).to(out_dtype)
 
 
 def fp8_mm(
-    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: Any
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """The FP8 GEMM of this device: ``scaled_mm`` on a GPU, the fp32 emulation on the CPU."""
     mm = scaled_mm if a.device.type == "cuda" else _emulated_mm
-    return mm(a, a_inv, b, b_inv, out_dtype)
+    return mm(a, a_inv, b, b_inv, out_dtype, fast_accum)
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
