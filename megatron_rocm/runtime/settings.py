@@ -142,10 +142,10 @@ SETTINGS: dict[str, Setting] = {
             "kernels",
             frozenset(),
             area="Triton kernels (both specs)",
-            choices=("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu"),
+            choices=("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu", "fp8"),
             default_text="auto",
             values_text="`auto`, `reference`, `reference:<kernel>[,...]` (kernels: `softmax`, "
-            "`rope`, `cross_entropy`, `norm`, `grouped_gemm`, `swiglu`)",
+            "`rope`, `cross_entropy`, `norm`, `grouped_gemm`, `swiglu`, `fp8`)",
             doc="put every kernel, or the named ones, on torch's reference path (A/B runs, "
             "debugging)",
         ),
