@@ -73,7 +73,9 @@ class Writes:
         try:
             for folder in created:
                 folder.mkdir(parents=True)
-            for path, data in self.files.items():
+            # the `series` listing last: a run killed half way leaves at worst a patch
+            # folder no line names yet, never a line naming a folder not written
+            for path, data in sorted(self.files.items(), key=lambda kv: kv[0].name == "series"):
                 staged[path] = path.with_name(f".{path.name}.{tag}.tmp")
                 staged[path].write_bytes(data)
             for path, tmp in staged.items():
@@ -273,6 +275,7 @@ def export_fork(
                 if v is not None and not v.skip:
                     action = "missing" if changes.get(patch.id) else "no-change"
                     items.append(ExportItem(patch.id, action, v.diff))
+    interrupts.step("export-mapped")  # everything read, nothing written yet
     with interrupts.Guard() as guard, guard.deferred():
         writes.commit()
     return version, items

@@ -91,6 +91,12 @@ def default_series_dir() -> Path:
     return package / "_patches"
 
 
+def series_lock(folder: Path) -> Path:
+    """The one-writer lock of a series folder, beside it as a fresh destination's is (inside,
+    a lock left by a killed run would read as a stray file of the series)."""
+    return folder.parent / f".{folder.name}.megatron-rocm.lock"
+
+
 def _variant(raw: object, folder: Path) -> Variant:
     where = folder / "patch.toml"
     if not isinstance(raw, dict):
