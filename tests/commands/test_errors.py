@@ -338,3 +338,27 @@ def test_the_console_prints_a_non_utf8_path_escaped_under_a_strict_locale(monkey
     print("tree /tmp/T\udcff", file=strict)
     strict.flush()
     assert raw.getvalue() == b"tree /tmp/T\\udcff\n"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["check", "--ref", "r" * 5000],  # an unknown ref, echoed in the error
+        ["apply", "--ref", "core_v0.2.0", "--branch", "b" * 5000],  # a refused branch name
+        ["check", "--ref", "core_v0.2.0", "--megatron-version", "9" * 5000 + "x"],
+        ["matrix", "--format", "f" * 5000],  # argparse's own refusal
+        ["check", "--ref", "core_v0.2.0", "--json", "--megatron-version", "v" * 5000],
+    ],
+)
+def test_an_overlong_user_value_is_shown_cut_in_the_error(toy, tmp_path, capsys, extra):
+    """A 5,000-character value is shown as its first 80 characters and "…", on stderr and in
+    the --json error document alike."""
+    _, upstream, series = toy
+    argv = [*extra, "--source", str(upstream), "--series", str(series)]
+    if extra[0] == "apply":
+        argv += ["--dest", str(tmp_path / "fork")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert len(err) < 400 and "…" in err, err
+    assert len(out) < 600, out
