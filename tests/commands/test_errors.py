@@ -362,3 +362,24 @@ def test_an_overlong_user_value_is_shown_cut_in_the_error(toy, tmp_path, capsys,
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert len(err) < 400 and "…" in err, err
     assert len(out) < 600, out
+
+
+def test_a_home_folder_that_does_not_exist_is_never_created(toy, tmp_path, monkeypatch, capsys):
+    """HOME=/nonexistent: a command that needs the cache (a URL source's mirror) refuses in
+    one line (exit 3) rather than creating the home folder; an internal error's log goes to
+    a temporary file instead."""
+    from megatron_rocm.error_handler import error_handler
+
+    _, upstream, series = toy
+    home = tmp_path / "nonexistent"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MEGATRON_ROCM_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    argv = ["check", "--source", f"file://{upstream}", "--series", str(series)]
+    assert main([*argv, "--ref", "core_v0.2.0"]) == 3
+    err = _err(capsys)
+    assert f"the home folder {home} does not exist" in err and "MEGATRON_ROCM_CACHE" in err
+    with error_handler() as result:
+        raise ValueError("boom")
+    assert result.code == 4
+    assert not home.exists()
