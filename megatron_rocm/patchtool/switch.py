@@ -270,9 +270,14 @@ def _remove_added(repo: Path, j: Journal) -> None:
     )  # fmt: skip
     for path in added.decode("utf-8", errors="surrogateescape").split("\0"):
         target = repo / path
-        if not path or not (target.is_file() or target.is_symlink()):
+        if not path:
             continue
-        target.unlink()
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.is_dir() and not any(target.iterdir()):
+            target.rmdir()  # a submodule's gitlink, checked out as an empty folder
+        else:
+            continue
         folder = target.parent
         while folder != repo and not any(folder.iterdir()):
             folder.rmdir()

@@ -255,3 +255,41 @@ def test_a_failure_of_our_own_plumbing_during_recovery_is_exit_4(
     monkeypatch.setattr(switch, "_on_disk", broken)
     assert main(apply_argv(world.upstream, world.series, fork, "b")) == 4
     assert "internal error" in capsys.readouterr().err
+
+
+FAILING = """#!/bin/bash
+n=$(cat "$CRASH_DIR/count" 2>/dev/null || echo 0)
+n=$((n + 1))
+echo "$n" > "$CRASH_DIR/count"
+if [ "$n" = "$CRASH_AT" ]; then cat > /dev/null; exit 1; fi
+exec cat
+"""
+
+
+@pytest.mark.parametrize("at", [1, 12, MANY + 1])
+def test_a_checkout_that_fails_half_way_is_rolled_back_exactly(
+    world, tmp_path, capsys, monkeypatch, at
+):
+    """git fails on the N-th file (a full disk, a file it cannot write): the fork is put back
+    exactly as it was, whatever kinds of entries had been switched, and the next run applies."""
+    fork = tmp_path / "fork"
+    shutil.copytree(world.fork_a, fork, symlinks=True)
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    (crash / "filter.sh").write_text(FAILING)
+    run("config", "filter.crash.smudge", f"bash {crash / 'filter.sh'}", cwd=fork)
+    run("config", "filter.crash.clean", "cat", cwd=fork)
+    run("config", "filter.crash.required", "true", cwd=fork)
+    (fork / ".git" / "info").mkdir(exist_ok=True)
+    (fork / ".git" / "info" / "attributes").write_text("* filter=crash\n")
+    monkeypatch.setenv("CRASH_DIR", str(crash))
+    monkeypatch.setenv("CRASH_AT", str(at))
+
+    assert main(apply_argv(world.upstream, world.series, fork, "b")) == 3
+    err = capsys.readouterr().err
+    assert "nothing was changed" in err and "Traceback" not in err, err
+    _remove_filter(fork)
+    assert state(fork) == world.before
+    assert leftovers(fork) == []
+    assert main(apply_argv(world.upstream, world.series, fork, "b")) == 0
+    assert state(fork) == world.after
