@@ -11,8 +11,11 @@ tree that is neither branch, with nothing recording what it was doing. Here:
 4. the journal is removed.
 
 A run killed after 2 leaves the journal; the next run on the fork calls ``recover``, which
-finishes the switch, but only after checking that every file that differs is either the old
-or the new version (so an edit made since is never overwritten). A step of 3 that *fails*
+finishes the switch, but only after checking that every path that differs is the old or the
+new version, or one git was writing when it died (so an edit made since is never
+overwritten). Paths are compared as git stores them (a symlink by its target, a gitlink as
+a folder), never by following a link; finishing writes every path from the objects (an
+index without stat data), so the fork ends exactly at the new commit. A step of 3 that *fails*
 before HEAD moves (a file the work tree cannot take: a read-only folder, a full disk) is
 undone instead (``roll_back``), under the same check, so a failed apply changes nothing.
 """
@@ -67,6 +70,17 @@ def _private_index(repo: Path, gdir: Path) -> dict[str, str]:
     if real.exists():
         shutil.copyfile(real, private)
         gitcmd.git("update-index", "-q", "--refresh", cwd=repo, env=env, check=False)
+    return env
+
+
+def _statless_index(repo: Path, gdir: Path, commit: str | None) -> dict[str, str]:
+    """A private index of ``commit`` with no stat data, for recovery and roll-back: every
+    path is then written from the objects. A copy of the real index would trust its stat
+    data, and a file a killed or failed switch rewrote in the same second at the same size
+    (git's timestamps are whole seconds) would look unchanged and keep the wrong version."""
+    drop_private_index(gdir)
+    env = {"GIT_INDEX_FILE": str(gdir / PRIVATE_INDEX)}
+    gitcmd.git("read-tree", "--end-of-options", commit or _empty_tree(repo), cwd=repo, env=env)
     return env
 
 
@@ -208,11 +222,12 @@ def finish(repo: Path, gdir: Path, j: Journal, recovering: bool = False) -> None
         )
     interrupts.step("ref-moved")
     refuse_index_locked(repo)
-    env = _private_index(repo, gdir)
     if recovering:
         _verify_only_ours(repo, j)
+        env = _statless_index(repo, gdir, j.old)
         gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.tip, cwd=repo, env=env)
     else:
+        env = _private_index(repo, gdir)
         old = j.old or _empty_tree(repo)
         gitcmd.git("read-tree", "-m", "-u", "--end-of-options", old, j.tip, cwd=repo, env=env)
     interrupts.step("tree-updated")
@@ -248,7 +263,7 @@ def roll_back(repo: Path, gdir: Path, j: Journal) -> bool:
         return False  # another git holds the index: leave it be, finish on the next run
     try:
         _verify_only_ours(repo, j)
-        env = _private_index(repo, gdir)
+        env = _statless_index(repo, gdir, j.tip)
         gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.old, cwd=repo, env=env)
         _remove_added(repo, j)
         os.replace(gdir / PRIVATE_INDEX, gitcmd.git_path(repo, "index"))

@@ -293,3 +293,37 @@ def test_a_checkout_that_fails_half_way_is_rolled_back_exactly(
     assert leftovers(fork) == []
     assert main(apply_argv(world.upstream, world.series, fork, "b")) == 0
     assert state(fork) == world.after
+
+
+def test_a_rewritten_file_that_looks_unchanged_by_its_stat_data_is_still_put_back(
+    world, tmp_path, capsys, monkeypatch
+):
+    """git's timestamps are whole seconds: a file the failed switch rewrote at the same size
+    within the second of the fork's own checkout has the stat data the index recorded for the
+    old version. Undoing the switch must not trust it (``core.checkStat=minimal`` and the old
+    mtimes put back make that deterministic here)."""
+    fork = tmp_path / "fork"
+    shutil.copytree(world.fork_a, fork, symlinks=True)
+    run("config", "core.checkStat", "minimal", cwd=fork)
+    run("config", "core.trustctime", "false", cwd=fork)
+    run("update-index", "--refresh", cwd=fork)
+    many = sorted((fork / "many").iterdir())
+    stamps = {p: p.stat().st_mtime_ns for p in many}  # "a N" and "b N": the same size
+    real = gitcmd.git
+
+    def failing(*args, **kw):
+        out = real(*args, **kw)
+        if args[:3] == ("read-tree", "-m", "-u") and "-n" not in args:
+            for path, ns in stamps.items():
+                os.utime(path, ns=(ns, ns))
+            raise gitcmd.GitError("git read-tree -m -u failed: disk full", reason="disk full")
+        return out
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gitcmd, "git", failing)
+        assert main(apply_argv(world.upstream, world.series, fork, "b")) == 3
+    assert "nothing was changed" in capsys.readouterr().err
+    assert [p.read_text() for p in many] == [f"a {i}\n" for i in range(MANY)]
+    run("config", "--unset", "core.checkStat", cwd=fork)
+    run("config", "--unset", "core.trustctime", cwd=fork)
+    assert state(fork) == world.before
