@@ -324,8 +324,8 @@ def _prove_round_trip(
     by_id = dict(zip(ids, commits, strict=True))
     for result in plan.report.patches:
         if not result.accepted(False):
-            c = by_id.get(result.patch_id, commits[0] if commits else None)
-            _diverges(c, f"patch {result.patch_id} would not apply to the series before it")
+            why = f"would not apply ({result.error})" if result.error else "would not apply"
+            _diverges(by_id.get(result.patch_id), f"patch {result.patch_id} {why}")
     made = [(pp.patch.id, sha) for pp, sha in engine.write_commits(plan)]  # unreachable
     trees = gitcmd.git_text(
         "rev-parse", *[f"{x}^{{tree}}" for x in [c.commit for c in commits] + [m for _, m in made]],
@@ -344,11 +344,13 @@ def _prove_round_trip(
         if made_trees[n] != fork_trees[n]:
             _diverges(c, f"the series' {pid} does not give this commit's tree")
     if len(made) > len(commits):
-        _diverges(None, f"the series changes the tree with {made[len(commits)][0]}, no commit here")
+        _diverges(
+            None, f"the series' {made[len(commits)][0]} changes the tree after the last commit"
+        )
 
 
 def _diverges(c: ForkCommit | None, why: str) -> NoReturn:
-    where = f"at commit {c.commit[:12]} ({c.subject!r})" if c is not None else "at its end"
+    where = f"at commit {c.commit[:12]} ({c.subject!r})" if c is not None else "(no commit)"
     raise PatchFailed(
         f"the series export would write does not rebuild this fork {where}: {why}; nothing "
         "was written"
