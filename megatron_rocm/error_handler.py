@@ -23,6 +23,7 @@ from megatron_rocm.errors import (
     EXIT_INTERRUPTED,
     FatalError,
     Interrupted,
+    clip,
 )
 from megatron_rocm.output import json_printed, print_json, stdout_closed
 
@@ -62,7 +63,7 @@ def _write_log(exc: BaseException) -> Path:
 
 def say(line: str) -> None:
     """One line on stderr, with control characters escaped so it stays one line."""
-    flat = line.replace("\r", "\\r").replace("\n", "\\n")
+    flat = clip(line).replace("\r", "\\r").replace("\n", "\\n")
     try:
         print(f"megatron-rocm: {flat}", file=sys.stderr, flush=True)
     except OSError:
@@ -114,6 +115,7 @@ def error_handler(as_json: bool = False) -> Iterator[Result]:
 
 def _fail(result: Result, line: str, code: int, as_json: bool) -> None:
     """Say ``line`` on stderr, set the exit code and, for ``--json``, the error document."""
+    line = clip(line)
     say(line)
     result.code = code
     if as_json and not json_printed():

@@ -15,6 +15,7 @@ Exit codes (README "Commands", ``megatron-rocm --help``), each with one meaning:
 
 from __future__ import annotations
 
+import re
 import signal
 
 EXIT_OK = 0
@@ -24,6 +25,22 @@ EXIT_ENVIRONMENT = 3
 EXIT_INTERNAL = 4
 EXIT_BUSY = 5
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+SHOWN_CHARS = 80  # how much of an overlong value a message shows
+_OVERLONG = re.compile(rf"\S{{{2 * SHOWN_CHARS + 1},}}")
+
+
+def clip(line: str) -> str:
+    """``line`` with every overlong word (a 5,000-character ``--ref``, a pasted blob) cut to
+    its first ``SHOWN_CHARS`` characters and "…": every error line passes through here, so a
+    user's value never floods the terminal. Paths and URLs of ordinary length stay whole."""
+
+    def cut(m: re.Match[str]) -> str:
+        word = m.group()
+        end = word[-1] if word[-1] in "'\")]:;,." else ""
+        return f"{word[:SHOWN_CHARS]}…{end}"
+
+    return _OVERLONG.sub(cut, line)
 
 
 class FatalError(Exception):

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from megatron_rocm import __version__
 from megatron_rocm.error_handler import error_handler, interrupted_code, interrupted_line, say
-from megatron_rocm.errors import EXIT_USAGE, Interrupted
+from megatron_rocm.errors import EXIT_USAGE, Interrupted, clip
 from megatron_rocm.output import pipe_safe_stdout, print_json
 from megatron_rocm.patchtool import interrupts
 
@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
     verbs: dict[str, _Parser] = {}  # the top parser's verbs (``build_parser``)
 
     def error(self, message: str) -> NoReturn:
-        flat = message.replace("\n", " ")
+        flat = clip(message.replace("\n", " "))
         verb = self.prog.removeprefix("megatron-rocm").strip()  # the top parser: no verb
         _Parser.last_error = f"error: {verb + ': ' if verb else ''}{flat} (see --help)"
         self.exit(EXIT_USAGE, f"megatron-rocm: {_Parser.last_error}\n")

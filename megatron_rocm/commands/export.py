@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from megatron_rocm.errors import EXIT_OK, UsageError
 from megatron_rocm.output import print_json
-from megatron_rocm.patchtool import gitcmd, refnames
+from megatron_rocm.patchtool import gitcmd, lock, refnames
 from megatron_rocm.patchtool.export import export_fork
-from megatron_rocm.patchtool.series import load_series, parse_version
+from megatron_rocm.patchtool.series import load_series, parse_version, series_lock
 
 
 def export(
@@ -24,8 +24,12 @@ def export(
         raise UsageError(f"{repo} is not a git repository (run export inside a patched fork)")
     if gitcmd.toplevel(repo) is None:
         raise UsageError(f"{repo} is a bare repository; run export in the patched fork's checkout")
-    series = load_series(series_dir)
-    version, items = export_fork(repo, series, version_override, new_variant)
+    folder = load_series(series_dir).folder
+    # one writer per series folder, as per fork: two exports that each read `series` and
+    # wrote it back would drop one's new line (its folder orphaned); the second refuses (5)
+    with lock.hold(series_lock(folder), what=f"the series {folder}"):
+        series = load_series(folder)  # as it is now that no other export writes it
+        version, items = export_fork(repo, series, version_override, new_variant)
     missing = [i for i in items if i.action == "missing"]
     if as_json:
         print_json(

@@ -6,8 +6,10 @@ line numbers). Otherwise the commit's normalized diff replaces it, with the ``gi
 of ``diffio``. A commit without a trailer on top of the fork becomes a new patch appended to
 the series; ``forkscan`` refuses every commit export could not map back safely.
 
-Nothing is written until every commit has been mapped and its diff read back by the reader
-``apply`` uses: a refusal half way leaves the series as it was. The writes are all or nothing
+Nothing is written until every commit has been mapped, its diff read back by the reader
+``apply`` uses, and the series as it would be written shown to rebuild the fork (applied to
+the fork's base, it makes the same patch at each position with each commit's tree): a refusal
+leaves the series as it was. The writes are all or nothing
 (``Writes.commit``: a failed rename puts back what had moved) and are not interrupted by Ctrl-C.
 """
 
@@ -18,12 +20,14 @@ import copy
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from packaging.version import Version
 
-from megatron_rocm.errors import UsageError
+from megatron_rocm.errors import PatchFailed, UsageError
 from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts
 from megatron_rocm.patchtool.forkscan import (
     ForkCommit,
@@ -39,6 +43,7 @@ from megatron_rocm.patchtool.series import (
     Variant,
     format_patch_toml,
     is_control,
+    load_series,
     release_of,
     update_patch_toml,
 )
@@ -73,7 +78,9 @@ class Writes:
         try:
             for folder in created:
                 folder.mkdir(parents=True)
-            for path, data in self.files.items():
+            # the `series` listing last: a run killed half way leaves at worst a patch
+            # folder no line names yet, never a line naming a folder not written
+            for path, data in sorted(self.files.items(), key=lambda kv: kv[0].name == "series"):
                 staged[path] = path.with_name(f".{path.name}.{tag}.tmp")
                 staged[path].write_bytes(data)
             for path, tmp in staged.items():
@@ -277,9 +284,81 @@ def export_fork(
                 if v is not None and not v.skip:
                     action = "missing" if changes.get(patch.id) else "no-change"
                     items.append(ExportItem(patch.id, action, v.diff))
+    _prove_round_trip(repo, series.folder, base, commits, items, writes, str(version))
+    interrupts.step("export-mapped")  # everything read, nothing written yet
     with interrupts.Guard() as guard, guard.deferred():
         writes.commit()
     return version, items
+
+
+def _materialize(folder: Path, writes: Writes, into: Path) -> Path:
+    """The series as this export would leave it, in a scratch copy (``into``)."""
+    copy_ = into / folder.name
+    shutil.copytree(folder, copy_, symlinks=True)
+    for path in writes.removals:
+        (copy_ / path.relative_to(folder)).unlink(missing_ok=True)
+    for path, data in writes.files.items():
+        target = copy_ / path.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return copy_
+
+
+def _prove_round_trip(
+    repo: Path,
+    folder: Path,
+    base: str,
+    commits: list[ForkCommit],
+    items: list[ExportItem],
+    writes: Writes,
+    version: str,
+) -> None:
+    """Refuse (exit 1, nothing written) unless the series this export would write, applied
+    to the fork's base as ``apply`` does, makes the fork's commits again: the same patch at
+    each position and each commit's tree. A per-patch check alone misses a history whose
+    commits were reordered (``rebase -i``): each diff may still apply to its own parent while
+    the series, in its order, no longer gives the fork's tree."""
+    missing = {i.patch_id for i in items if i.action == "missing"}  # warned about, kept
+    ids = [i.patch_id for i in items[: len(commits)]]  # one item per commit, in fork order
+    with tempfile.TemporaryDirectory(prefix="megatron-rocm-export-") as scratch:
+        after = load_series(_materialize(folder, writes, Path(scratch)))
+        after.patches = [p for p in after.patches if p.id not in missing]
+        with gitcmd.CatFile(repo) as cat:
+            plan = engine.plan(repo, cat, base, after, version)
+    by_id = dict(zip(ids, commits, strict=True))
+    for result in plan.report.patches:
+        if not result.accepted(False):
+            why = f"would not apply ({result.error})" if result.error else "would not apply"
+            _diverges(by_id.get(result.patch_id), f"patch {result.patch_id} {why}")
+    made = [(pp.patch.id, sha) for pp, sha in engine.write_commits(plan)]  # unreachable
+    trees = gitcmd.git_text(
+        "rev-parse", *[f"{x}^{{tree}}" for x in [c.commit for c in commits] + [m for _, m in made]],
+        cwd=repo,
+    ).split() if commits or made else []  # fmt: skip
+    fork_trees, made_trees = trees[: len(commits)], trees[len(commits) :]
+    for n, (c, pid) in enumerate(zip(commits, ids, strict=True)):
+        if n >= len(made):
+            _diverges(c, f"the series makes no commit for patch {pid}")
+        if made[n][0] != pid:
+            _diverges(
+                c,
+                f"the series applies {made[n][0]} where the fork has {pid} (the commits are in "
+                "another order than the series file: reorder one to match the other)",
+            )
+        if made_trees[n] != fork_trees[n]:
+            _diverges(c, f"the series' {pid} does not give this commit's tree")
+    if len(made) > len(commits):
+        _diverges(
+            None, f"the series' {made[len(commits)][0]} changes the tree after the last commit"
+        )
+
+
+def _diverges(c: ForkCommit | None, why: str) -> NoReturn:
+    where = f"at commit {c.commit[:12]} ({c.subject!r})" if c is not None else "(no commit)"
+    raise PatchFailed(
+        f"the series export would write does not rebuild this fork {where}: {why}; nothing "
+        "was written"
+    )
 
 
 def _check_readable(c: ForkCommit, text: bytes) -> None:

@@ -7,8 +7,9 @@ second (and while cleaning up); the caller reports it once the work is complete.
 
 ``step(name)`` marks a boundary. With ``MEGATRON_ROCM_FAULT=<step>:<action>`` set (tests
 only), reaching that step sends the action to this process: ``SIGINT``, ``SIGTERM``,
-``SIGHUP``, ``SIGKILL``, or ``pause`` (create ``$MEGATRON_ROCM_FAULT_READY``, then wait up
-to 60 s for a signal from outside). Unset, a step costs one dictionary lookup.
+``SIGHUP``, ``SIGKILL``, ``sleep=<seconds>`` (hold a race window open), or ``pause`` (create
+``$MEGATRON_ROCM_FAULT_READY``, then wait up to 60 s for a signal from outside). Unset, a
+step costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def step(name: str) -> None:
         return
     at, _, action = spec.partition(":")
     if at != name:
+        return
+    if action.startswith("sleep="):  # widen a race window (concurrency tests)
+        time.sleep(float(action.removeprefix("sleep=")))
         return
     if action == "pause":
         ready = os.environ.get(READY_ENV)

@@ -130,14 +130,32 @@ def default_series_dir() -> Path:
     return package / "_patches"
 
 
+def series_lock(folder: Path) -> Path:
+    """The one-writer lock of a series folder, beside it as a fresh destination's is (inside,
+    a lock left by a killed run would read as a stray file of the series)."""
+    return folder.parent / f".{folder.name}.megatron-rocm.lock"
+
+
+def _version_in(text: str, where: Path, key: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise UsageError(f"{where}: {key!r} is not a version: {text!r}") from None
+
+
 def _variant(raw: object, folder: Path) -> Variant:
     where = folder / "patch.toml"
     if not isinstance(raw, dict):
         raise UsageError(f"{where}: every [[variant]] must be a table (got {raw!r})")
     if "since" not in raw:
         raise UsageError(f"{where}: every [[variant]] needs 'since'")
-    since = release_of(parse_version(str(raw["since"])))
-    until = release_of(parse_version(str(raw["until"]))) if raw.get("until") else None
+    for key in ("since", "until"):
+        if key in raw and not isinstance(raw[key], str):  # `since = 17` or `0.14` in TOML
+            raise UsageError(
+                f'{where}: {key!r} must be a quoted version such as "0.14.0" (got {raw[key]!r})'
+            )
+    since = release_of(_version_in(raw["since"], where, "since"))
+    until = release_of(_version_in(raw["until"], where, "until")) if raw.get("until") else None
     if until is not None and until <= since:
         raise UsageError(f"{where}: variant range {since}..{until} is empty")
     skip = raw.get("skip", False)

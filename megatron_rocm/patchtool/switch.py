@@ -11,17 +11,22 @@ tree that is neither branch, with nothing recording what it was doing. Here:
 4. the journal is removed.
 
 A run killed after 2 leaves the journal; the next run on the fork calls ``recover``, which
-finishes the switch, but only after checking that every file that differs is either the old
-or the new version (so an edit made since is never overwritten). A step of 3 that *fails*
+finishes the switch, but only after checking that every path that differs is the old or the
+new version, or one git was writing when it died (so an edit made since is never
+overwritten). Paths are compared as git stores them (a symlink by its target, a gitlink as
+a folder), never by following a link; finishing writes every path from the objects (an
+index without stat data), so the fork ends exactly at the new commit. A step of 3 that *fails*
 before HEAD moves (a file the work tree cannot take: a read-only folder, a full disk) is
 undone instead (``roll_back``), under the same check, so a failed apply changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,6 +70,17 @@ def _private_index(repo: Path, gdir: Path) -> dict[str, str]:
     if real.exists():
         shutil.copyfile(real, private)
         gitcmd.git("update-index", "-q", "--refresh", cwd=repo, env=env, check=False)
+    return env
+
+
+def _statless_index(repo: Path, gdir: Path, commit: str | None) -> dict[str, str]:
+    """A private index of ``commit`` with no stat data, for recovery and roll-back: every
+    path is then written from the objects. A copy of the real index would trust its stat
+    data, and a file a killed or failed switch rewrote in the same second at the same size
+    (git's timestamps are whole seconds) would look unchanged and keep the wrong version."""
+    drop_private_index(gdir)
+    env = {"GIT_INDEX_FILE": str(gdir / PRIVATE_INDEX)}
+    gitcmd.git("read-tree", "--end-of-options", commit or _empty_tree(repo), cwd=repo, env=env)
     return env
 
 
@@ -142,12 +158,26 @@ def _refuse_overwriting_ignored(repo: Path, old: str | None, tip: str, branch: s
         tip,
         cwd=repo,
     )
+    tracked = _tracked_with_folders(repo)
     for path in added.decode("utf-8", errors="surrogateescape").split("\0"):
+        if path in tracked:  # a tracked folder the switch replaces by a file or a symlink
+            continue
         if path and ((repo / path).exists() or (repo / path).is_symlink()):
             raise UsageError(
                 f"{repo}: switching to {branch} would overwrite {path}, a file git does not "
                 "track here; move it away, then run again (nothing was changed)"
             )
+
+
+def _tracked_with_folders(repo: Path) -> set[str]:
+    """The index's paths and every folder above them (the index is clean: checked before)."""
+    listed = gitcmd.git("ls-files", "-z", cwd=repo).decode("utf-8", errors="surrogateescape")
+    out: set[str] = set()
+    for path in listed.split("\0"):
+        while path and path not in out:
+            out.add(path)
+            path = path.rpartition("/")[0]
+    return out
 
 
 def write_journal(gdir: Path, j: Journal) -> None:
@@ -192,11 +222,12 @@ def finish(repo: Path, gdir: Path, j: Journal, recovering: bool = False) -> None
         )
     interrupts.step("ref-moved")
     refuse_index_locked(repo)
-    env = _private_index(repo, gdir)
     if recovering:
         _verify_only_ours(repo, j)
+        env = _statless_index(repo, gdir, j.old)
         gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.tip, cwd=repo, env=env)
     else:
+        env = _private_index(repo, gdir)
         old = j.old or _empty_tree(repo)
         gitcmd.git("read-tree", "-m", "-u", "--end-of-options", old, j.tip, cwd=repo, env=env)
     interrupts.step("tree-updated")
@@ -232,7 +263,7 @@ def roll_back(repo: Path, gdir: Path, j: Journal) -> bool:
         return False  # another git holds the index: leave it be, finish on the next run
     try:
         _verify_only_ours(repo, j)
-        env = _private_index(repo, gdir)
+        env = _statless_index(repo, gdir, j.tip)
         gitcmd.git("read-tree", "--reset", "-u", "--end-of-options", j.old, cwd=repo, env=env)
         _remove_added(repo, j)
         os.replace(gdir / PRIVATE_INDEX, gitcmd.git_path(repo, "index"))
@@ -254,30 +285,125 @@ def _remove_added(repo: Path, j: Journal) -> None:
     )  # fmt: skip
     for path in added.decode("utf-8", errors="surrogateescape").split("\0"):
         target = repo / path
-        if not path or not (target.is_file() or target.is_symlink()):
+        if not path:
             continue
-        target.unlink()
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.is_dir() and not any(target.iterdir()):
+            target.rmdir()  # a submodule's gitlink, checked out as an empty folder
+        else:
+            continue
         folder = target.parent
         while folder != repo and not any(folder.iterdir()):
             folder.rmdir()
             folder = folder.parent
 
 
-def _blob_ids(repo: Path, commit: str | None, paths: list[str]) -> dict[str, str]:
+@dataclass(frozen=True)
+class Entry:
+    """What a path is, in a commit or on disk, in the terms the comparison needs."""
+
+    kind: str  # file | link | dir (a tree or a gitlink: a folder on disk) | none
+    oid: str = ""  # the blob id of a file's content or a link's target; "" otherwise
+
+
+NONE = Entry("none")
+
+
+def _entries(repo: Path, commit: str | None, paths: list[str]) -> dict[str, Entry]:
+    """Each of ``paths`` as ``commit`` has it (NONE where it has none)."""
     if commit is None or not paths:
         return {}
-    out = gitcmd.git("ls-tree", "-z", "--end-of-options", commit, "--", *paths, cwd=repo)
-    ids = {}
+    # -r -t: a folder is listed as itself even where a path below it is asked for too
+    out = gitcmd.git(
+        "ls-tree", "-r", "-t", "-z", "--end-of-options", commit, "--", *paths,
+        cwd=repo, env={"GIT_LITERAL_PATHSPECS": "1"},
+    )  # fmt: skip
+    wanted = set(paths)
+    found = {}
     for item in out.decode("utf-8", errors="surrogateescape").split("\0"):
         meta, _, path = item.partition("\t")
-        if path:
-            ids[path] = meta.split()[2]
-    return ids
+        if path in wanted:
+            mode, _, oid = meta.split()
+            if mode == "120000":
+                found[path] = Entry("link", oid)
+            elif mode.startswith("100"):
+                found[path] = Entry("file", oid)
+            else:  # 040000 tree, 160000 gitlink: a folder in the work tree
+                found[path] = Entry("dir")
+    return found
+
+
+def _on_disk(repo: Path, paths: list[str]) -> dict[str, Entry]:
+    """Each of ``paths`` as the work tree has it, without following symlinks: a symlink is
+    its target's text (as git stores it), a folder is only a folder (a gitlink's checkout is
+    an empty one; a tracked folder's files are compared one by one), a regular file is hashed
+    as ``git add`` would."""
+    found: dict[str, Entry] = {}
+    regular: list[str] = []
+    fmt = gitcmd.git_text("rev-parse", "--show-object-format", cwd=repo) or "sha1"
+    for path in paths:
+        full = repo / path
+        try:
+            st = full.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            found[path] = NONE
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            target = os.fsencode(os.readlink(full))
+            blob = hashlib.new(fmt, b"blob %d\0" % len(target) + target).hexdigest()
+            found[path] = Entry("link", blob)
+        elif stat.S_ISDIR(st.st_mode):
+            found[path] = Entry("dir")
+        elif stat.S_ISREG(st.st_mode):
+            regular.append(path)
+        else:  # a fifo or socket: no version git could have written
+            found[path] = Entry("other")
+    if regular:
+        ids = gitcmd.git_text(
+            "hash-object", "--stdin-paths", cwd=repo, input=("\n".join(regular) + "\n").encode()
+        ).split()
+        found |= {p: Entry("file", oid) for p, oid in zip(regular, ids, strict=True)}
+    return found
+
+
+def _matches(have: Entry, want: Entry) -> bool:
+    """The work tree's ``have`` is what a checkout of ``want`` left there, or what it had
+    not written yet: git removes a path before it writes its new version, and nothing is
+    lost by writing a path that is missing (a folder's files are compared one by one)."""
+    return have.kind == "none" or have == want
+
+
+def _torn(repo: Path, path: str, have: Entry, want: Entry) -> bool:
+    """A file git was writing when it was killed: its content so far is a beginning of
+    ``want``'s (git writes a file front to back into a new inode, empty first)."""
+    if have.kind != "file" or want.kind != "file":
+        return False
+    blob = gitcmd.git("cat-file", "blob", want.oid, cwd=repo)
+    try:
+        return blob.startswith((repo / path).read_bytes())
+    except OSError:
+        return False
+
+
+class RecoveryBug(RuntimeError):
+    """Reading the work tree and our own commits failed: no state of the fork explains it,
+    so it is a bug of ours (exit 4), not the source's or the machine's."""
 
 
 def _verify_only_ours(repo: Path, j: Journal) -> None:
+    try:
+        _verify(repo, j)
+    except gitcmd.GitError as e:
+        raise RecoveryBug(f"checking {repo} after an interrupted apply: {e}") from e
+
+
+def _verify(repo: Path, j: Journal) -> None:
     """Every file that differs from the index must be the old or the new version of a file
-    the switch touches; anything else is an edit made since the kill, and stops recovery."""
+    the switch touches; anything else is an edit made since the kill, and stops recovery.
+
+    Any kind of entry is compared as git stores it (symlinks, symlinked folders, gitlinks,
+    files that became folders), never by following a link."""
     old = j.old or _empty_tree(repo)
     touched = set(
         gitcmd.git(
@@ -299,24 +425,14 @@ def _verify_only_ours(repo: Path, j: Journal) -> None:
                     )
                 continue
             changed.append(path)
-    before = _blob_ids(repo, j.old, changed)
-    after = _blob_ids(repo, j.tip, changed)
-    present = [p for p in changed if (repo / p).is_file() or (repo / p).is_symlink()]
-    hashed = dict(
-        zip(
-            present,
-            gitcmd.git_text(
-                "hash-object", "--stdin-paths", cwd=repo, input=("\n".join(present) + "\n").encode()
-            ).split()
-            if present
-            else [],
-        )
-    )
+    before = _entries(repo, j.old, changed)
+    after = _entries(repo, j.tip, changed)
+    have = _on_disk(repo, changed)
     for path in changed:
-        have = hashed.get(path)
-        if have is None and (path not in before or path not in after):
-            continue  # absent on one side and absent now
-        if have not in (before.get(path), after.get(path)):
+        sides = [side.get(path, NONE) for side in (before, after)]
+        if any(_matches(have[path], want) for want in sides):
+            continue
+        if not any(_torn(repo, path, have[path], want) for want in sides):
             raise UsageError(
                 f"{repo}: {path} differs from both versions an interrupted apply was switching "
                 "between (edited since?); save it elsewhere, then run again"

@@ -338,3 +338,48 @@ def test_the_console_prints_a_non_utf8_path_escaped_under_a_strict_locale(monkey
     print("tree /tmp/T\udcff", file=strict)
     strict.flush()
     assert raw.getvalue() == b"tree /tmp/T\\udcff\n"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["check", "--ref", "r" * 5000],  # an unknown ref, echoed in the error
+        ["apply", "--ref", "core_v0.2.0", "--branch", "b" * 5000],  # a refused branch name
+        ["check", "--ref", "core_v0.2.0", "--megatron-version", "9" * 5000 + "x"],
+        ["matrix", "--format", "f" * 5000],  # argparse's own refusal
+        ["check", "--ref", "core_v0.2.0", "--json", "--megatron-version", "v" * 5000],
+    ],
+)
+def test_an_overlong_user_value_is_shown_cut_in_the_error(toy, tmp_path, capsys, extra):
+    """A 5,000-character value is shown as its first 80 characters and "…", on stderr and in
+    the --json error document alike."""
+    _, upstream, series = toy
+    argv = [*extra, "--source", str(upstream), "--series", str(series)]
+    if extra[0] == "apply":
+        argv += ["--dest", str(tmp_path / "fork")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert len(err) < 400 and "…" in err, err
+    assert len(out) < 600, out
+
+
+def test_a_home_folder_that_does_not_exist_is_never_created(toy, tmp_path, monkeypatch, capsys):
+    """HOME=/nonexistent: a command that needs the cache (a URL source's mirror) refuses in
+    one line (exit 3) rather than creating the home folder; an internal error's log goes to
+    a temporary file instead."""
+    from megatron_rocm.error_handler import error_handler
+
+    _, upstream, series = toy
+    home = tmp_path / "nonexistent"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MEGATRON_ROCM_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    argv = ["check", "--source", f"file://{upstream}", "--series", str(series)]
+    assert main([*argv, "--ref", "core_v0.2.0"]) == 3
+    err = _err(capsys)
+    assert f"the home folder {home} does not exist" in err and "MEGATRON_ROCM_CACHE" in err
+    with error_handler() as result:
+        raise ValueError("boom")
+    assert result.code == 4
+    assert not home.exists()

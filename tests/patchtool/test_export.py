@@ -296,3 +296,81 @@ def test_a_new_commit_whose_subject_cannot_be_a_reason_is_refused(fork, capsys, 
     assert main(["export", "--repo", str(dest), "--series", str(series)]) == 2
     assert problem in capsys.readouterr().err
     assert _tree_equal(series, pristine)
+
+
+def test_export_refuses_a_reordered_history_the_series_would_not_rebuild(fork, capsys):
+    """After ``rebase -i`` moves a later patch below the others, each commit's diff still
+    applies to its own parent ("0 changed"), but the series, in its order, makes other
+    commits: export proves the round trip first and refuses, naming the commit."""
+    dest, series, _ = fork
+    path = dest / "megatron/core/fusions/softmax.py"
+    path.write_text(path.read_text().replace("softmax_26 = 26", "softmax_26 = 'tuned'"))
+    run("commit", "-qam", "Tune softmax", cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    assert "tune-softmax" in (series / "series").read_text()
+    run(
+        "commit",
+        "-q",
+        "--amend",
+        "-m",
+        "Tune softmax\n\nMegatron-ROCm-Patch: tune-softmax",
+        cwd=dest,
+    )
+    softmax, norm, tune = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).split()
+    run("checkout", "-q", "-B", "reordered", "core_v0.2.0", cwd=dest)
+    for commit in (tune, softmax, norm):  # what `git rebase -i` makes of a moved line
+        run("cherry-pick", commit, cwd=dest)
+    before = {p.relative_to(series): p.read_bytes() for p in series.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 1
+    err = capsys.readouterr().err
+    assert run("rev-parse", "--short=12", "HEAD~2", cwd=dest) in err  # the moved commit
+    assert "'Tune softmax'" in err and "nothing was written" in err
+    assert len(err.strip().splitlines()) == 1
+    after = {p.relative_to(series): p.read_bytes() for p in series.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_export_refuses_a_hand_resolved_reorder_whose_diffs_no_longer_chain(fork, capsys):
+    """Two patches on neighbouring lines, moved past each other with the conflicts resolved
+    by hand: each commit's new diff is right for its own parent, but written in the series'
+    order the first no longer applies. Export refuses instead of breaking every apply."""
+    dest, series, _ = fork
+    path = dest / "megatron/core/fusions/softmax.py"
+    path.write_text(path.read_text().replace("softmax_21 = 21", "softmax_21 = 'tuned'"))
+    run("commit", "-qam", "Tune softmax", cwd=dest)
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 0
+    run(
+        "commit",
+        "-q",
+        "--amend",
+        "-m",
+        "Tune softmax\n\nMegatron-ROCm-Patch: tune-softmax",
+        cwd=dest,
+    )
+    softmax, norm, tune = run("rev-list", "--reverse", "core_v0.2.0..HEAD", cwd=dest).split()
+    run("checkout", "-q", "-B", "reordered", "core_v0.2.0", cwd=dest)
+    base = path.read_text()
+    resolved = {  # by hand, as the conflicts of `rebase -i` ask
+        tune: base.replace("softmax_21 = 21", "softmax_21 = 'tuned'"),
+        softmax: base.replace("softmax_21 = 21", "softmax_21 = 'tuned'").replace(
+            "softmax_20 = 20", "softmax_20 = 'rocm'"
+        ),
+    }
+    for commit in (tune, softmax, norm):
+        run("cherry-pick", commit, cwd=dest, check=False)
+        if commit in resolved:
+            path.write_text(resolved[commit])
+            run("add", "-A", cwd=dest)
+            run("commit", "-q", "--no-edit", cwd=dest)
+    assert run("status", "--porcelain", "--untracked-files=no", cwd=dest) == ""
+    assert len(run("rev-list", "core_v0.2.0..HEAD", cwd=dest).split()) == 3
+    before = {p.relative_to(series): p.read_bytes() for p in series.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    assert main(["export", "--repo", str(dest), "--series", str(series)]) == 1
+    err = capsys.readouterr().err
+    assert "would not apply" in err and "nothing was written" in err
+    after = {p.relative_to(series): p.read_bytes() for p in series.rglob("*") if p.is_file()}
+    assert after == before

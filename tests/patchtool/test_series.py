@@ -60,3 +60,24 @@ def test_strings_written_to_patch_toml_read_back_unchanged(text):
     from megatron_rocm.patchtool.series import _q
 
     assert tomllib.loads(f"k = {_q(text)}")["k"] == text
+
+
+@pytest.mark.parametrize(
+    ("line", "key"), [("since = 17", "since"), ("since = 0.14", "since"), ('since = "abc"', "since"),
+                      ('since = "0.1.0"\nuntil = 1', "until")]
+)  # fmt: skip
+def test_a_version_that_is_not_a_quoted_version_is_bad_input_naming_file_and_key(
+    tmp_path, capsys, line, key
+):
+    """TOML reads ``since = 17`` as an integer: it is bad input (exit 2, one line naming the
+    file and the key), not a range that covers nothing, which made ``check`` exit 1 silently."""
+    from megatron_rocm.main import main
+
+    (tmp_path / "series").write_text("p\n")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "v.diff").write_text("")
+    toml = tmp_path / "p" / "patch.toml"
+    toml.write_text(f'id = "p"\nreason = "r"\n\n[[variant]]\ndiff = "v.diff"\n{line}\n')
+    assert main(["list", "--series", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(toml) in err[0] and repr(key) in err[0], err
