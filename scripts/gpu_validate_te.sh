@@ -51,6 +51,10 @@
 #            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
 #   mimo2    upstream's MIMO tests (tests/unit_tests/models/mimo), unpatched vs patched newest
 #            ref, 2 ranks
+#   upx1     upstream's dist_checkpointing/ and models/ tests (upstream_unit_tests.py --suite
+#            dist_checkpointing --suite models), unpatched vs patched newest ref, 1 rank,
+#            UPX_BUDGET seconds (default 170; the rest waits for --resume)
+#   upx2     the same at 2 ranks
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
 #            with the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's and with
 #            --cp-comm-type a2a
@@ -62,8 +66,8 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
-#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
+#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench upx1
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2
 #   4 GPUs: setup par4 scale4
 set -u
 OUT=$1; shift
@@ -247,10 +251,11 @@ stage_mla() {
 }
 
 units_two_ranks() {  # units_two_ranks NAME [--paths ...]: unpatched vs patched newest ref
+  # (UNIT_NPROC ranks per test process, default 2)
   local name=$1; shift
   rm -rf "$W/u-$NEWEST" && git clone -q -b "$NEWEST" "$W/src" "$W/u-$NEWEST" 2>/dev/null
   (cd "$HERE" && $PY scripts/upstream_unit_tests.py run --tree "u-$NEWEST=$W/u-$NEWEST" \
-     --tree "p-$NEWEST=$W/p-$NEWEST" --out "$OUT/$name" --nproc 2 --jobs "${UNIT_JOBS:-8}" \
+     --tree "p-$NEWEST=$W/p-$NEWEST" --out "$OUT/$name" --nproc "${UNIT_NPROC:-2}" --jobs "${UNIT_JOBS:-8}" \
      --timeout 120 --budget "${UNIT_BUDGET:-420}" "$@" > "$OUT/$name.log" 2>&1)
   (cd "$HERE" && $PY scripts/upstream_unit_tests.py compare "$OUT/$name/u-$NEWEST/results.json" \
      "$OUT/$name/p-$NEWEST/results.json" --md "$OUT/$name-compare.md" > /dev/null 2>&1)
@@ -263,6 +268,14 @@ stage_units2() {
 
 stage_mimo2() {
   UNIT_JOBS=${UNIT_JOBS:-4} units_two_ranks mimo --paths tests/unit_tests/models/mimo
+}
+
+stage_upx1() {
+  UNIT_NPROC=1 UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx1 --suite dist_checkpointing --suite models
+}
+
+stage_upx2() {
+  UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx2 --suite dist_checkpointing --suite models
 }
 
 stage_packedcp() {

@@ -174,6 +174,20 @@ def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> No
     assert option(compare, "--md").endswith("/mimo-compare.md")
 
 
+@pytest.mark.parametrize(("stage", "nproc"), [("upx1", "1"), ("upx2", "2")])
+def test_upx_runs_upstreams_checkpointing_and_model_suites_on_both_trees(
+    tmp_path: Path, stage: str, nproc: str
+) -> None:
+    run, compare = run_stage(tmp_path, stage)
+    assert re.findall(r"--suite (\S+)", run) == ["dist_checkpointing", "models"]
+    assert option(run, "--nproc") == nproc and option(run, "--budget") == "170"
+    assert re.findall(r"--tree (\S+)=", run) == ["u-main", "p-main"]
+    assert option(compare, "--md").endswith(f"/{stage}-compare.md")
+    (tmp_path / "b").mkdir()
+    again, _ = run_stage(tmp_path / "b", stage, UPX_BUDGET="60")
+    assert option(again, "--budget") == "60"
+
+
 def test_moebench_times_upstreams_modules_and_the_bare_gemms_on_the_same_experts(
     tmp_path: Path,
 ) -> None:

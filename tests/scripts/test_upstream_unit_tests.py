@@ -588,3 +588,64 @@ def test_resume_runs_what_the_budget_left(ut, toy_run, tmp_path: Path) -> None:
     assert {k: v["outcome"] for k, v in again["tests"].items()} == {
         k: v["outcome"] for k, v in first["tests"].items()
     }
+
+
+def _suite_tree(root: Path) -> Path:
+    """A toy tree with one passing test in each folder the suites name, and one outside."""
+    (root / "tests/unit_tests").mkdir(parents=True)
+    (root / "tests/unit_tests/conftest.py").write_text("# toy conftest\n")
+    for folder in ("transformer", "tensor_parallel", "fusions", "dist_checkpointing", "models"):
+        (root / "tests/unit_tests" / folder).mkdir()
+        (root / "tests/unit_tests" / folder / f"test_{folder}.py").write_text(
+            "def test_ok():\n    pass\n"
+        )
+    (root / "tests/unit_tests/test_outside.py").write_text("def test_ok():\n    pass\n")
+    return root
+
+
+def _selected_folders(ut, tree: Path, out: Path, *extra: str) -> tuple[int, set[str], dict]:
+    code = ut.main(["run", "--tree", f"t={tree}", "--out", str(out), "--collect-only", *extra])
+    if code != 0:
+        return code, set(), {}
+    doc = json.loads((out / "t" / "selection.json").read_text())
+    return code, {f.split("/")[2] for f in doc["files"]}, doc
+
+
+@pytest.mark.parametrize(
+    ("extra", "folders"),
+    [
+        ((), {"transformer", "tensor_parallel", "fusions"}),  # the default stays bounded
+        (("--suite", "dist_checkpointing"), {"dist_checkpointing"}),
+        (("--suite", "models", "--suite", "dist_checkpointing"), {"models", "dist_checkpointing"}),
+        (
+            ("--suite", "all"),
+            {"transformer", "tensor_parallel", "fusions", "dist_checkpointing", "models"},
+        ),
+        (("--suite", "core", "--suite", "all"), None),  # each folder once
+    ],
+)
+def test_suites_select_upstreams_folders(ut, tmp_path: Path, extra, folders) -> None:
+    tree = _suite_tree(tmp_path / "tree")
+    code, got, doc = _selected_folders(ut, tree, tmp_path / "out", *extra)
+    assert code == 0
+    if folders is None:
+        assert len(doc["tests"]) == 5 and doc["paths"] == ut.SUITES["all"]
+    else:
+        assert got == folders
+        assert doc["suites"] == (list(extra[1::2]) or ["core"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (("--suite", "dist_checkpointing", "--paths", "tests/unit_tests"), "not both"),
+        (("--suite", "nope"), "invalid choice"),
+        (("--paths", "tests/unit_tests/gone"), "has no tests/unit_tests/gone"),
+    ],
+)
+def test_a_bad_selection_is_usage(ut, tmp_path: Path, capsys, extra, says) -> None:
+    tree = _suite_tree(tmp_path / "tree")
+    assert ut.main(["run", "--tree", f"t={tree}", "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # refused before anything was written

@@ -8,6 +8,11 @@ Apex/TE constructor so Megatron's ``Adam(**kwargs)`` call works unchanged:
 * ``adam_w_mode=True`` is AdamW (decoupled decay), ``False`` is Adam with L2 decay — Apex's
   meaning, mapped to torch's ``decoupled_weight_decay``;
 * ``set_grad_none`` becomes the default of ``zero_grad``;
+* ``lr=None`` is accepted, as Apex and TE accept it: Megatron's ``OptimizerConfig.lr`` defaults
+  to None and its scheduler writes each group's ``lr`` (from ``max_lr``/``min_lr``) before the
+  first step; a checkpoint load may build the optimizer without one. torch's constructor
+  compares ``0.0 <= lr``, so the group's ``lr`` stays None until set, and a step taken while
+  it is None is refused with a message instead of a ``TypeError`` deep in torch;
 * ``capturable``, ``amsgrad`` pass through; ``fused``/``foreach`` requests are overridden by
   the device policy (fused on GPU, foreach on CPU);
 * features torch's Adam cannot reproduce raise ``NotImplementedError`` instead of silently
@@ -57,7 +62,7 @@ class FusedAdam(torch.optim.AdamW):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | None = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -89,10 +94,13 @@ class FusedAdam(torch.optim.AdamW):
         params = list(params)
         tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
         on_gpu = bool(tensors) and all(_is_gpu(p) for p in tensors)
+        # One group per dict (or one for bare tensors); those without their own 'lr' take
+        # the default, which torch validates as a number.
+        own_lr = ["lr" in g for g in params if isinstance(g, dict)]
         torch.optim.Adam.__init__(
             self,
             params,
-            lr=lr,
+            lr=0.0 if lr is None else lr,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
@@ -104,6 +112,11 @@ class FusedAdam(torch.optim.AdamW):
         )
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
+        if lr is None:
+            self.defaults["lr"] = None
+            for group, own in zip(self.param_groups, own_lr or [False]):
+                if not own:
+                    group["lr"] = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # AdamW's __setstate__ forces decoupled decay on load; keep what adam_w_mode chose.
@@ -136,6 +149,12 @@ class FusedAdam(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        unset = [i for i, g in enumerate(self.param_groups) if g["lr"] is None]
+        if unset:
+            raise ValueError(
+                f"FusedAdam.step(): param group(s) {unset} have lr=None; set each group's 'lr' "
+                "(Megatron's OptimizerParamScheduler does) before the first step"
+            )
         idle_steps = self._complete_state()
         loss = super().step(closure)
         for count in idle_steps:

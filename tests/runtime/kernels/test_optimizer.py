@@ -234,3 +234,34 @@ def test_fused_adam_is_an_adamw_for_megatrons_distributed_optimizer():
     assert isinstance(opt, torch.optim.AdamW)
     opt.load_state_dict(opt.state_dict())
     assert opt.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_lr_none_is_accepted_as_apex_and_te_accept_it() -> None:
+    """Megatron's OptimizerConfig.lr defaults to None (the scheduler sets each group's lr);
+    upstream's dist_checkpointing tests build the optimizer so and load a checkpoint into it.
+    torch's constructor raised "'<=' not supported between instances of 'float' and
+    'NoneType'" there; TE's and Apex's FusedAdam keep the None."""
+    params = _params()
+    groups = [{"params": params[:2], "max_lr": None}, {"params": params[2:], "lr": 0.5}]
+    optimizer = FusedAdam(groups, lr=None, weight_decay=0.01)
+    assert [g["lr"] for g in optimizer.param_groups] == [None, 0.5]
+    assert FusedAdam(_params(), lr=None).param_groups[0]["lr"] is None
+    # a checkpoint's param groups (what load_checkpoint hands over) bring their lr along
+    source = FusedAdam(_params(), **HYPER)
+    target = FusedAdam(_params(), lr=None)
+    target.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert target.param_groups[0]["lr"] == HYPER["lr"]
+
+
+def test_a_step_with_lr_none_names_the_group() -> None:
+    params = _params()
+    optimizer = FusedAdam(params, lr=None)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"group\(s\) \[0\] have lr=None"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    optimizer.param_groups[0]["lr"] = HYPER["lr"]  # what the scheduler does
+    optimizer.step()
+    assert not torch.equal(params[0], before[0])
