@@ -4,7 +4,7 @@
         [--rep-ms 100] [--json FILE]
     python scripts/bench_a2a_row_split.py --cpu   # tiny fp32 run on the CPU: checks the script
 
-After Ulysses' first exchange (``_cp_a2a``) a rank holds the whole sequence for its share of the
+After Ulysses' first exchange (``cp.a2a``) a rank holds the whole sequence for its share of the
 heads (``--heads``: query/kv heads per rank, 32/4 is Llama-2-70B's 64/8 at cp 2). Its own two
 zigzag chunks of those heads never travel; of what does, the other rank's query chunks are
 ~80% of the bytes with 8:1 grouped kv heads, its key/value chunks the rest. Attention rows are
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_timing  # noqa: E402
 
-from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp.block_attention import (  # noqa: E402
     KERNELS,
     BlockKernel,
     SoftmaxMerger,

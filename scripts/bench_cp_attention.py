@@ -7,7 +7,7 @@
 Llama-ish shapes: batch 1, 32 query heads, 8 kv groups (``--heads Q/KV``: 64/8 is
 Llama-2-70B's layer), head dim 128, bf16, causal, forward + backward. Per total length L,
 every rank first times single-GPU SDPA over all L tokens
-(``kernels.attention.sdpa_attention``, what the native backend runs without CP), then the
+(``kernels.local_sdpa.sdpa_attention``, what the native backend runs without CP), then the
 ranks together time ``context_parallel_attention`` with L / cp tokens each, in Megatron's
 zigzag layout, for each comm type and block kernel (``--kernels``: values of
 ``MEGATRON_ROCM_CP_KERNEL``), and for a2a each count of head groups it pipelines
@@ -56,17 +56,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine  # noqa: E402
-from megatron_rocm.runtime.backend._cp_block_attention import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a  # noqa: E402
+from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine  # noqa: E402
+from megatron_rocm.runtime.backend.cp.block_attention import (  # noqa: E402
     BlockKernel,
     pick_kernel,
 )
-from megatron_rocm.runtime.backend._cp_ring import bhsd  # noqa: E402
-from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp.dispatch import (  # noqa: E402
     context_parallel_attention,
     zigzag_shard,
 )
-from megatron_rocm.runtime.kernels.attention import sdpa_attention  # noqa: E402
+from megatron_rocm.runtime.backend.cp.ring import bhsd  # noqa: E402
+from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention  # noqa: E402
 
 HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rocm.runtime.kernels import grad_accum  # noqa: E402
-from megatron_rocm.runtime.kernels.attention import sdpa_attention  # noqa: E402
+from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention  # noqa: E402
 from megatron_rocm.runtime.kernels.multi_tensor import multi_tensor_l2norm  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import FusedNorm, norm_reference  # noqa: E402
 from megatron_rocm.runtime.kernels.optimizer import FusedAdam  # noqa: E402

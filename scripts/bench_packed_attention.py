@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rocm.runtime.backend import packed_plan  # noqa: E402
-from megatron_rocm.runtime.backend.packed_attention import packed_attention  # noqa: E402
+from megatron_rocm.runtime.backend.packed import plan as packed_plan  # noqa: E402
+from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention  # noqa: E402
 
 
 def document_lengths(tokens: int, seed: int = 0) -> list[int]:
@@ -162,7 +162,7 @@ def main() -> int:
             t, t, cu, cu, cu_pad, cu_pad, causal=args.causal, device=device
         )
         if "flex" in args.impls:
-            from megatron_rocm.runtime.backend.packed_flex import document_block_mask
+            from megatron_rocm.runtime.backend.packed.flex import document_block_mask
 
             document_block_mask(plan, args.causal, None)
 

@@ -32,16 +32,15 @@ TEST_PREFIX = "MEGATRON_ROCM_TEST_"
 
 def _parsers() -> dict[str, Callable[[], object]]:
     """Switch -> the function that reads it where it acts (raises ValueError when malformed)."""
-    from megatron_rocm.runtime.backend import (
-        _cp_a2a,
-        _cp_block_attention,
-        _cp_copy_engine,
-        _cp_handoff,
-        a2a_projection,
-        packed_attention,
-        sdpa,
-    )
-    from megatron_rocm.runtime.kernels import _runtime, attention, grouped_gemm, norm
+    from megatron_rocm.runtime.backend import te_sdpa as sdpa
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a_projection
+    from megatron_rocm.runtime.backend.cp import block_attention as _cp_block_attention
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
+    from megatron_rocm.runtime.backend.packed import thd_attention as packed_attention
+    from megatron_rocm.runtime.kernels import _runtime, grouped_gemm, norm
+    from megatron_rocm.runtime.kernels import local_sdpa as attention
 
     return {
         "MEGATRON_ROCM_KERNELS": _runtime.reference_forced,

@@ -100,7 +100,7 @@ def test_registry_has_the_whole_suite() -> None:
         "kernels.softmax.causal",
         "kernels.softmax.masked",
         "kernels.softmax.scaled",
-        "kernels.attention",
+        "kernels.local_sdpa",
         "training.llama.local",
         "training.llama.te",
         "training.resume.dp2_distopt.local",

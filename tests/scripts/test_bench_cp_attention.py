@@ -60,14 +60,14 @@ def test_each_case_says_how_its_blocks_took_the_grouped_kv_heads(tmp_path: Path)
 def test_grouped_heads_forces_expansion_for_one_case_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from megatron_rocm.runtime.backend import _cp_block_attention as blocks
+    from megatron_rocm.runtime.backend.cp import block_attention as blocks
 
     monkeypatch.setattr(blocks, "is_hip", lambda: False)  # a ROCm build of torch says True
 
     spec = importlib.util.spec_from_file_location("bench_cp_attention", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from megatron_rocm.runtime.backend._cp_block_attention import KERNELS
+    from megatron_rocm.runtime.backend.cp.block_attention import KERNELS
 
     flash = KERNELS["flash"]  # takes grouped heads natively off ROCm
     q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 2, 2, 8)

@@ -387,7 +387,7 @@ def _mask_types() -> type[enum.Enum]:
         )
 
 
-@register("kernels.attention")
+@register("kernels.local_sdpa")
 def attention(ctx: Context) -> str:
     """sdpa_attention (MHA and GQA, causal and no mask) vs softmax(QK^T)V, forward and backward."""
     k, tally, amt = _kernel("attention"), _Tally(), _mask_types()

@@ -193,7 +193,7 @@ def rotate_sbhd(
 ) -> torch.Tensor:
     """The rotation of ``fused_apply_rotary_pos_emb`` (or, ``inverse``, its transpose: the
     gradient) without autograd, for callers that write their own backward
-    (``backend._cp_a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
+    (``backend.cp.a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
     dim (e.g. a slice of the fused QKV projection); the result is a new contiguous tensor."""
     freqs, angles, problem = _sbhd_inputs(t, freqs)
     if _triton(t, freqs, problem):

@@ -10,11 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.backend import attention_backend, context_parallel  # noqa: E402
-from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel  # noqa: E402
-from megatron_rocm.runtime.backend.attention import TEDotProductAttention  # noqa: E402
-from megatron_rocm.runtime.backend.packed_attention import last_implementation  # noqa: E402
-from megatron_rocm.runtime.backend.sdpa import attention_reference_te  # noqa: E402
+from megatron_rocm.runtime.backend import attention_backend_flag as attention_backend  # noqa: E402
+from megatron_rocm.runtime.backend.cp import dispatch as context_parallel  # noqa: E402
+from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel  # noqa: E402
+from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention  # noqa: E402
+from megatron_rocm.runtime.backend.packed.thd_attention import last_implementation  # noqa: E402
+from megatron_rocm.runtime.backend.te_sdpa import attention_reference_te  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -103,7 +104,7 @@ def _sdpa_enabled() -> dict[str, bool]:
 
 def record_sdpa(monkeypatch) -> list[set[str]]:
     """The SDPA kernels enabled at each call of torch's SDPA itself (which then runs)."""
-    from megatron_rocm.runtime.backend import sdpa
+    from megatron_rocm.runtime.backend import te_sdpa as sdpa
 
     seen: list[set[str]] = []
     real = sdpa.F.scaled_dot_product_attention
@@ -187,7 +188,7 @@ def test_flash_takes_no_mask_tensor_so_masked_attention_runs_efficient(
 ):
     """TE's flash attention unpads a padding mask itself; SDPA's flash kernel cannot take one,
     so that attention moves to the memory-efficient kernel and says so."""
-    from megatron_rocm.runtime.backend import sdpa
+    from megatron_rocm.runtime.backend import te_sdpa as sdpa
 
     seen = []
     monkeypatch.setattr(

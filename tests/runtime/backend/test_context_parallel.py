@@ -20,16 +20,8 @@ if not torch.distributed.is_available():
 
 from _cp_world import World, shard, unshard  # noqa: E402
 
-from megatron_rocm.runtime.backend import _cp_block_attention as blocks  # noqa: E402
-from megatron_rocm.runtime.backend._cp_layout import (  # noqa: E402
-    DIAGONAL,
-    FULL,
-    KV_FRONT,
-    Q_BACK,
-    global_to_rank_major,
-    rank_major_to_global,
-)
-from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp import block_attention as blocks  # noqa: E402
+from megatron_rocm.runtime.backend.cp.dispatch import (  # noqa: E402
     SUPPORTED_CP_COMM_TYPES,
     context_parallel_attention,
     ring_step_plan,
@@ -37,7 +29,15 @@ from megatron_rocm.runtime.backend.context_parallel import (  # noqa: E402
     zigzag_shard,
     zigzag_unshard,
 )
-from megatron_rocm.runtime.kernels.attention import attention_reference  # noqa: E402
+from megatron_rocm.runtime.backend.cp.layout import (  # noqa: E402
+    DIAGONAL,
+    FULL,
+    KV_FRONT,
+    Q_BACK,
+    global_to_rank_major,
+    rank_major_to_global,
+)
+from megatron_rocm.runtime.kernels.local_sdpa import attention_reference  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 # (tokens of the whole sequence, batch, query heads, kv groups, head dim, value head dim)
@@ -390,7 +390,7 @@ def test_cudnn_backward_gets_output_and_gradient_with_the_querys_strides() -> No
 
 
 def test_copy_wide_moves_the_same_bits_as_words_where_the_layout_allows() -> None:
-    from megatron_rocm.runtime.backend import _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
 
     bits = torch.randint(-(2**15), 2**15, (4, 2, 6, 8), dtype=torch.int16)
     src = bits.view(torch.bfloat16).permute(2, 0, 1, 3)  # NaN payloads and all
@@ -537,7 +537,7 @@ def test_a2a_pipelines_head_groups(worlds, cp, shape, stages, used, causal) -> N
 def test_a2a_stages_must_be_a_positive_whole_number(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
 
     monkeypatch.setenv(_cp_a2a.STAGES_ENV, value)
     with pytest.raises(ValueError, match=f"MEGATRON_ROCM_CP_A2A_STAGES={value!r} is not a pos"):
@@ -549,7 +549,7 @@ def test_a2a_head_groups_follow_the_transport_unless_asked(
 ) -> None:
     """Unset: one group on copy engines (NVLink within a host), two through the process group
     (RCCL, other hosts), lowered to what the kv heads split into; asked: the count asked."""
-    from megatron_rocm.runtime.backend import _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
 
     monkeypatch.delenv(_cp_a2a.STAGES_ENV, raising=False)
     assert _cp_a2a.stage_count(64, 8, 2, copy_engines=True) == 1
@@ -726,7 +726,7 @@ def test_a2a_inside_a_cuda_graph_capture_exchanges_through_the_process_group(wor
 def test_copy_engines_asked_for_inside_a_capture_fail_in_one_line(
     monkeypatch: pytest.MonkeyPatch, choice: str
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     def decided(*args: object) -> None:
         raise AssertionError("the group's transport was decided inside a capture")
@@ -755,7 +755,7 @@ def test_copy_engines_asked_for_where_they_cannot_work_fail_in_one_line(worlds) 
 
 @pytest.mark.parametrize("value", ["nccl", "copy", "Auto"])
 def test_a2a_transport_must_be_one_of_the_three(monkeypatch: pytest.MonkeyPatch, value) -> None:  # noqa: ANN001
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     monkeypatch.setenv(_cp_copy_engine.TRANSPORT_ENV, value)
     with pytest.raises(ValueError) as failure:
@@ -767,7 +767,7 @@ def test_a2a_transport_must_be_one_of_the_three(monkeypatch: pytest.MonkeyPatch,
 
 def test_rocm_keeps_rccl_unless_copy_engines_are_asked_for() -> None:
     """Checked before any collective: under ``auto`` a ROCm build says why at once."""
-    from megatron_rocm.runtime.backend._cp_copy_engine import why_not_copy_engines
+    from megatron_rocm.runtime.backend.cp.copy_engine import why_not_copy_engines
 
     cuda = torch.device("cuda", 0)
     reason = why_not_copy_engines(None, cuda, on_rocm=True, auto=True)
@@ -781,7 +781,7 @@ def test_rocm_keeps_rccl_unless_copy_engines_are_asked_for() -> None:
 def test_each_peer_has_a_segment_of_its_own_in_every_region(ranks: int) -> None:
     """What rank a keeps for rank b (outbox) and what b finds there (peer_outbox) are the
     same segment, and no two peers of one owner share a segment."""
-    from megatron_rocm.runtime.backend._cp_copy_engine import Layout, slot
+    from megatron_rocm.runtime.backend.cp.copy_engine import Layout, slot
 
     for owner in range(ranks):
         slots = [slot(owner, other) for other in range(ranks) if other != owner]
@@ -880,7 +880,7 @@ class _Group:
 def test_a_failed_probe_falls_back_under_auto_and_fails_when_asked_for(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, choice: str
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     class Unmappable:
         def __init__(self, group, device) -> None:  # noqa: ANN001
@@ -925,7 +925,7 @@ def test_a_group_made_again_under_an_earlier_name_keeps_the_process_group(
     that mapped a window before must not meet that store (the same group may map again)."""
     import weakref
 
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     _one_nccl_host(monkeypatch)
     earlier, group = _Group(), _Group()
@@ -949,7 +949,7 @@ def test_the_barrier_waits_as_long_as_the_groups_collectives() -> None:
 
     import torch.distributed as dist
 
-    from megatron_rocm.runtime.backend._cp_copy_engine import group_timeout_ms
+    from megatron_rocm.runtime.backend.cp.copy_engine import group_timeout_ms
 
     class Timed(_Group):
         def _get_backend(self, device: torch.device) -> SimpleNamespace:
@@ -965,7 +965,7 @@ def test_the_window_grows_at_least_twofold(monkeypatch: pytest.MonkeyPatch) -> N
     growing sizes remap it a few times, not at every new size."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from megatron_rocm.runtime.backend._cp_copy_engine import CopyEngineLink
+    from megatron_rocm.runtime.backend.cp.copy_engine import CopyEngineLink
 
     mapped: list[int] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -1103,7 +1103,7 @@ def test_an_early_output_lands_before_anything_reads_it(worlds, cp: int) -> None
 def _early_input(link: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """An fp32 early output of 8 columns whose last 4 are NaN until they land, its full
     values, and a log of the landing."""
-    from megatron_rocm.runtime.backend._cp_early_output import hand_on_early, untracked
+    from megatron_rocm.runtime.backend.cp.early_output import hand_on_early, untracked
 
     full = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(11))
     x, log = full.clone(), []
@@ -1133,8 +1133,8 @@ def test_the_projection_lands_an_early_output_under_autocast() -> None:
 def test_a_failing_gemm_still_lands_the_early_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank must land the exchange where the others do: a GEMM that fails between taking
     the landing and finishing it still lands it, then the error goes on."""
-    from megatron_rocm.runtime.backend import _cp_early_output
     from megatron_rocm.runtime.backend._linear_function import project_attention_output
+    from megatron_rocm.runtime.backend.cp import early_output as _cp_early_output
 
     def failing_mm(*args: object) -> None:
         raise RuntimeError("out of memory")
@@ -1150,7 +1150,7 @@ def test_a_failing_gemm_still_lands_the_early_output(monkeypatch: pytest.MonkeyP
 def test_the_handoff_switch_names_its_directions(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_handoff
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     for text, directions in (
         ("1", {"forward", "backward"}),
@@ -1187,7 +1187,7 @@ class _Exchange:
 def test_only_the_offered_output_untouched_is_claimed_and_only_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_handoff
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     monkeypatch.setattr(_cp_handoff, "_offered", None)
     output = torch.randn(4, 2, 6, requires_grad=True) * 1  # an op's result, as attention's
@@ -1206,7 +1206,7 @@ def test_only_the_offered_output_untouched_is_claimed_and_only_once(
 def test_a_started_exchange_is_taken_for_its_gradient_and_settled_for_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from megatron_rocm.runtime.backend import _cp_handoff
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     monkeypatch.setattr(_cp_handoff, "_open", {})
     log: list[str] = []
@@ -1231,7 +1231,7 @@ def test_an_exchange_nobody_takes_is_settled_before_the_groups_next(
 ) -> None:
     """A started exchange whose attention backward never runs (left out of the graph autograd
     ran) is completed before the next exchange of its group, and only of its group."""
-    from megatron_rocm.runtime.backend import _cp_handoff
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     monkeypatch.setattr(_cp_handoff, "_open", {})
     log: list[str] = []

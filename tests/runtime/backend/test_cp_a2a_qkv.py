@@ -1,4 +1,4 @@
-"""a2a attention that computes its own QKV projection (``_cp_a2a_qkv``) against upstream's order.
+"""a2a attention that computes its own QKV projection (``cp.a2a_qkv``) against upstream's order.
 
 Worlds of gloo processes (``_cp_world``) run upstream's ``SelfAttention`` math from the
 normalised input to the output projection on their shards, once as upstream computes it (one
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from megatron_rocm.runtime.backend._cp_a2a_qkv import QKVRows  # noqa: E402
+from megatron_rocm.runtime.backend.cp.a2a_qkv import QKVRows  # noqa: E402
 from megatron_rocm.runtime.kernels.rope import rope_reference, rotate_sbhd  # noqa: E402
 
 
@@ -164,7 +164,7 @@ def test_gpu_projected_a2a_matches_upstreams_order(gpu_world, transport: str) ->
 
 
 def test_the_native_projection_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_rocm.runtime.backend import a2a_projection
+    from megatron_rocm.runtime.backend.cp import a2a_projection
 
     monkeypatch.delenv(a2a_projection.QKV_ENV, raising=False)
     assert a2a_projection.enabled()
@@ -178,7 +178,7 @@ def test_the_native_projection_is_on_unless_turned_off(monkeypatch: pytest.Monke
 
 
 def test_rope_table_takes_one_shared_table_only() -> None:
-    from megatron_rocm.runtime.backend.a2a_projection import rope_table
+    from megatron_rocm.runtime.backend.cp.a2a_projection import rope_table
 
     freqs = torch.zeros(8, 1, 1, 4)
     assert rope_table(None, 8) == (None, None)

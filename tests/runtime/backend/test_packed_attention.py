@@ -16,9 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.backend import document_mask, packed_plan  # noqa: E402
-from megatron_rocm.runtime.backend import packed_attention as pa  # noqa: E402
-from megatron_rocm.runtime.kernels.attention import attention_reference  # noqa: E402
+from megatron_rocm.runtime.backend.packed import document_mask  # noqa: E402
+from megatron_rocm.runtime.backend.packed import plan as packed_plan  # noqa: E402
+from megatron_rocm.runtime.backend.packed import thd_attention as pa  # noqa: E402
+from megatron_rocm.runtime.kernels.local_sdpa import attention_reference  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 GARBAGE = 1.0e4
@@ -301,7 +302,7 @@ def test_value_head_dim_differs(impl_name: str) -> None:
 
 def test_long_documents_span_flex_blocks() -> None:
     """Documents crossing 128-row blocks: full, partial and skipped blocks of the flex mask."""
-    from megatron_rocm.runtime.backend.packed_flex import document_block_mask
+    from megatron_rocm.runtime.backend.packed.flex import document_block_mask
 
     batch = Batch([300, 1, 90, 400], pads=[0, 0, 40, 0], tail=20, heads=2, groups=1, dim=8)
     for causal, window in [(True, None), (False, None), (True, (300, 0)), (False, (200, 40))]:
@@ -620,7 +621,7 @@ def test_the_default_causal_mask_is_read_once_for_all_layers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each read of the mask syncs with the GPU: one per batch, not one per layer."""
-    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+    from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
 
     reads = []
     real = document_mask._documents
@@ -662,7 +663,7 @@ def test_a_mask_inside_a_capture_is_judged_by_the_eager_warm_up(monkeypatch) -> 
 
 
 def test_the_attention_does_not_read_a_plain_mask_inside_a_capture(monkeypatch) -> None:  # noqa: ANN001
-    from megatron_rocm.runtime.backend import attention
+    from megatron_rocm.runtime.backend import dot_product_attention as attention
 
     monkeypatch.setattr(document_mask, "_documents_met", {})
     s, b = 6, 2
@@ -682,7 +683,7 @@ def test_the_attention_does_not_read_a_plain_mask_inside_a_capture(monkeypatch) 
 def test_packed_sequences_inside_a_capture_are_one_line(monkeypatch) -> None:  # noqa: ANN001
     from types import SimpleNamespace
 
-    from megatron_rocm.runtime.backend import attention
+    from megatron_rocm.runtime.backend import dot_product_attention as attention
 
     monkeypatch.setattr(attention, "capturing", lambda device: True)
     q = torch.zeros(6, 1, 2, 4)

@@ -19,9 +19,9 @@ if not torch.distributed.is_available():
 
 from _cp_world import World, thd_rows  # noqa: E402
 
-from megatron_rocm.runtime.backend.packed_attention import packed_attention  # noqa: E402
-from megatron_rocm.runtime.backend.packed_context_parallel import chunk_layout  # noqa: E402
-from megatron_rocm.runtime.backend.thd_partition import thd_get_partitioned_indices  # noqa: E402
+from megatron_rocm.runtime.backend.packed.context_parallel import chunk_layout  # noqa: E402
+from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention  # noqa: E402
+from megatron_rocm.runtime.backend.packed.thd_partition import thd_get_partitioned_indices  # noqa: E402
 
 # (real document lengths, padded lengths or None): padded lengths are multiples of 2cp
 LAYOUTS = {
@@ -218,7 +218,7 @@ def test_gpu_bf16_packed_parity(gpu_world: World, causal: bool, kernel, ran: str
 
 
 def _attention_without_cp(mask: str):  # noqa: ANN202
-    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+    from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
 
     config = SimpleNamespace(
         kv_channels=8, attention_dropout=0.0, window_size=None, softmax_type="vanilla",

@@ -1,4 +1,4 @@
-"""TE's mask semantics on SDPA (``backend.sdpa``) against the unfused fp32 oracle."""
+"""TE's mask semantics on SDPA (``backend.te_sdpa``) against the unfused fp32 oracle."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.backend.sdpa import (  # noqa: E402
+from megatron_rocm.runtime.backend.te_sdpa import (  # noqa: E402
     BACKENDS_ENV,
     attention_reference_te,
     sdpa_sbhd,

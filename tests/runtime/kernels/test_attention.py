@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.kernels import attention  # noqa: E402
-from megatron_rocm.runtime.kernels.attention import (  # noqa: E402
+from megatron_rocm.runtime.kernels import local_sdpa as attention  # noqa: E402
+from megatron_rocm.runtime.kernels.local_sdpa import (  # noqa: E402
     attention_reference,
     sdpa_attention,
     sdpa_enabled,

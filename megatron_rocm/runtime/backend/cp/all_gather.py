@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.backend._cp_block_attention import (
+from megatron_rocm.runtime.backend.cp.block_attention import (
     BlockKernel,
     SoftmaxMerger,
     accumulation_dtype,
 )
-from megatron_rocm.runtime.backend._cp_layout import global_to_rank_major, rank_major_to_global
-from megatron_rocm.runtime.backend._cp_ring import bhsd
+from megatron_rocm.runtime.backend.cp.layout import global_to_rank_major, rank_major_to_global
+from megatron_rocm.runtime.backend.cp.ring import bhsd
 
 Tensor = torch.Tensor
 

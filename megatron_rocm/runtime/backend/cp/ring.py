@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.backend._cp_block_attention import (
+from megatron_rocm.runtime.backend.cp.block_attention import (
     BlockKernel,
     SoftmaxMerger,
     accumulation_dtype,
 )
-from megatron_rocm.runtime.backend._cp_layout import DIAGONAL, KV_FRONT, Q_BACK, ring_step_plan
-from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
+from megatron_rocm.runtime.backend.cp.layout import DIAGONAL, KV_FRONT, Q_BACK, ring_step_plan
+from megatron_rocm.runtime.backend.cp.p2p import Pending, global_rank, post
 
 Tensor = torch.Tensor
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
-from megatron_rocm.runtime.kernels.attention import grouped_kv_for_sdpa
+from megatron_rocm.runtime.kernels.local_sdpa import grouped_kv_for_sdpa
 
 BACKENDS_ENV = "MEGATRON_ROCM_SDPA_BACKENDS"
 MASK_TYPES = frozenset(
@@ -128,7 +128,7 @@ def sdpa_sbhd(
 ) -> torch.Tensor:
     """``query[sq, b, np, hn]``, ``key/value[sk, b, ng, hn(_v)]`` -> ``[sq, b, np * hn_v]``.
 
-    ``kernels``: the SDPA kernels ``--attention-backend`` names (``backend.attention_backend``);
+    ``kernels``: the SDPA kernels ``--attention-backend`` names (``backend.attention_backend_flag``);
     None: ``MEGATRON_ROCM_SDPA_BACKENDS``, else torch's choice."""
     if mask_type not in MASK_TYPES:
         raise ValueError(f"unsupported attention mask type {mask_type!r}")

@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend._cp_a2a import (
+from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
+from megatron_rocm.runtime.backend.cp.a2a import (
     Call,
     PreparedScatter,
     Shards,
     attend,
     attend_backward,
 )
-from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
-from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
+from megatron_rocm.runtime.backend.cp.block_attention import BlockKernel
 from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
 from megatron_rocm.runtime.kernels.rope import rotate_sbhd
 

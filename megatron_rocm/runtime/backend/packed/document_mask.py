@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rocm.runtime.backend.packed_attention import packed_attention
+from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ and its projection does that (main, core_v0.12.0 and core_v0.16.0 read). Under
 The landing writes into the output through an alias with a version counter of its own
 (``untracked``): the values are those the attention computed, not a change autograd should
 see, and the view keeps its plain alias node, through which the gradient reaches the
-attention as the very tensor the projection's backward computed (``_cp_handoff`` checks).
+attention as the very tensor the projection's backward computed (``cp.handoff`` checks).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 with ``cp_size > 1``.
 
 Each rank holds, of every document, chunks ``r`` and ``2 * cp - 1 - r`` of its padded span
-(``backend.thd_partition``, TE's layout); ``cu_seqlens`` and their padded twins describe the
+(``backend.packed.thd_partition``, TE's layout); ``cu_seqlens`` and their padded twins describe the
 *whole* packed sequence, as upstream passes them. K/V are all-gathered once per layer (one
 collective for both; its backward reduce-scatters the fp32 gradients), then every local chunk
 with real tokens becomes one varlen "document" of ``packed_attention``: the chunk's queries
@@ -26,15 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.backend._cp_all_gather import _all_gather, _reduce_scatter
-from megatron_rocm.runtime.backend._cp_block_attention import accumulation_dtype
-from megatron_rocm.runtime.backend.packed_attention import (
+from megatron_rocm.runtime.backend.cp.all_gather import _all_gather, _reduce_scatter
+from megatron_rocm.runtime.backend.cp.block_attention import accumulation_dtype
+from megatron_rocm.runtime.backend.packed.plan import OFFSET_NAMES, same_batch, versions_of
+from megatron_rocm.runtime.backend.packed.thd_attention import (
     flash_unavailable,
     packed_attention,
     requested_implementation,
 )
-from megatron_rocm.runtime.backend.packed_plan import OFFSET_NAMES, same_batch, versions_of
-from megatron_rocm.runtime.backend.thd_partition import (
+from megatron_rocm.runtime.backend.packed.thd_partition import (
     check_divisible,
     concat_ranges,
     host_offsets,

@@ -1,4 +1,4 @@
-"""Whether upstream's ``SelfAttention`` may hand its QKV projection to a2a (``_cp_a2a_qkv``).
+"""Whether upstream's ``SelfAttention`` may hand its QKV projection to a2a (``cp.a2a_qkv``).
 
 The ``a2a-qkv-projection`` patch makes upstream's ``Attention.forward`` offer its inputs to
 the core attention's ``project_around_a2a`` before it projects them; a non-None result is the
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend.attention import mask_name
+from megatron_rocm.runtime.backend.dot_product_attention import mask_name
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
@@ -143,7 +143,7 @@ def projected_self_attention(
     core: Any, attention: Any, hidden_states: torch.Tensor, rotary_pos_emb: Any, inputs: dict
 ) -> torch.Tensor | None:
     """The core attention's output for upstream's ``attention`` on ``hidden_states``, computed
-    by ``_cp_a2a_qkv``, or None where upstream's path must compute it. ``inputs``: upstream's
+    by ``cp.a2a_qkv``, or None where upstream's path must compute it. ``inputs``: upstream's
     other forward inputs that this path does not take (each must be None)."""
     if core.cp_size < 2 or core.cp_comm_type != "a2a" or not enabled():
         return None
@@ -161,8 +161,8 @@ def projected_self_attention(
         f"a2a attention computes the QKV projection around its exchanges "
         f"({QKV_ENV}=0 keeps upstream's order)",
     )
-    from megatron_rocm.runtime.backend._cp_a2a_qkv import projected_a2a_attention
-    from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
+    from megatron_rocm.runtime.backend.cp.a2a_qkv import projected_a2a_attention
+    from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel
 
     linear = attention.linear_qkv
     heads = attention.num_attention_heads_per_partition

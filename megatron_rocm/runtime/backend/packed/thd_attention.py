@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend.packed_plan import PackedPlan, build_plan, rows_mask
+from megatron_rocm.runtime.backend.packed.plan import PackedPlan, build_plan, rows_mask
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once, logger
-from megatron_rocm.runtime.kernels.attention import attention_reference, sdpa_attention
+from megatron_rocm.runtime.kernels.local_sdpa import attention_reference, sdpa_attention
 
 ENV_VAR = "MEGATRON_ROCM_PACKED_ATTENTION"
 IMPLEMENTATIONS = ("flash", "flex", "sdpa_loop", "reference")
@@ -92,7 +92,7 @@ def packed_attention(
     if name == "flash":
         out = _flash(query, key, value, plan, causal, scale, dropout_p, window)
     elif name == "flex":
-        from megatron_rocm.runtime.backend.packed_flex import flex_packed_attention
+        from megatron_rocm.runtime.backend.packed.flex import flex_packed_attention
 
         out = flex_packed_attention(query, key, value, plan, causal, scale, window)
     elif name == "sdpa_loop":

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rocm.runtime.backend.packed_plan import PackedPlan, rows_mask, segments
+from megatron_rocm.runtime.backend.packed.plan import PackedPlan, rows_mask, segments
 
 BLOCK = 128
 

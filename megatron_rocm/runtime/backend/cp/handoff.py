@@ -25,7 +25,7 @@ A handoff moves the start to where the input gradient is queued:
 
 Every rank of the CP group runs the same modules in the same order, so every rank takes the
 same path and the exchanges stay paired. ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns handoffs off
-(``backward`` keeps this one only, ``forward`` the forward's, ``_cp_early_output``).
+(``backward`` keeps this one only, ``forward`` the forward's, ``cp.early_output``).
 
 Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/results.md, nineteenth and twentieth
 sessions): 0.8% off each iteration through the process group (NCCL; RCCL's path on ROCm), 0.2%
@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_rocm.runtime.backend._cp_early_output import land
+from megatron_rocm.runtime.backend.cp.early_output import land
 
 Tensor = torch.Tensor
 
@@ -65,7 +65,7 @@ def handoff_directions() -> frozenset[str]:
     """Which of the attention's exchanges ``MEGATRON_ROCM_CP_A2A_HANDOFF`` lets the projection
     overlap: ``backward`` (it starts the backward's first exchange, here), ``forward`` (it
     computes over the rank's own heads while the forward's last exchange lands,
-    ``_cp_early_output``), ``1`` both (the default) or ``0`` neither; anything else is an
+    ``cp.early_output``), ``1`` both (the default) or ``0`` neither; anything else is an
     error."""
     text = os.environ.get(HANDOFF_ENV, "").strip() or "1"
     if text not in _DIRECTIONS:
@@ -163,7 +163,7 @@ def settle_open(link: Hashable) -> None:
     backward was left out of the graph autograd ran, or something exchanges on the group
     first, such as a recomputed forward), so that the next exchange finds the group's
     buffers free; and land the group's early output nobody has read yet
-    (``_cp_early_output``). Every rank runs the same graph, so every rank settles at the same
+    (``cp.early_output``). Every rank runs the same graph, so every rank settles at the same
     point."""
     land(link)
     handoff = _open.get(link)

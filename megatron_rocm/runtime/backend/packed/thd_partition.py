@@ -9,7 +9,7 @@ name (``tex``) to this module, so the call below is the one that runs.
 The layout is TE's per-document zigzag: every document's padded span (``cu_seqlens``, the
 padded offsets where the batch has them) is cut into ``2 * cp_size`` equal chunks, and rank
 ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r`` of every document, in document order.
-Causal attention then costs every rank the same. ``backend.packed_context_parallel`` reads
+Causal attention then costs every rank the same. ``backend.packed.context_parallel`` reads
 the same layout back.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rocm.runtime.backend.packed_plan import as_offsets
+from megatron_rocm.runtime.backend.packed.plan import as_offsets
 
 NATIVE = True  # lets a patched assert tell this module from an old TransformerEngine
 

@@ -37,8 +37,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rocm.runtime.backend.packed_attention import ENV_VAR as PACKED_ENV
-from megatron_rocm.runtime.backend.sdpa import BACKENDS_ENV, sdpa_backends
+from megatron_rocm.runtime.backend.packed.thd_attention import ENV_VAR as PACKED_ENV
+from megatron_rocm.runtime.backend.te_sdpa import BACKENDS_ENV, sdpa_backends
 
 CP_KERNEL_ENV = "MEGATRON_ROCM_CP_KERNEL"
 _KERNEL_ENVS = (BACKENDS_ENV, CP_KERNEL_ENV, PACKED_ENV)

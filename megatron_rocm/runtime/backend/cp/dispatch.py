@@ -1,16 +1,16 @@
 """Context-parallel core attention without TransformerEngine.
 
 With ``--context-parallel-size cp`` Megatron gives each rank of the CP group ``1/cp`` of the
-sequence in the load-balanced zigzag layout (``_cp_layout``: rank ``r`` holds chunks ``r`` and
+sequence in the load-balanced zigzag layout (``cp.layout``: rank ``r`` holds chunks ``r`` and
 ``2cp-1-r`` of ``2cp``). ``context_parallel_attention`` computes exact attention over the
 whole sequence for the local queries, forward and backward, over ``torch.distributed``
 (NCCL/RCCL on GPUs, gloo on the CPU). Upstream's ``--cp-comm-type`` picks the scheme:
 
 * ``p2p`` (upstream's default): a ring; K/V blocks hop rank to rank while the previous block
-  is computed; per-block SDPA kernels with log-sum-exp merging (``_cp_ring``).
-* ``all_gather``: gather K/V, four large local kernel calls (``_cp_all_gather``).
+  is computed; per-block SDPA kernels with log-sum-exp merging (``cp.ring``).
+* ``all_gather``: gather K/V, four large local kernel calls (``cp.all_gather``).
 * ``a2a``: Ulysses; heads <-> sequence exchanges pipelined with the block kernels over head
-  groups (``_cp_a2a``).
+  groups (``cp.a2a``).
 
 ``a2a+p2p`` (hierarchical, needs upstream's hierarchical CP groups) is not implemented.
 
@@ -31,17 +31,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.backend._cp_a2a import a2a_attention, a2a_unsupported
-from megatron_rocm.runtime.backend._cp_all_gather import AllGatherAttention
-from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
-from megatron_rocm.runtime.backend._cp_layout import (
+from megatron_rocm.runtime.backend.cp.a2a import a2a_attention, a2a_unsupported
+from megatron_rocm.runtime.backend.cp.all_gather import AllGatherAttention
+from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel
+from megatron_rocm.runtime.backend.cp.layout import (
     rank_major_to_global,
     ring_step_plan,
     zigzag_chunk_ids,
     zigzag_shard,
     zigzag_unshard,
 )
-from megatron_rocm.runtime.backend._cp_ring import RingAttention
+from megatron_rocm.runtime.backend.cp.ring import RingAttention
 
 __all__ = [
     "SUPPORTED_CP_COMM_TYPES",

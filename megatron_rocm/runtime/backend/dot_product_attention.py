@@ -2,17 +2,17 @@
 
 Constructor and forward follow upstream's TE wrapper at every tag (``num_splits`` from 0.16,
 ``model_comm_pgs`` in 0.13-0.14, ``pg_collection`` later); the mask semantics are TE's (see
-``backend.sdpa``). What TE does beyond that dispatches here:
+``backend.te_sdpa``). What TE does beyond that dispatches here:
 
-* context parallelism (``config.context_parallel_size > 1``): ``backend.context_parallel``;
-* packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed_attention``,
-  and ``backend.packed_context_parallel`` under context parallelism;
+* context parallelism (``config.context_parallel_size > 1``): ``backend.cp.dispatch``;
+* packed sequences (``PackedSeqParams`` with ``qkv_format="thd"``): ``backend.packed.thd_attention``,
+  and ``backend.packed.context_parallel`` under context parallelism;
 * ``attention_bias`` (relative position embeddings): an additive float mask;
 * a sliding window where ``window_size`` / ``window_attn_skip_freq`` put one on this layer;
 * a block-causal mask under a causal mask type (``--reset-attention-mask`` data): attention
-  within each document (``backend.document_mask``); TE ignores that mask;
+  within each document (``backend.packed.document_mask``); TE ignores that mask;
 * ``--attention-backend`` flash / fused / unfused: the same family of kernels on every one of
-  these paths (``backend.attention_backend``).
+  these paths (``backend.attention_backend_flag``).
 
 Features that only TE's kernels have (non-vanilla softmax with sinks, returning the max logit for
 QK-clip, ``num_splits`` or ``batch_invariant_mode`` for batch invariance) are refused in the
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend import attention_backend
-from megatron_rocm.runtime.backend.sdpa import sdpa_sbhd
+from megatron_rocm.runtime.backend import attention_backend_flag as attention_backend
+from megatron_rocm.runtime.backend.te_sdpa import sdpa_sbhd
 from megatron_rocm.runtime.platform import capturing
 
 _OWNER = "TEDotProductAttention"
@@ -154,7 +154,7 @@ class TEDotProductAttention(torch.nn.Module):
         self.cp_comm_type = cp_comm_type or "p2p"
         self.cp_group = _cp_group(config, groups) if self.cp_size > 1 else None
         if self.cp_size > 1:
-            from megatron_rocm.runtime.backend.context_parallel import SUPPORTED_CP_COMM_TYPES
+            from megatron_rocm.runtime.backend.cp.dispatch import SUPPORTED_CP_COMM_TYPES
 
             if self.cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
                 raise ValueError(
@@ -240,7 +240,9 @@ class TEDotProductAttention(torch.nn.Module):
                 return self._context_parallel(query, key, value, mask_type, attention_bias)
             documents = self._documents(query, key, attention_mask, mask_type, attention_bias)
             if documents is not None:
-                from megatron_rocm.runtime.backend.document_mask import block_causal_attention
+                from megatron_rocm.runtime.backend.packed.document_mask import (
+                    block_causal_attention,
+                )
 
                 with attention_backend.sdpa_kernels(self.kernels):
                     return block_causal_attention(
@@ -278,7 +280,7 @@ class TEDotProductAttention(torch.nn.Module):
         it; ``a2a_projection``), or None where upstream's own path must compute it. ``inputs``
         are upstream's other forward inputs (cross-attention states, packed and inference
         parameters, attention bias), all None for this path to run."""
-        from megatron_rocm.runtime.backend.a2a_projection import projected_self_attention
+        from megatron_rocm.runtime.backend.cp.a2a_projection import projected_self_attention
 
         return projected_self_attention(self, attention, hidden_states, rotary_pos_emb, inputs)
 
@@ -325,7 +327,7 @@ class TEDotProductAttention(torch.nn.Module):
             or attention_mask.dtype != torch.bool
         ):
             return None
-        from megatron_rocm.runtime.backend import document_mask
+        from megatron_rocm.runtime.backend.packed import document_mask
 
         if capturing(query.device) and document_mask.ignorable_when_captured(
             attention_mask, query.shape[1]
@@ -353,7 +355,7 @@ class TEDotProductAttention(torch.nn.Module):
                 f"{_OWNER}: context parallelism supports causal and no_mask attention, "
                 f"got {mask_type}"
             )
-        from megatron_rocm.runtime.backend.context_parallel import context_parallel_attention
+        from megatron_rocm.runtime.backend.cp.dispatch import context_parallel_attention
 
         return context_parallel_attention(
             query,
@@ -391,7 +393,7 @@ class TEDotProductAttention(torch.nn.Module):
         causal = "causal" in mask_type  # causal, padding_causal and their bottom_right forms
         if self.cp_size > 1:
             return self._packed_context_parallel(query, key, value, causal, params)
-        from megatron_rocm.runtime.backend.packed_attention import packed_attention
+        from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention
 
         return packed_attention(
             query,
@@ -415,7 +417,7 @@ class TEDotProductAttention(torch.nn.Module):
                 f"{_OWNER}: context parallelism with packed (THD) sequences and a sliding window "
                 f"is not supported by the native backend"
             )
-        from megatron_rocm.runtime.backend.packed_context_parallel import (
+        from megatron_rocm.runtime.backend.packed.context_parallel import (
             packed_context_parallel_attention,
         )
         from megatron_rocm.runtime.kernels._runtime import log_fallback_once

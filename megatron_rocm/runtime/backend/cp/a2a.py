@@ -5,7 +5,7 @@ Every rank holds ``[s/cp, b, heads, d]``; an exchange gives each rank the whole 
 dropout as usual), and a second exchange returns each rank's tokens with all heads.
 
 * **No reordering copies.** Megatron's zigzag layout gives rank ``r`` chunks ``r`` and
-  ``2cp-1-r`` of the sequence (``_cp_layout``). Each chunk arrives by its own receive straight
+  ``2cp-1-r`` of the sequence (``cp.layout``). Each chunk arrives by its own receive straight
   into its place in a whole-sequence buffer, and the output's chunks leave from their place in
   the kernel's output, so nothing is concatenated or permuted into global order and back. What
   is left is packing the heads bound for each peer (one copy per input) and unpacking the heads
@@ -27,18 +27,18 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
 
 * **Copy engines within a host.** Where every rank of the group is on one host (CUDA), the
   exchanges are copies through symmetric memory on the GPUs' copy engines instead of NCCL
-  kernels (``_cp_copy_engine``; ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` to choose): each rank packs
+  kernels (``cp.copy_engine``; ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` to choose): each rank packs
   the heads bound for a peer into its outbox, which the peer pulls from, and pushes a peer's
   results straight into the peer's inbox. The layout of every piece is the same either way.
 
 * **The output projection overlaps two of the four exchanges.** The forward's last one lands
   while the projection computes over the rank's own heads: the attention returns its output
-  before the peers' heads are in it (``_cp_early_output``; anything else that reads it first
+  before the peers' heads are in it (``cp.early_output``; anything else that reads it first
   lands them). The backward's first one starts in the projection's backward: its input
   gradient is what the exchange sends; the projection queues the packing before its
   weight-gradient GEMM, with the process group's transfers (their kernels then ahead of the
   GEMM's) or the copy engines' barrier, and the copy engines' pulls after it, so the transfers
-  run beside that GEMM (``_cp_handoff``, ``PreparedScatter``). ``MEGATRON_ROCM_CP_A2A_HANDOFF``
+  run beside that GEMM (``cp.handoff``, ``PreparedScatter``). ``MEGATRON_ROCM_CP_A2A_HANDOFF``
   picks them (``1`` both, ``forward``, ``backward``, ``0`` neither).
 
 * **Inside a CUDA graph** (Megatron's ``--cuda-graph-impl local`` or ``full_iteration``) the
@@ -46,7 +46,7 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   stream cannot join a capture, and the handoffs are not verified there. Eager calls around
   the capture keep the group's transport (``link_for_call``).
 
-Attention runs on the CP block kernels (``_cp_block_attention``: cuDNN on NVIDIA where its
+Attention runs on the CP block kernels (``cp.block_attention``: cuDNN on NVIDIA where its
 probe passes, flash on ROCm, ``MEGATRON_ROCM_CP_KERNEL`` to choose), which keep their output
 and log-sum-exp for a backward of our own. Needs the query heads divisible by the CP size;
 grouped kv heads that are not are expanded (``repeat_interleave``) to the query heads first.
@@ -61,24 +61,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
-from megatron_rocm.runtime.backend._cp_copy_engine import (
+from megatron_rocm.runtime.backend.cp.block_attention import BlockKernel
+from megatron_rocm.runtime.backend.cp.copy_engine import (
     Arrival,
     CopyEngineLink,
     Layout,
     group_key,
     link_for_call,
 )
-from megatron_rocm.runtime.backend._cp_early_output import hand_on_early, untracked
-from megatron_rocm.runtime.backend._cp_handoff import (
+from megatron_rocm.runtime.backend.cp.early_output import hand_on_early, untracked
+from megatron_rocm.runtime.backend.cp.handoff import (
     Handoff,
     handoff_directions,
     offer,
     settle_open,
 )
-from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids
-from megatron_rocm.runtime.backend._cp_p2p import Pending, global_rank, post
-from megatron_rocm.runtime.backend._cp_ring import bhsd
+from megatron_rocm.runtime.backend.cp.layout import zigzag_chunk_ids
+from megatron_rocm.runtime.backend.cp.p2p import Pending, global_rank, post
+from megatron_rocm.runtime.backend.cp.ring import bhsd
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
@@ -214,7 +214,7 @@ class Shards:
 
 class PreparedScatter:
     """A scatter (``Shards.scatter``) queued in two steps, so that other work can be queued
-    between them (``_cp_handoff``).
+    between them (``cp.handoff``).
 
     The constructor packs the heads bound for each peer and, with a copy-engine ``link``, queues
     the barrier after which the peers' outboxes may be read; through the process group it posts
@@ -245,7 +245,7 @@ class PreparedScatter:
         """A scatter of tensors given per rank of the group as ``[stages, pieces, len, b, h',
         d]`` views (``parts[j]``: the heads rank ``j`` owns, of this rank's tokens), the peers'
         only: the rank's own come with ``post(own=...)``, so that they can be computed while
-        the peers' travel (``_cp_a2a_qkv``)."""
+        the peers' travel (``cp.a2a_qkv``)."""
         scatter = cls.__new__(cls)
         per_ranks = [dict(zip(parts, column, strict=True)) for column in zip(*parts.values())]
         scatter._start(shards, per_ranks, stages, link)
@@ -448,7 +448,7 @@ class Call:
     """What one a2a attention call settles before its Function runs, and hands on after: the
     attention's math (``kernel``, ``causal``, ``scale``, ``dropout_p``), the transport, the
     head groups, the backward's first exchange and the output projection's handoffs
-    (``_cp_handoff``, ``_cp_early_output``)."""
+    (``cp.handoff``, ``cp.early_output``)."""
 
     def __init__(
         self,
@@ -518,7 +518,7 @@ def attend(
     """Attention per head group as its heads arrive, each group's output sent back as soon as
     it is computed; ``out_shape`` is ``(query heads, value dim)`` of the local output, ``like``
     a local input (dtype, device, batch). Where ``call.early`` is a list, the output's exchange
-    is left in it unfinished (``_cp_early_output``) instead of finished here."""
+    is left in it unfinished (``cp.early_output``) instead of finished here."""
     gather = Gather(shards, call.stages, [out_shape], like, call.link)
     outs, lses, states = [], [], []
     for n in range(call.stages):
