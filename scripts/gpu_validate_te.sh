@@ -217,7 +217,7 @@ stage_cp2() {
   train "te-llama-cp1-8k-$NEWEST" "$W/p-$NEWEST" $long --nproc 1 --seq-length 8192
   for n in cp2-8k cp2-16k cp1-8k; do log "te-llama-$n: $(cat "$OUT/te-llama-$n-$NEWEST.json")"; done
   (cd "$HERE" && timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu \
-     tests/runtime/backend/test_context_parallel.py > "$OUT/cp-gpu-tests.txt" 2>&1)
+     tests/runtime/backend/cp/test_context_parallel.py > "$OUT/cp-gpu-tests.txt" 2>&1)
   log "cp gpu tests: $(tail -1 "$OUT/cp-gpu-tests.txt")"
   (cd "$HERE" && timeout 200 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
      scripts/bench_cp_attention.py --json "$OUT/bench-cp.jsonl" > "$OUT/bench-cp.txt" 2>&1)
@@ -267,8 +267,8 @@ stage_mimo2() {
 
 stage_packedcp() {
   (cd "$HERE" && PYTHONUNBUFFERED=1 timeout -s INT 300 $PY -m pytest -v -p no:cacheprovider -m gpu \
-     -o faulthandler_timeout=120 tests/runtime/backend/test_packed_context_parallel.py \
-     tests/runtime/backend/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
+     -o faulthandler_timeout=120 tests/runtime/backend/packed/test_packed_context_parallel.py \
+     tests/runtime/backend/cp/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
   log "packed/cp gpu tests: $(tail -1 "$OUT/packedcp-gpu-tests.txt")"
   (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
      scripts/bench_cp_attention.py --kernels auto,cudnn:expanded,flash --ops 12 \
