@@ -79,9 +79,9 @@ def smoke(
         raise SourceError(f"torch is installed but does not import ({failure})")
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
-    from megatron_rocm.envtools.smoke import report, runner
+    from megatron_rocm.envtools.smoke import catalog, report, runner
 
-    checks = runner.select(runner.load_checks(), only)
+    checks = runner.select(catalog.load_checks(), only)
     ctx = runner.make_context(_tree_for(checks, tree_dir), steps)
     device = report.device_description()
     print(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rocm.commands import smoke as smoke_cmd
-from megatron_rocm.envtools.smoke import report, runner
+from megatron_rocm.envtools.smoke import catalog, report, runner
 from megatron_rocm.errors import SourceError, UsageError
 
 
@@ -94,7 +94,7 @@ def test_a_tree_swallowed_by_only_is_named_as_such(tmp_path, monkeypatch) -> Non
 
 def test_registry_has_the_whole_suite() -> None:
     pytest.importorskip("torch")  # the check modules import torch
-    names = list(runner.load_checks())
+    names = list(catalog.load_checks())
     assert names[0].startswith("imports.") and names[-1].startswith("parallel.")
     assert {
         "kernels.softmax.causal",

@@ -32,15 +32,10 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend import attention_backend_flag as attention_backend
-from megatron_rocm.runtime.backend.te_sdpa import sdpa_sbhd
+from megatron_rocm.runtime.backend.te_sdpa import mask_name, sdpa_sbhd
 from megatron_rocm.runtime.platform import capturing
 
 _OWNER = "TEDotProductAttention"
-
-
-def mask_name(mask_type: Any) -> str:
-    """An ``AttnMaskType`` (or its name) as its name: ``causal``, ``no_mask``, ..."""
-    return str(getattr(mask_type, "name", mask_type))
 
 
 def _window_for_layer(config: Any, layer_number: int) -> tuple[int, int] | None:

@@ -37,6 +37,11 @@ MASK_TYPES = frozenset(
 
 
 @functools.cache
+def mask_name(mask_type: object) -> str:
+    """An ``AttnMaskType`` (or its name) as its name: ``causal``, ``no_mask``, ..."""
+    return str(getattr(mask_type, "name", mask_type))
+
+
 def _backend_priority(spec: str) -> tuple[object, ...]:
     from torch.nn.attention import SDPBackend
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend.dot_product_attention import mask_name
+from megatron_rocm.runtime.backend.te_sdpa import mask_name
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
