@@ -8,10 +8,12 @@ fork's commit) when no ref breaks: the report is written first, with an error ro
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import sys
 from pathlib import Path
 
+from megatron_rocm.commands import options
 from megatron_rocm.errors import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -146,3 +148,38 @@ def matrix(
     _output(m, formats, out)
     _note_errors(m)
     return exit_code(m)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("matrix", help="check the series against every upstream tag")
+    options.add_source(p)
+    p.add_argument(
+        "--tags",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="glob patterns of tags/branches (default: release tags >= core_v0.12.0 and main)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["md", "html", "json", "junit"],
+        action="append",
+        default=None,
+        help="report format; repeat for several (default: md)",
+    )
+    p.add_argument("--out", default=None, help="report file, or folder when several formats")
+    p.add_argument("--no-scan", action="store_true", help="skip the new-CUDA-surface scan")
+    options.add_series(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return matrix(
+        source=args.source,
+        tag_patterns=args.tags,
+        formats=args.format or ["md"],
+        out=args.out,
+        scan=not args.no_scan,
+        series_dir=args.series,
+        version_override=args.megatron_version,
+    )
