@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_timing  # noqa: E402
 
-from megatron_rocm.runtime.kernels import _norm_triton as tri  # noqa: E402
-from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
+from megatron_rocm.runtime.kernels import norm_triton as tri  # noqa: E402
+from megatron_rocm.runtime.kernels.launch import sm_count  # noqa: E402
 from megatron_rocm.runtime.kernels.norm import TRITON_NORMS_ENV, FusedNorm  # noqa: E402
 
 DEVICE = "cuda"

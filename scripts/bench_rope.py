@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_timing  # noqa: E402
 
-from megatron_rocm.runtime.kernels import _rope_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import rope  # noqa: E402
+from megatron_rocm.runtime.kernels import rope_triton as tri  # noqa: E402
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth measuring on new hardware
     "default": tri.Tuning(),

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_timing  # noqa: E402
 
-from megatron_rocm.runtime.kernels import _softmax_triton as tri  # noqa: E402
 from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
-from megatron_rocm.runtime.kernels._runtime import sm_count  # noqa: E402
+from megatron_rocm.runtime.kernels import softmax_triton as tri  # noqa: E402
+from megatron_rocm.runtime.kernels.launch import sm_count  # noqa: E402
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth re-measuring on new hardware
     "default": tri.Tuning(),

@@ -39,7 +39,8 @@ def _parsers() -> dict[str, Callable[[], object]]:
     from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
     from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
     from megatron_rocm.runtime.backend.packed import thd_attention as packed_attention
-    from megatron_rocm.runtime.kernels import _runtime, grouped_gemm, norm
+    from megatron_rocm.runtime.kernels import grouped_gemm, norm
+    from megatron_rocm.runtime.kernels import launch as _runtime
     from megatron_rocm.runtime.kernels import local_sdpa as attention
 
     return {

@@ -86,7 +86,7 @@ def run_rank(args: argparse.Namespace) -> dict:
 
     from megatron_rocm.runtime.backend.cp import a2a_projection
     from megatron_rocm.runtime.backend.cp import a2a_qkv as _cp_a2a_qkv
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     parallel_state.initialize_model_parallel(context_parallel_size=CP)
     projected, logged = [], []

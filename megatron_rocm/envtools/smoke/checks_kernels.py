@@ -42,7 +42,7 @@ def _path(ctx: Context, t: Tensor, triton_kernel: str | None) -> str:
     if triton_kernel is None:
         return f"torch native, {t.device.type}"
     try:
-        from megatron_rocm.runtime.kernels._runtime import use_triton
+        from megatron_rocm.runtime.kernels.launch import use_triton
 
         return "triton" if use_triton(t, kernel=triton_kernel) else "torch reference"
     except ImportError:

@@ -90,7 +90,7 @@ def _check_determinism(config: Any) -> None:
             "torch.use_deterministic_algorithms(True) (what --deterministic-mode sets) nor "
             "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 is; set one"
         )
-    from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+    from megatron_rocm.runtime.kernels.launch import log_fallback_once
 
     log_fallback_once(
         "deterministic-mode-nvte",
@@ -415,7 +415,7 @@ class TEDotProductAttention(torch.nn.Module):
         from megatron_rocm.runtime.backend.packed.context_parallel import (
             packed_context_parallel_attention,
         )
-        from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+        from megatron_rocm.runtime.kernels.launch import log_fallback_once
 
         log_fallback_once(
             f"packed-cp-comm:{self.cp_comm_type}",

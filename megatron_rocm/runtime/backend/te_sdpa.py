@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import log_fallback_once
 from megatron_rocm.runtime.kernels.local_sdpa import grouped_kv_for_sdpa
 
 BACKENDS_ENV = "MEGATRON_ROCM_SDPA_BACKENDS"

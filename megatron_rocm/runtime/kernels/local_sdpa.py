@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rocm.runtime.kernels._runtime import is_hip
+from megatron_rocm.runtime.kernels.launch import is_hip
 
 # Megatron's AttnMaskType values (megatron/core/transformer/enums.py, 0.12 .. main).
 _MASK_TYPE_NAMES = {

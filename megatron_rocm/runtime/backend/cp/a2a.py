@@ -79,7 +79,7 @@ from megatron_rocm.runtime.backend.cp.handoff import (
 from megatron_rocm.runtime.backend.cp.layout import zigzag_chunk_ids
 from megatron_rocm.runtime.backend.cp.p2p import Pending, global_rank, post
 from megatron_rocm.runtime.backend.cp.ring import bhsd
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
 Tensor = torch.Tensor

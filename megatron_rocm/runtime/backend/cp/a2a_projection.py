@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend.te_sdpa import mask_name
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
 QKV_ENV = "MEGATRON_ROCM_CP_A2A_QKV"

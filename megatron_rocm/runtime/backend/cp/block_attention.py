@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+from megatron_rocm.runtime.kernels.launch import is_hip, log_fallback_once
 
 Tensor = torch.Tensor
 aten = torch.ops.aten

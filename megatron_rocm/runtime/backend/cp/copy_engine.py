@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+from megatron_rocm.runtime.kernels.launch import is_hip, log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
 Tensor = torch.Tensor

@@ -40,7 +40,7 @@ from megatron_rocm.runtime.backend.packed.thd_partition import (
     host_offsets,
     partition_index,
 )
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import log_fallback_once
 
 Tensor = torch.Tensor
 

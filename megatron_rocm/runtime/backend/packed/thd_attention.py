@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend.packed.plan import PackedPlan, build_plan, rows_mask
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, logger
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, logger
 from megatron_rocm.runtime.kernels.local_sdpa import attention_reference, sdpa_attention
 
 ENV_VAR = "MEGATRON_ROCM_PACKED_ATTENTION"

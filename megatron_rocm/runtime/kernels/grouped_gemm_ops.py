@@ -122,7 +122,7 @@ class Matrices:
 
     def strided(self):  # noqa: ANN201 - returns _grouped_gemm_triton.Strided | None
         """Base + per-matrix element offsets (any spacing or order), for the Triton kernels."""
-        from megatron_rocm.runtime.kernels._grouped_gemm_triton import Strided
+        from megatron_rocm.runtime.kernels.grouped_gemm_triton import Strided
 
         if not self._one_storage():
             return None
@@ -179,7 +179,7 @@ def torch_wgrad(dy: torch.Tensor, x: torch.Tensor, s: Splits) -> torch.Tensor:
 
 
 def triton_forward(x: torch.Tensor, w: Matrices, s: Splits) -> tuple[torch.Tensor, str]:
-    from megatron_rocm.runtime.kernels import _grouped_gemm_triton as tri
+    from megatron_rocm.runtime.kernels import grouped_gemm_triton as tri
 
     b, how = w.strided_or_stacked()
     b_t = tri.Strided(b.base, b.offsets, (b.strides[1], b.strides[0]), b.align)  # B_g = W_g^T
@@ -187,7 +187,7 @@ def triton_forward(x: torch.Tensor, w: Matrices, s: Splits) -> tuple[torch.Tenso
 
 
 def triton_dgrad(dy: torch.Tensor, w: Matrices, s: Splits) -> tuple[torch.Tensor, str]:
-    from megatron_rocm.runtime.kernels import _grouped_gemm_triton as tri
+    from megatron_rocm.runtime.kernels import grouped_gemm_triton as tri
 
     b, how = w.strided_or_stacked()
     return tri.gmm(dy, b, w.shape, s.offsets(), list(s.counts)), how
@@ -197,7 +197,7 @@ def triton_wgrad_into(
     dy: torch.Tensor, x: torch.Tensor, s: Splits, out: Matrices, accumulate: bool
 ) -> bool:
     """Write (or add) the weight gradients into ``out`` in place; False if it cannot."""
-    from megatron_rocm.runtime.kernels import _grouped_gemm_triton as tri
+    from megatron_rocm.runtime.kernels import grouped_gemm_triton as tri
 
     c = out.strided()
     if c is None:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels._runtime import sm_count
+from megatron_rocm.runtime.kernels.launch import sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One row per block: a wider row would spill registers (hidden sizes of real models are far

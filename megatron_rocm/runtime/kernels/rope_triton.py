@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice  # dispatches to CUDA's libdevice or ROCm's ocml
 
-from megatron_rocm.runtime.kernels._runtime import interpreting, is_hip, sm_count
+from megatron_rocm.runtime.kernels.launch import interpreting, is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

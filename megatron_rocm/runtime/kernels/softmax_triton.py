@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels._runtime import is_hip, sm_count
+from megatron_rocm.runtime.kernels.launch import is_hip, sm_count
 
 PLAIN, CAUSAL, MASKED = 0, 1, 2
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels._runtime import interpreting, is_hip
+from megatron_rocm.runtime.kernels.launch import interpreting, is_hip
 
 
 @dataclass(frozen=True)
