@@ -9,7 +9,7 @@
 #   smoke-REF.json/.xml/.txt   the whole suite (`megatron-rocm smoke`)
 #   fault-REF.txt              MEGATRON_ROCM_SMOKE_FAULT=resume on training.resume.1gpu.local
 #                              (it must FAIL: that run's exit status is logged, 1 expected)
-#   distopt-REF.jsonl          scripts/validate_distopt_resume.py (pretrain_gpt.py save/resume
+#   distopt-REF.jsonl          scripts/training/validate_distopt_resume.py (pretrain_gpt.py save/resume
 #                              per checkpoint format, DP2) for the refs in DISTOPT_REFS
 # and smoke-table.md, the Markdown table for docs/smoke.md (scripts/smoke_table.py).
 #
@@ -65,7 +65,7 @@ DREFS=(${DISTOPT_REFS:-${REFS[$((${#REFS[@]} - 1))]}})
 for R in "${DREFS[@]}"; do
   [ "$R" = none ] && continue
   [ -d "$W/p-$R" ] || continue
-  (cd "$HERE" && $PY scripts/validate_distopt_resume.py "$W/p-$R" --out "$W/distopt-$R" \
+  (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$R" --out "$W/distopt-$R" \
      > "$OUT/distopt-$R.jsonl" 2> "$OUT/distopt-$R.err")
   log "distopt resume $R: exit $?"
   sed 's/^/    /' "$OUT/distopt-$R.jsonl" | cut -c1-220 | tee -a "$OUT/summary.txt"

@@ -37,14 +37,14 @@ NEWEST=${REFS[$((${#REFS[@]} - 1))]}
 if [ "${SKIP_BASIC:-0}" != 1 ]; then
 pids=()
 for R in "${REFS[@]}"; do
-  (cd "$HERE" && $PY scripts/train_small.py "$W/u-$R" --preset gpt --iters 3 \
+  (cd "$HERE" && $PY -m scripts.training.train_small "$W/u-$R" --preset gpt --iters 3 \
      --log "$OUT/unpatched-$R.log" > "$OUT/unpatched-$R.json" 2>&1) & pids+=($!)
-  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset gpt --iters 50 \
+  (cd "$HERE" && $PY -m scripts.training.train_small "$W/p-$R" --preset gpt --iters 50 \
      --log "$OUT/patched-gpt-$R.log" > "$OUT/patched-gpt-$R.json" 2>&1) & pids+=($!)
 done
 for R in core_v0.19.0 "$NEWEST"; do
   [ -d "$W/p-$R" ] || continue
-  (cd "$HERE" && $PY scripts/train_small.py "$W/p-$R" --preset llama --iters 50 \
+  (cd "$HERE" && $PY -m scripts.training.train_small "$W/p-$R" --preset llama --iters 50 \
      --log "$OUT/patched-llama-$R.log" > "$OUT/patched-llama-$R.json" 2>&1) & pids+=($!)
 done
 wait "${pids[@]}"
@@ -64,7 +64,7 @@ if [ "${PAIRED:-0}" = 1 ]; then
     for kind in p u; do
       flag=(); [ $kind = u ] && flag=(--unfused)
       [ -n "${PAIRED_MBS:-}" ] && flag+=(--micro-batch-size "$PAIRED_MBS")
-      (cd "$HERE" && $PY scripts/train_small.py "$W/$kind-$R" --preset gpt \
+      (cd "$HERE" && $PY -m scripts.training.train_small "$W/$kind-$R" --preset gpt \
          --iters "${PAIRED_ITERS:-25}" "${flag[@]}" \
          --log "$OUT/paired-$kind-$R.log" > "$OUT/paired-$kind-$R.json" 2>&1)
       log "paired $kind $R: $(tail -1 "$OUT/paired-$kind-$R.json")"
@@ -91,7 +91,7 @@ if [ -d "$W/p-$T" ] && [ "${SKIP_THROUGHPUT:-0}" != 1 ]; then
   for side in patched unfused; do
     [ -n "${TP_ONLY:-}" ] && [ "$TP_ONLY" != $side ] && continue
     tree=$W/p-$T; flag=(); [ $side = unfused ] && tree=$W/u-$T && flag=(--unfused)
-    (cd "$HERE" && $PY scripts/train_small.py "$tree" --preset llama --preset-size 0.85b \
+    (cd "$HERE" && $PY -m scripts.training.train_small "$tree" --preset llama --preset-size 0.85b \
        "${flag[@]}" "${MBS[@]}" --iters "${TP_ITERS:-20}" --log "$OUT/tput-$side.log" \
        > "$OUT/tput-$side.json" 2>&1)
     log "0.85b $side $T ${TP_MBS:+mbs $TP_MBS}: $(tail -1 "$OUT/tput-$side.json")"

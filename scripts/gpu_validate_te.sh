@@ -13,15 +13,15 @@
 #   tp2      TP=2 + SP, TE spec, small Llama on the newest ref (needs 2 GPUs)
 #   units    upstream's own unit tests on the newest ref, patched (and unpatched with
 #            UNPATCHED=1), through scripts/upstream_unit_tests.py when present
-#   profile  scripts/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
+#   profile  scripts/training/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
-#   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/trace_summary.py)
+#   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py)
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention)
 #   cp2      context parallelism on 2 GPUs: CP=2 Llama at seq 8k and 16k (TE spec), CP=1 at 8k
-#            for the loss comparison, the GPU cases of test_context_parallel, bench_cp_attention
+#            for the loss comparison, the GPU cases of test_context_parallel, bench/cp_attention
 #   moe2     EP=2 MoE, alltoall dispatcher, with and without --moe-grouped-gemm (2 GPUs)
 #   mla      multi-latent attention through the TE spec on the newest ref: a small GPT with
 #            rope fusion (--position-embedding-type rope, 12 heads: a partial BLOCK_H block,
@@ -31,15 +31,15 @@
 #            patched newest ref, 2 ranks (scripts/upstream_unit_tests.py), UNIT_BUDGET seconds
 #   packedcp packed sequences under CP and the CP block kernels (2 GPUs): the GPU cases of
 #            test_packed_context_parallel and test_context_parallel (verbose, tracebacks after
-#            120 s), bench_cp_attention with auto's blocks (cuDNN on NVIDIA) and flash's, SDPA's
+#            120 s), bench/cp_attention with auto's blocks (cuDNN on NVIDIA) and flash's, SDPA's
 #            backends forced and each case's costliest ops, smoke's parallel.cp2 /
 #            parallel.cp2_packed, upstream's test_sequence_packing.py at 2 ranks
 #   par4     four GPUs: the parallel layouts issue 11 names that two GPUs cannot show, small
 #            Llama at seq 16k on every ref in REFS: TP2 x CP2 (+SP) against TP=2 alone, CP=4
-#            (the ring over four ranks) against CP=1, loss by loss (scripts/compare_losses.py);
+#            (the ring over four ranks) against CP=1, loss by loss (scripts/training/compare_losses.py);
 #            on the newest ref MoE with EP=2 x DP=2, --moe-grouped-gemm and the distributed
 #            optimizer (PAR4_ITERS; PAR4_RUNS picks from cp1 tp2 tp2cp2 cp4 moe, default all)
-#   scale4   four GPUs, issue 14, on every ref in REFS: scripts/validate_par4.py (TP2 x PP2 with
+#   scale4   four GPUs, issue 14, on every ref in REFS: scripts/training/validate_par4.py (TP2 x PP2 with
 #            virtual stages, TP2 x CP2 at 16k, EP4 MoE with grouped GEMM over DP4, DP4 with the
 #            distributed optimizer; the first and the last save and resume in a fresh process;
 #            each against the same model on one GPU: OUT/scale4-REF.md), then smoke's four-GPU
@@ -47,8 +47,8 @@
 #            preset: small or 0.85b; SCALE4_TIMEOUT, seconds per run, default 240;
 #            SCALE4_SMOKE=0 skips the smoke part)
 #   moebench upstream's expert modules on the newest ref, SequentialMLP vs TEGroupedMLP on the
-#            native backend (scripts/bench_moe_experts.py, MOE_EXPERTS default 8 64), and the
-#            bare GEMMs of the same experts (scripts/bench_grouped_gemm.py)
+#            native backend (scripts/bench/moe_experts.py, MOE_EXPERTS default 8 64), and the
+#            bare GEMMs of the same experts (scripts/bench/grouped_gemm.py)
 #   mimo2    upstream's MIMO tests (tests/unit_tests/models/mimo), unpatched vs patched newest
 #            ref, 2 ranks
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
@@ -79,7 +79,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 train() {  # train NAME TREE ARGS... -> OUT/NAME.json (last line: train_small's summary)
   local name=$1 tree=$2; shift 2
   rm -f "$OUT/$name.log"  # a run that fails before logging must not leave an older log to compare
-  (cd "$HERE" && $PY scripts/train_small.py "$tree" --log "$OUT/$name.log" "$@" \
+  (cd "$HERE" && $PY -m scripts.training.train_small "$tree" --log "$OUT/$name.log" "$@" \
      > "$OUT/$name.out" 2>&1; tail -1 "$OUT/$name.out" > "$OUT/$name.json")
 }
 
@@ -135,7 +135,7 @@ stage_units() {
 }
 
 stage_profile() {
-  (cd "$HERE" && $PY scripts/profile_step.py "$W/p-$NEWEST" --layers "${PROFILE_LAYERS:-4}" \
+  (cd "$HERE" && $PY -m scripts.training.profile_step "$W/p-$NEWEST" --layers "${PROFILE_LAYERS:-4}" \
      --mbs "${PROFILE_MBS:-8}" --configs "${PROFILE_CONFIGS:-default,te,te-cudnn,te-flash}" \
      ${PROFILE_ARGS:-} \
      > "$OUT/profile.txt" 2>&1)
@@ -176,7 +176,7 @@ stage_bench() {
 
 stage_trace() {
   # One profiled iteration of the 0.85B benchmark per spec (upstream's own --profile
-  # --use-pytorch-profiler), summarised by scripts/trace_summary.py: GPU busy vs idle, kernel
+  # --use-pytorch-profiler), summarised by scripts/training/trace_summary.py: GPU busy vs idle, kernel
   # families, and the Python frames behind the longest idle gaps.
   local size="--preset llama --preset-size 0.85b --micro-batch-size ${BENCH_MBS:-16}"
   for impl in ${TRACE_IMPLS:-transformer_engine local}; do
@@ -185,7 +185,7 @@ stage_trace() {
       ${TRACE_FLAGS:---cross-entropy-loss-fusion --manual-gc} --profile --use-pytorch-profiler \
       --profile-step-start 6 --profile-step-end 7 --pytorch-profiler-collect-callstack \
       --tensorboard-dir "$W/trace-$impl/tb"
-    (cd "$HERE" && $PY scripts/trace_summary.py "$W/trace-$impl/torch_profile/rank-0.json.gz" \
+    (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/trace-$impl/torch_profile/rank-0.json.gz" \
        --top 40 --gaps 20 > "$OUT/trace-$impl.md" 2>&1)
     log "trace $impl: $(head -1 "$OUT/trace-$impl.md")"
   done
@@ -201,12 +201,12 @@ stage_kernels() {
   (cd "$HERE" && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime \
      > "$OUT/gpu-tests.txt" 2>&1)
   log "gpu tests: $(tail -1 "$OUT/gpu-tests.txt")"
-  (cd "$HERE" && timeout 120 $PY scripts/bench_rope.py --json "$OUT/bench-rope.json" > "$OUT/bench-rope.txt" 2>&1)
-  (cd "$HERE" && timeout 120 $PY scripts/bench_swiglu.py --tree "$W/p-$NEWEST" \
+  (cd "$HERE" && timeout 120 $PY -m scripts.bench.rope --json "$OUT/bench-rope.json" > "$OUT/bench-rope.txt" 2>&1)
+  (cd "$HERE" && timeout 120 $PY -m scripts.bench.swiglu --tree "$W/p-$NEWEST" \
      --json "$OUT/bench-swiglu.json" > "$OUT/bench-swiglu.txt" 2>&1)
-  (cd "$HERE" && timeout 180 $PY scripts/bench_grouped_gemm.py > "$OUT/bench-grouped.txt" 2>&1)
-  (cd "$HERE" && timeout 120 $PY scripts/bench_grouped_gemm.py --profile > "$OUT/bench-grouped-profile.txt" 2>&1)
-  (cd "$HERE" && timeout 150 $PY scripts/bench_packed_attention.py > "$OUT/bench-packed.txt" 2>&1)
+  (cd "$HERE" && timeout 180 $PY -m scripts.bench.grouped_gemm > "$OUT/bench-grouped.txt" 2>&1)
+  (cd "$HERE" && timeout 120 $PY -m scripts.bench.grouped_gemm --profile > "$OUT/bench-grouped-profile.txt" 2>&1)
+  (cd "$HERE" && timeout 150 $PY -m scripts.bench.packed_attention > "$OUT/bench-packed.txt" 2>&1)
   log "kernel benchmarks: see bench-*.txt"
 }
 
@@ -220,7 +220,7 @@ stage_cp2() {
      tests/runtime/backend/cp/test_context_parallel.py > "$OUT/cp-gpu-tests.txt" 2>&1)
   log "cp gpu tests: $(tail -1 "$OUT/cp-gpu-tests.txt")"
   (cd "$HERE" && timeout 200 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-     scripts/bench_cp_attention.py --json "$OUT/bench-cp.jsonl" > "$OUT/bench-cp.txt" 2>&1)
+     -m scripts.bench.cp_attention --json "$OUT/bench-cp.jsonl" > "$OUT/bench-cp.txt" 2>&1)
   log "cp bench: $(wc -l < "$OUT/bench-cp.jsonl" 2>/dev/null) rows"
 }
 
@@ -271,7 +271,7 @@ stage_packedcp() {
      tests/runtime/backend/cp/test_context_parallel.py > "$OUT/packedcp-gpu-tests.txt" 2>&1)
   log "packed/cp gpu tests: $(tail -1 "$OUT/packedcp-gpu-tests.txt")"
   (cd "$HERE" && timeout 240 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-     scripts/bench_cp_attention.py --kernels auto,cudnn:expanded,flash --ops 12 \
+     -m scripts.bench.cp_attention --kernels auto,cudnn:expanded,flash --ops 12 \
      --json "$OUT/bench-cp-kernels.jsonl" > "$OUT/bench-cp-kernels.txt" 2>&1)
   log "cp bench (auto's, cuDNN's with expanded kv heads, flash blocks): $(wc -l < "$OUT/bench-cp-kernels.jsonl" 2>/dev/null) rows"
   timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only parallel.cp2 parallel.cp2_packed \
@@ -306,7 +306,7 @@ stage_par4() {
     # each CP layout against the same layout without CP: TP=2 draws other initial weights
     for n in tp2cp2:tp2 cp4:cp1; do
       [ -f "$OUT/par4-${n%:*}-$R.log" ] && [ -f "$OUT/par4-${n#*:}-$R.log" ] || continue
-      log "par4-${n%:*}-$R losses vs ${n#*:}: $(cd "$HERE" && $PY scripts/compare_losses.py \
+      log "par4-${n%:*}-$R losses vs ${n#*:}: $(cd "$HERE" && $PY -m scripts.training.compare_losses \
         "$OUT/par4-${n#*:}-$R.log" "$OUT/par4-${n%:*}-$R.log" 2>&1)"
     done
   done
@@ -317,7 +317,7 @@ SMOKE4=(parallel.tp2_pp2_vpp parallel.tp2_cp2 parallel.ep4_moe parallel.dp4_dist
 stage_scale4() {
   local R
   for R in "${REFS[@]}"; do
-    (cd "$HERE" && $PY scripts/validate_par4.py "$W/p-$R" --out "$W/scale4-$R" \
+    (cd "$HERE" && $PY -m scripts.training.validate_par4 "$W/p-$R" --out "$W/scale4-$R" \
        --iters "${SCALE4_ITERS:-30}" ${SCALE4_RUNS:+--runs "$SCALE4_RUNS"} \
        --preset-size "${SCALE4_SIZE:-small}" \
        --run-timeout "${SCALE4_TIMEOUT:-240}" \
@@ -333,9 +333,9 @@ stage_scale4() {
 
 stage_moebench() {
   local experts=${MOE_EXPERTS:-8 64}
-  (cd "$HERE" && $PY scripts/bench_moe_experts.py "$W/p-$NEWEST" --experts $experts \
+  (cd "$HERE" && $PY -m scripts.bench.moe_experts "$W/p-$NEWEST" --experts $experts \
      --json "$OUT/moe-experts.jsonl" > "$OUT/moe-experts.out" 2>&1)
-  (cd "$HERE" && $PY scripts/bench_grouped_gemm.py --experts $experts \
+  (cd "$HERE" && $PY -m scripts.bench.grouped_gemm --experts $experts \
      > "$OUT/grouped-gemm.jsonl" 2> "$OUT/grouped-gemm.err")
   log "moebench: $(grep -c . "$OUT/moe-experts.jsonl" 2>/dev/null || echo 0) module records, $(grep -c '"ms"' "$OUT/grouped-gemm.jsonl") GEMM records"
 }

@@ -1,18 +1,14 @@
-"""scripts/bench_timing.py, the kernel benchmarks' shared timer, on the CPU path."""
+"""scripts/bench/timing.py, the kernel benchmarks' shared timer, on the CPU path."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_timing  # noqa: E402
+from scripts.bench import timing as bench_timing  # noqa: E402
 
 
 def test_cpu_timing_times_the_second_call_only() -> None:

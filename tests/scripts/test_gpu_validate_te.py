@@ -178,9 +178,13 @@ def test_moebench_times_upstreams_modules_and_the_bare_gemms_on_the_same_experts
     tmp_path: Path,
 ) -> None:
     modules, gemms = run_stage(tmp_path, "moebench", MOE_EXPERTS="8 32")
-    assert modules.split()[1:3] == ["scripts/bench_moe_experts.py", str(tmp_path / "work/p-main")]
+    assert modules.split()[1:4] == [
+        "-m",
+        "scripts.bench.moe_experts",
+        str(tmp_path / "work/p-main"),
+    ]
     assert " --experts 8 32 " in f"{modules} " and option(modules, "--json").endswith(".jsonl")
-    assert gemms.split()[1] == "scripts/bench_grouped_gemm.py"
+    assert gemms.split()[1:3] == ["-m", "scripts.bench.grouped_gemm"]
     assert " --experts 8 32" in gemms
 
 
@@ -188,7 +192,7 @@ def test_par4_runs_each_layout_against_the_same_one_without_cp_on_every_ref(
     tmp_path: Path,
 ) -> None:
     calls = run_stage(tmp_path, "par4", REFS="core_v0.19.0 main")
-    trains = [c for c in calls if "scripts/train_small.py" in c]
+    trains = [c for c in calls if " -m scripts.training.train_small " in c]
     layouts = [
         (option(c, "--nproc"), option(c, "--tp"), option(c, "--cp"), " --sp " in c) for c in trains
     ]
@@ -199,7 +203,7 @@ def test_par4_runs_each_layout_against_the_same_one_without_cp_on_every_ref(
         ("4", None, "4", False),
     ]
     assert layouts == per_ref * 2 + [("4", None, None, False)]  # MoE on the newest ref only
-    trees = [c.split()[2].rsplit("/", 1)[-1] for c in trains]
+    trees = [c.split()[3].rsplit("/", 1)[-1] for c in trains]
     assert trees == ["p-core_v0.19.0"] * 4 + ["p-main"] * 5
     assert all(option(c, "--seq-length") == "16384" for c in trains[:8])
     moe = trains[-1]
@@ -213,7 +217,7 @@ def test_par4_runs_each_layout_against_the_same_one_without_cp_on_every_ref(
 def test_par4_compares_each_cp_layout_with_its_reference_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
     calls = run_stage(tmp_path, "par4", PAR4_RUNS="cp1 tp2 tp2cp2 cp4", FAKE_LOGS="1")
-    compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
+    compares = [c.split()[3:] for c in calls if " -m scripts.training.compare_losses " in c]
     assert compares == [
         [str(out / "par4-tp2-main.log"), str(out / "par4-tp2cp2-main.log")],
         [str(out / "par4-cp1-main.log"), str(out / "par4-cp4-main.log")],
@@ -226,22 +230,22 @@ def test_a_run_that_writes_no_log_is_not_compared_with_an_older_one(tmp_path: Pa
     for name in ("cp1", "tp2", "tp2cp2", "cp4"):  # an earlier session's logs in the same OUT
         (out / f"par4-{name}-main.log").write_text("old")
     calls = run_stage(tmp_path, "par4", PAR4_RUNS="tp2cp2")  # this run fails before logging
-    compares = [c.split()[2:] for c in calls if "scripts/compare_losses.py" in c]
+    compares = [c.split()[3:] for c in calls if " -m scripts.training.compare_losses " in c]
     assert [str(out / "par4-tp2cp2-main.log")] not in [c[1:] for c in compares]
     assert not (out / "par4-tp2cp2-main.log").exists()
 
 
 def test_scale4_size_picks_the_preset_the_layouts_train(tmp_path: Path) -> None:
     calls = run_stage(tmp_path, "scale4", REFS="main", SCALE4_SIZE="0.85b", SCALE4_SMOKE="0")
-    par4 = [c for c in calls if "scripts/validate_par4.py" in c]
+    par4 = [c for c in calls if " -m scripts.training.validate_par4 " in c]
     assert len(par4) == 1 and option(par4[0], "--preset-size") == "0.85b"
 
 
 def test_scale4_runs_issue_14_and_smokes_four_gpu_checks_on_every_ref(tmp_path: Path) -> None:
     calls = run_stage(tmp_path, "scale4", REFS="core_v0.19.0 main", SCALE4_RUNS="ep4moe")
-    par4 = [c for c in calls if "scripts/validate_par4.py" in c]
+    par4 = [c for c in calls if " -m scripts.training.validate_par4 " in c]
     smoke = [c for c in calls if "-m megatron_rocm smoke" in c]
-    assert [c.split()[2].rsplit("/", 1)[-1] for c in par4] == ["p-core_v0.19.0", "p-main"]
+    assert [c.split()[3].rsplit("/", 1)[-1] for c in par4] == ["p-core_v0.19.0", "p-main"]
     for call, ref in zip(par4, ("core_v0.19.0", "main")):
         assert option(call, "--runs") == "ep4moe" and option(call, "--iters") == "30"
         assert option(call, "--table").endswith(f"out/scale4-{ref}.md")

@@ -179,7 +179,7 @@ def norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dx, dw, db)``: ``dx`` in ``x``'s dtype, ``dw``/``db`` summed in fp32 and returned in
     the weight's dtype (``db`` is None without a bias). ``programs`` and ``stages`` override
-    ``PROGRAMS_PER_SM`` and ``BACKWARD_STAGES`` (``scripts/bench_norm.py`` sweeps them)."""
+    ``PROGRAMS_PER_SM`` and ``BACKWARD_STAGES`` (``scripts/bench/norm.py`` sweeps them)."""
     rows, columns = x2d.shape
     dx = torch.empty_like(x2d)
     programs = max(1, min(rows, programs or backward_programs(x2d)))

@@ -38,7 +38,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch heuristics (a small table, no autotuning); scripts/bench_rope.py compares a few.
+    """Launch heuristics (a small table, no autotuning); scripts/bench/rope.py compares a few.
 
     Few warps per program on purpose: every thread computes ``cos``/``sin`` of the channels it
     owns, so more threads sharing one angle row means more repeated trigonometry.

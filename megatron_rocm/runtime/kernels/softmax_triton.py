@@ -36,7 +36,7 @@ PLAIN, CAUSAL, MASKED = 0, 1, 2
 class Tuning:
     """Launch heuristics: a small table instead of autotuning every call signature.
 
-    The defaults are the per-regime winners of scripts/bench_softmax.py on an H100
+    The defaults are the per-regime winners of scripts/bench/softmax.py on an H100
     (docs/softmax.md); AMD uses the same table with 64-wide wavefronts and at most 16 of them.
     """
 
@@ -59,7 +59,7 @@ def get_tuning() -> Tuning:
 
 
 def set_tuning(tuning: Tuning) -> None:
-    """Swap the heuristics (scripts/bench_softmax.py compares a few in one GPU run)."""
+    """Swap the heuristics (scripts/bench/softmax.py compares a few in one GPU run)."""
     global _tuning
     _tuning = tuning
 

@@ -10,7 +10,7 @@ read and written exactly once:
 * ``_backward``: reads ``g``, ``y1``, ``y2``; writes ``dy1``, ``dy2`` into the two halves of
   one ``[rows, 2F]`` tensor. upstream's compiled ``swiglu_back`` builds the same tensor with a
   ``torch.cat`` and runs at 93% of copy bandwidth on an H100, this at 100%; the forwards tie
-  (``scripts/bench_swiglu.py``, ``docs/kernels.md``). A per-row 2-D grid was measured at 97%
+  (``scripts/bench/swiglu.py``, ``docs/kernels.md``). A per-row 2-D grid was measured at 97%
   both ways and dropped.
 
 Math in fp32, rounded once to the input's dtype, as upstream's compiled functions do

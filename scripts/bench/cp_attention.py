@@ -1,6 +1,6 @@
 """Attention TFLOP/s of context-parallel attention vs single-GPU SDPA at the same total length.
 
-    torchrun --nproc-per-node 2 scripts/bench_cp_attention.py [--lengths 8192,16384,32768]
+    torchrun --nproc-per-node 2 scripts/bench/cp_attention.py [--lengths 8192,16384,32768]
         [--comm p2p,all_gather,a2a] [--kernels auto,cudnn] [--heads 32/8] [--a2a-stages 1,2,4]
         [--a2a-transports process-group,copy-engine] [--json FILE]
 
@@ -46,28 +46,24 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a  # noqa: E402
-from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine  # noqa: E402
-from megatron_rocm.runtime.backend.cp.block_attention import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+from megatron_rocm.runtime.backend.cp.block_attention import (
     BlockKernel,
     pick_kernel,
 )
-from megatron_rocm.runtime.backend.cp.dispatch import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp.dispatch import (
     context_parallel_attention,
     zigzag_shard,
 )
-from megatron_rocm.runtime.backend.cp.ring import bhsd  # noqa: E402
-from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention  # noqa: E402
+from megatron_rocm.runtime.backend.cp.ring import bhsd
+from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention
 
 HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
 

@@ -6,7 +6,7 @@ interactive (target: the whole matrix under 20 s on a 2-core machine). Reports, 
 the refs, the median seconds over --repeat runs and seconds per ref, end to end through the
 CLI (Python start-up included) and in process; then how time grows with the number of refs.
 
-    python scripts/bench_check.py /path/to/Megatron-LM-mirror [--series patches] [--repeat 3]
+    python -m scripts.bench.check /path/to/Megatron-LM-mirror [--series patches] [--repeat 3]
 """
 
 from __future__ import annotations

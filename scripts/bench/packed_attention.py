@@ -1,6 +1,6 @@
 """Benchmark packed (THD) attention on one GPU: every implementation against the alternatives.
 
-    python scripts/bench_packed_attention.py [--tokens 16384] [--heads 32] [--groups 8]
+    python -m scripts.bench.packed_attention [--tokens 16384] [--heads 32] [--groups 8]
         [--dim 128] [--no-causal] [--pad-multiple 0] [--impls flash,flex,sdpa_loop,sdpa_padded]
 
 Documents of mixed lengths (a fixed seed; length-1 documents included) fill ``--tokens``
@@ -26,15 +26,12 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rocm.runtime.backend.packed import plan as packed_plan  # noqa: E402
-from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention  # noqa: E402
+from megatron_rocm.runtime.backend.packed import plan as packed_plan
+from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention
 
 
 def document_lengths(tokens: int, seed: int = 0) -> list[int]:

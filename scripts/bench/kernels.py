@@ -3,7 +3,7 @@
 Apex/TE: naive norm math, unfused RoPE, upcast wgrad GEMM, torch AdamW defaults, the
 per-tensor l2norm with host syncs, and the local unfused attention.
 
-Usage: python3 scripts/bench_kernels.py [--json] [--quick]
+Usage: python3 -m scripts.bench.kernels [--json] [--quick]
 Prints a markdown table (device, torch and HIP/CUDA versions, date); ``--json`` prints JSON.
 Each row also reports the max abs difference between the two providers (a parity check).
 """
@@ -17,18 +17,15 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rocm.runtime.kernels import grad_accum  # noqa: E402
-from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention  # noqa: E402
-from megatron_rocm.runtime.kernels.multi_tensor import multi_tensor_l2norm  # noqa: E402
-from megatron_rocm.runtime.kernels.norm import FusedNorm, norm_reference  # noqa: E402
-from megatron_rocm.runtime.kernels.optimizer import FusedAdam  # noqa: E402
-from megatron_rocm.runtime.kernels.rope import fused_apply_rotary_pos_emb, rope_reference  # noqa: E402
+from megatron_rocm.runtime.kernels import grad_accum
+from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention
+from megatron_rocm.runtime.kernels.multi_tensor import multi_tensor_l2norm
+from megatron_rocm.runtime.kernels.norm import FusedNorm, norm_reference
+from megatron_rocm.runtime.kernels.optimizer import FusedAdam
+from megatron_rocm.runtime.kernels.rope import fused_apply_rotary_pos_emb, rope_reference
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -1,7 +1,7 @@
 """Where one profiled training iteration spends its time, from a torch profiler trace.
 
-    python scripts/trace_summary.py TRACE.json[.gz] [--gaps 15] [--top 30]
-    python scripts/trace_summary.py RANK0.json.gz --against RANK1.json.gz [--top 30]
+    python -m scripts.training.trace_summary TRACE.json[.gz] [--gaps 15] [--top 30]
+    python -m scripts.training.trace_summary RANK0.json.gz --against RANK1.json.gz [--top 30]
 
 Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler`` (or any
 ``torch.profiler`` run) writes and prints:
@@ -20,7 +20,7 @@ kernels are also paired call by call: ranks that exchange at every layer lose wh
 stretch between exchanges took longer on the other rank, so differences that alternate
 between the ranks cost time that the totals do not show.
 
-A full-depth model's op table (``scripts/profile_step.py --ops``) says what each kernel costs;
+A full-depth model's op table (``scripts/training/profile_step.py --ops``) says what each kernel costs;
 this says what the *iteration* costs beyond its kernels, which is where the step time that
 no kernel accounts for goes.
 """

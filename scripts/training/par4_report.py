@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from train_small import SHAPES
-from validate_distopt_resume import failure_reason
+from scripts.training.train_small import SHAPES
+from scripts.training.validate_distopt_resume import failure_reason
 
 
 def summary_line(lines: list[str]) -> dict | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train_small import SHAPES
+from scripts.training.train_small import SHAPES
 
 NPROC = 4
 SIZES = ("small", "0.85b")  # train_small.py's --preset-size values the layouts are sized for

@@ -1,7 +1,7 @@
 """Benchmark SwiGLU (kernels.swiglu, Triton) against upstream's compiled functions, one GPU.
 
-    python scripts/bench_swiglu.py [--tree MEGATRON_TREE] [--shapes 32768x5504] [--json F]
-    TRITON_INTERPRET=1 python scripts/bench_swiglu.py --smoke   # tiny CPU run, checks it works
+    python -m scripts.bench.swiglu [--tree MEGATRON_TREE] [--shapes 32768x5504] [--json F]
+    TRITON_INTERPRET=1 python -m scripts.bench.swiglu --smoke   # tiny CPU run, checks it works
 
 ``upstream`` is ``swiglu`` / ``swiglu_back`` of ``megatron/core/fusions/fused_bias_swiglu.py``
 imported from ``--tree`` (``torch.compile``-d by upstream's ``jit_fuser``: what an unpatched
@@ -26,11 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_timing  # noqa: E402
-
-from megatron_rocm.runtime.kernels import swiglu  # noqa: E402
+from megatron_rocm.runtime.kernels import swiglu
+from scripts.bench import timing as bench_timing
 
 DEVICE = "cuda"
 

@@ -1,8 +1,8 @@
 """Could an a2a rank start its attention on the query rows it already holds? One GPU, no CP.
 
-    python scripts/bench_a2a_row_split.py [--length 16384] [--heads 32/4] [--kernels cudnn,flash]
+    python -m scripts.bench.a2a_row_split [--length 16384] [--heads 32/4] [--kernels cudnn,flash]
         [--rep-ms 100] [--json FILE]
-    python scripts/bench_a2a_row_split.py --cpu   # tiny fp32 run on the CPU: checks the script
+    python -m scripts.bench.a2a_row_split --cpu   # tiny fp32 run on the CPU: checks the script
 
 After Ulysses' first exchange (``cp.a2a``) a rank holds the whole sequence for its share of the
 heads (``--heads``: query/kv heads per rank, 32/4 is Llama-2-70B's 64/8 at cp 2). Its own two
@@ -40,15 +40,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_timing  # noqa: E402
-
-from megatron_rocm.runtime.backend.cp.block_attention import (  # noqa: E402
+from megatron_rocm.runtime.backend.cp.block_attention import (
     KERNELS,
     BlockKernel,
     SoftmaxMerger,
 )
+from scripts.bench import timing as bench_timing
 
 CHUNKS = 4  # Megatron's zigzag at cp 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
 ROW_GROUPS = ((0, 1), (1, 3), (3, 4))  # [start, end) in chunks: one rank's rows, the other's

@@ -7,8 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from par4_report import summary_line
-from validate_distopt_resume import failure_reason, judge, losses
+from scripts.training.par4_report import summary_line
+from scripts.training.validate_distopt_resume import failure_reason, judge, losses
 
 
 def stage(out: Path, name: str, save_at: int) -> str | None:

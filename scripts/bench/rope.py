@@ -1,7 +1,7 @@
 """Benchmark kernels.rope (Triton) against its torch path and Megatron's unfused RoPE, one GPU.
 
-    python scripts/bench_rope.py [--batches 8,16] [--cudagraph] [--configs default,w2] [--json F]
-    TRITON_INTERPRET=1 python scripts/bench_rope.py --smoke   # tiny CPU run, checks it works
+    python -m scripts.bench.rope [--batches 8,16] [--cudagraph] [--configs default,w2] [--json F]
+    TRITON_INTERPRET=1 python -m scripts.bench.rope --smoke   # tiny CPU run, checks it works
 
 Inputs are the 0.85B Llama's q and k (s 2048, 12 query heads, 4 key heads, head dim 128,
 bf16) at micro-batch 8 and 16, as the GPU tests use them: q is contiguous ``[s, b, 12, 128]``
@@ -35,12 +35,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_timing  # noqa: E402
-
-from megatron_rocm.runtime.kernels import rope  # noqa: E402
-from megatron_rocm.runtime.kernels import rope_triton as tri  # noqa: E402
+from megatron_rocm.runtime.kernels import rope
+from megatron_rocm.runtime.kernels import rope_triton as tri
+from scripts.bench import timing as bench_timing
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth measuring on new hardware
     "default": tri.Tuning(),

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Upstream's MoE expert modules on one GPU: SequentialMLP (the loop) vs TEGroupedMLP (native).
 
-Usage: python3 scripts/bench_moe_experts.py TREE [--experts 8 64] [--tokens 16384]
+Usage: python3 -m scripts.bench.moe_experts TREE [--experts 8 64] [--tokens 16384]
        [--hidden 2048] [--ffn 1408] [--json F] [--cpu]
 
-``bench_grouped_gemm.py`` times bare GEMMs: its loop is one cuBLAS call per expert and nothing
+``bench/grouped_gemm.py`` times bare GEMMs: its loop is one cuBLAS call per expert and nothing
 else, a stricter baseline than what a user runs. This one times what issue 11 names: the
 experts of one MoE layer built by upstream's own specs from a patched tree (TREE on
 ``sys.path``) - ``get_gpt_layer_local_spec(num_experts=E)`` gives ``SequentialMLP``, the Python
@@ -36,13 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from bench_grouped_gemm import device_info, is_gemm, route  # noqa: E402
-from bench_timing import median_ms  # noqa: E402
-
-from megatron_rocm.runtime.kernels import grouped_gemm as gg  # noqa: E402
+from megatron_rocm.runtime.kernels import grouped_gemm as gg
+from scripts.bench.grouped_gemm import device_info, is_gemm, route
+from scripts.bench.timing import median_ms
 
 MODULES = {False: "SequentialMLP", True: "TEGroupedMLP"}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Grouped GEMM vs the per-expert loop for MoE experts, forward + backward, on one GPU.
 
-Usage: python3 scripts/bench_grouped_gemm.py [--experts 8 64] [--tokens 16384] [--hidden 2048]
+Usage: python3 -m scripts.bench.grouped_gemm [--experts 8 64] [--tokens 16384] [--hidden 2048]
        [--ffn 1408] [--iters 20] [--profile]
 
 Times the local experts of one MoE layer as ``TEGroupedMLP`` runs them: fc1 (SwiGLU, so
@@ -27,14 +27,11 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rocm.runtime.kernels import grouped_gemm as gg  # noqa: E402
+from megatron_rocm.runtime.kernels import grouped_gemm as gg
 
 DTYPE = torch.bfloat16
 GEMM_NAMES = ("gemm", "cutlass", "_gmm_kernel", "_wgrad_kernel", "nvjet", "xmma", "cijk", "ck_")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far apart two training runs' losses are, iteration by iteration (same seed, same data).
 
-Usage: python3 scripts/compare_losses.py REFERENCE.log OTHER.log [--first 10]
+Usage: python3 -m scripts.training.compare_losses REFERENCE.log OTHER.log [--first 10]
 
 Reads the ``lm loss`` of every logged iteration from two ``pretrain_gpt.py`` logs (the format
 ``train_small.py`` parses) and reports, over the iterations both logged, the largest relative
@@ -22,9 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_small import parse_log  # noqa: E402
+from scripts.training.train_small import parse_log
 
 
 def losses(path: Path) -> dict[int, float]:

@@ -1,6 +1,6 @@
 """Where a training step of a patched tree spends its GPU time: one process, several configs.
 
-    python scripts/profile_step.py TREE [--layers 4] [--configs default,te,unfused,...]
+    python -m scripts.training.profile_step TREE [--layers 4] [--configs default,te,unfused,...]
 
 Builds the 0.85B Llama-style shape (hidden 1536, FFN 5504, 12 heads, 4 KV groups, seq 2048,
 micro-batch 2) with fewer layers from TREE (a patched Megatron checkout), runs forward +

@@ -1,8 +1,8 @@
 """Benchmark the norms (kernels.norm, Triton) against torch's fused kernels, one GPU.
 
-    python scripts/bench_norm.py [--shapes 32768x1536,16384x4096] [--programs 1,2,4,8] [--json F]
+    python -m scripts.bench.norm [--shapes 32768x1536,16384x4096] [--programs 1,2,4,8] [--json F]
                                  [--cudagraph]
-    TRITON_INTERPRET=1 python scripts/bench_norm.py --smoke   # tiny CPU run, checks it works
+    TRITON_INTERPRET=1 python -m scripts.bench.norm --smoke   # tiny CPU run, checks it works
 
 Inputs: the 0.85B Llama's residual stream (s 2048 x micro-batch 16 = 32768 rows of 1536, bf16)
 and two wider hidden sizes, for RMSNorm and LayerNorm, through ``FusedNorm`` (what the patched
@@ -30,19 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_timing  # noqa: E402
-
-from megatron_rocm.runtime.kernels import norm_triton as tri  # noqa: E402
-from megatron_rocm.runtime.kernels.launch import sm_count  # noqa: E402
-from megatron_rocm.runtime.kernels.norm import TRITON_NORMS_ENV, FusedNorm  # noqa: E402
+from megatron_rocm.runtime.kernels import norm_triton as tri
+from megatron_rocm.runtime.kernels.launch import sm_count
+from megatron_rocm.runtime.kernels.norm import TRITON_NORMS_ENV, FusedNorm
+from scripts.bench import timing as bench_timing
 
 DEVICE = "cuda"
 STAGES = (1, 2, 3)  # the backward's pipelining depths timed next to the shipped one

@@ -3,11 +3,11 @@
 layouts through the TE spec (the native backend), two of them save and resume, and each is
 set against the same model on one GPU.
 
-    python scripts/validate_par4.py TREE [--out DIR] [--runs tp2pp2vpp,tp2cp2,ep4moe,dp4distopt]
+    python -m scripts.training.validate_par4 TREE [--out DIR] [--runs tp2pp2vpp,tp2cp2,ep4moe,dp4distopt]
         [--preset-size small|0.85b] [--iters 30] [--no-resume] [--no-baselines]
         [--run-timeout S] [--dry-run] [--table FILE]
 
-Every run is ``scripts/train_small.py TREE --preset llama --preset-size SIZE`` (mock data,
+Every run is ``scripts/training/train_small.py TREE --preset llama --preset-size SIZE`` (mock data,
 bf16, upstream's fusions, no ``--transformer-impl``) with the layout's options; the flags after
 its ``--`` go to pretrain_gpt.py. ``small`` (the default: 12 layers, hidden 768) is host-bound
 at these micro-batches, so its table says whether the layouts train, resume and match, not how
@@ -58,12 +58,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from par4_layouts import DETERMINISTIC, NPROC, SIZES, Layout, baseline, layouts  # noqa: E402
-from par4_report import gpu_names, record, render_table  # noqa: E402
-from par4_resume import compare_resumed, run_problem, stage  # noqa: E402
-from validate_distopt_resume import (  # noqa: E402
+from scripts.training.par4_layouts import DETERMINISTIC, NPROC, SIZES, Layout, baseline, layouts
+from scripts.training.par4_report import gpu_names, record, render_table
+from scripts.training.par4_resume import compare_resumed, run_problem, stage
+from scripts.training.train_small import REPO_ROOT
+from scripts.training.validate_distopt_resume import (
     DETERMINISTIC_ENV,
     averages_second_log,
     finish,
@@ -73,7 +72,7 @@ from validate_distopt_resume import (  # noqa: E402
     stop,
 )
 
-TRAIN_SMALL = HERE / "train_small.py"
+TRAIN_SMALL = ["-m", "scripts.training.train_small"]  # the command after python, from REPO_ROOT
 RUN_TIMEOUT = 600  # seconds per train_small.py run; --run-timeout
 
 
@@ -86,7 +85,7 @@ def tree_flags(tree: Path) -> list[str]:
 
 def train_command(tree: Path, layout: Layout, iters: int, log: Path, extra: list[str]) -> list[str]:
     preset = ["--preset", "llama", "--preset-size", layout.size]
-    cmd = [sys.executable, str(TRAIN_SMALL), str(tree), *preset, "--iters", str(iters)]
+    cmd = [sys.executable, *TRAIN_SMALL, str(tree), *preset, "--iters", str(iters)]
     return [*cmd, "--log", str(log), *layout.options(), "--", *layout.flags, *extra]
 
 
@@ -172,7 +171,7 @@ def run_steps(steps: list[Step], timeout: float) -> list[tuple[int, list[str]]]:
     try:
         for s in steps:
             print(f"[par4] {s.name}: started", file=sys.stderr, flush=True)
-            procs.append(start(s.cmd, HERE.parent, environment(s.env), s.out))
+            procs.append(start(s.cmd, REPO_ROOT, environment(s.env), s.out))
         deadline = time.monotonic() + timeout
         for i, s in enumerate(steps):
             results.append(finish(procs[i], s.out, deadline - time.monotonic(), timeout))

@@ -2,7 +2,7 @@
 """Issue 12 as a user meets it: ``pretrain_gpt.py`` with the distributed optimizer saves, and a
 fresh ``pretrain_gpt.py`` resumes, in every checkpoint format the tree offers (2 GPUs).
 
-    python scripts/validate_distopt_resume.py TREE [--out DIR] [--nproc 2]
+    python -m scripts.training.validate_distopt_resume TREE [--out DIR] [--nproc 2]
         [--formats torch_dist,torch_dist_fully_reshardable,torch,fsdp_dtensor]
 
 Per format: run A trains 8 iterations of a small Llama (mock data, bf16, DP over --nproc GPUs,
@@ -37,9 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from train_small import last_exception, parse_log  # noqa: E402
+from scripts.training.train_small import REPO_ROOT, last_exception, parse_log
 
 ITERS, SAVE_AT = 8, 4
 RUN_TIMEOUT = 240  # seconds per torchrun; --run-timeout
@@ -178,7 +176,7 @@ def run(
         else:
             env[key] = value
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(tree), str(HERE.parent)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        [str(tree), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", "pretrain_gpt.py", *MODEL, *args]

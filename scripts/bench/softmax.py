@@ -1,6 +1,6 @@
 """Benchmark kernels.softmax against torch, torch.compile and Apex (if importable) on one GPU.
 
-    python scripts/bench_softmax.py [--modes causal,masked] [--seqs 1024,...] [--json FILE]
+    python -m scripts.bench.softmax [--modes causal,masked] [--seqs 1024,...] [--json FILE]
 
 Per (mode, seq, direction) it reports the median time (triton.testing.do_bench) and the
 bandwidth reached against an *ideal* byte count, as a percentage of the device copy bandwidth
@@ -20,20 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_timing  # noqa: E402
-
-from megatron_rocm.runtime.kernels import softmax, softmax_reference  # noqa: E402
-from megatron_rocm.runtime.kernels import softmax_triton as tri  # noqa: E402
-from megatron_rocm.runtime.kernels.launch import sm_count  # noqa: E402
+from megatron_rocm.runtime.kernels import softmax, softmax_reference
+from megatron_rocm.runtime.kernels import softmax_triton as tri
+from megatron_rocm.runtime.kernels.launch import sm_count
+from scripts.bench import timing as bench_timing
 
 CONFIGS = {  # the shipped heuristic first, then alternatives worth re-measuring on new hardware
     "default": tri.Tuning(),

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Every upstream switch that turns a fusion off (all exist from core_v0.12.0 to main), plus
 # --no-persist-layer-norm, which the torch norm of an unpatched tree requires.
