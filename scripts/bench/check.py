@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rocm.commands.check import check_refs
 from megatron_rocm.patchtool.matrix import build_matrix, select_refs
 from megatron_rocm.patchtool.series import load_series
+from scripts.bench import timing
 
 
 def cpu_model() -> str:
@@ -38,12 +37,8 @@ def cpu_model() -> str:
 
 
 def timed(fn: Callable[[], object], repeat: int) -> float:
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+    """Median seconds of ``repeat`` wall-clock runs."""
+    return timing.sampled_ms(fn, repeat) / 1e3
 
 
 def cli(*args: str) -> Callable[[], object]:

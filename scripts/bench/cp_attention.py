@@ -45,8 +45,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -64,6 +62,7 @@ from megatron_rocm.runtime.backend.cp.dispatch import (
 )
 from megatron_rocm.runtime.backend.cp.ring import bhsd
 from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention
+from scripts.bench import timing
 
 HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
 
@@ -75,22 +74,7 @@ def causal_flops(length: int, heads: int) -> float:
 
 def timed(fn: Callable[[], object], iters: int, device: torch.device, warmup: int = 2) -> float:
     """Median milliseconds of ``fn`` (CUDA events on a GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return timing.sampled_ms(fn, iters, device, warmup=warmup)
 
 
 def top_ops(fn: Callable[[], object], device: torch.device, top: int, runs: int = 2) -> list:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rocm.runtime.kernels import grouped_gemm as gg
+from scripts.bench import timing
 
 DTYPE = torch.bfloat16
 GEMM_NAMES = ("gemm", "cutlass", "_gmm_kernel", "_wgrad_kernel", "nvjet", "xmma", "cijk", "ck_")
@@ -98,18 +98,7 @@ def step(x: torch.Tensor, w: Experts, splits: list[int], impl: str, grad: torch.
 
 
 def timed(fn: Callable[[], None], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return timing.sampled_ms(fn, iters, "cuda", warmup=3)
 
 
 def runnable(impl: str, x: torch.Tensor, hidden: int, ffn: int) -> str | None:

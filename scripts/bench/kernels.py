@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from megatron_rocm.runtime.kernels.multi_tensor import multi_tensor_l2norm
 from megatron_rocm.runtime.kernels.norm import FusedNorm, norm_reference
 from megatron_rocm.runtime.kernels.optimizer import FusedAdam
 from megatron_rocm.runtime.kernels.rope import fused_apply_rotary_pos_emb, rope_reference
+from scripts.bench import timing
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -33,18 +33,7 @@ BF16 = torch.bfloat16
 
 def timed(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return timing.sampled_ms(fn, iters, "cuda", warmup=warmup)
 
 
 def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:

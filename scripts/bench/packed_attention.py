@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from megatron_rocm.runtime.backend.packed import plan as packed_plan
 from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention
+from scripts.bench import timing
 
 
 def document_lengths(tokens: int, seed: int = 0) -> list[int]:
@@ -49,22 +49,8 @@ def document_lengths(tokens: int, seed: int = 0) -> list[int]:
 
 def timed(fn, warmup: int = 3, iters: int = 10) -> float:  # noqa: ANN001
     """Median milliseconds of ``fn()`` over ``iters`` runs (CUDA events; wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if not torch.cuda.is_available():
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return timing.sampled_ms(fn, iters, device, warmup=warmup)
 
 
 def main() -> int:
