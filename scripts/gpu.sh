@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU validation of the native TE-spec backend, as a new user would run it, on a lent GPU box
-# with no network. Carry .upstream/ and .whl/ (scripts/make_carry.sh) with the working tree.
+# The one GPU driver: the series and the native TE-spec backend validated as a new user would
+# run them (apply -> install -> smoke, training, benchmarks), on a lent GPU box with no network.
+# Carry .upstream/ and .whl/ (scripts/make_carry.sh) with the working tree.
 #
-#   scripts/gpu_validate_te.sh OUT STAGE [STAGE ...]
+#   scripts/gpu.sh OUT STAGE [STAGE ...]
 #
 # Stages (run in the order given):
 #   setup    wheels onto PYTHONPATH, upstream refs from the bundle, `megatron-rocm apply` of
@@ -59,11 +60,31 @@
 #            GPU N alone, e.g. cp1-half@1: the pair is as fast as its slower GPU; NAME@0+1 runs
 #            it on GPUs 0 and 1 at once, one process each, as the pair's GPUs run beside each
 #            other under CP=2)
+#   series   the series as a new user meets it, per ref of SERIES_REFS (default core_v0.12.0
+#            core_v0.14.0 core_v0.16.0 core_v0.19.0 main) from SOURCE (a Megatron-LM clone or
+#            mirror; default: setup's copy of the bundle), in SERIES_WORK (default
+#            /tmp/mrocm-validate): `megatron-rocm apply`, the unpatched tree with default flags
+#            (where it stops), the patched tree trained (small GPT, 50 iterations), a small Llama
+#            on the newest ref, install + smoke, and the 0.85B throughput, patched defaults vs
+#            upstream with every fusion off. Switches: PAIRED=1 (per ref a patched and an
+#            upstream-unfused small GPT one after the other; PAIRED_MBS, PAIRED_ITERS),
+#            SMOKE_ALL=1 (smoke every ref), SKIP_SMOKE=1, WHEELS=DIR (offline install first;
+#            scripts/offline_wheels.sh), SKIP_BASIC=1, SKIP_THROUGHPUT=1, THROUGHPUT_REF, TP_MBS,
+#            TP_ITERS, TP_ONLY=unfused|patched
+#   tiers    the smoke suite's training, resume and parallel tiers on every ref of TIERS_REFS
+#            (default core_v0.12.0 core_v0.16.0 core_v0.19.0 main) from SOURCE, in TIERS_WORK
+#            (default /tmp/mrocm-smoke-tiers): apply -> install -> smoke per ref (smoke-REF.json/
+#            .xml/.txt), MEGATRON_ROCM_SMOKE_FAULT=resume on training.resume.1gpu.local, which
+#            must FAIL (fault-REF.txt, exit 1 expected), scripts/training/validate_distopt_resume.py
+#            for DISTOPT_REFS (default the last ref; "none"), and smoke-table.md for
+#            docs/smoke.md (scripts/smoke_table.py). Switches: WHEELS="DIR ..." (pip find-links;
+#            from scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"), SKIP_INSTALL=1,
+#            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
-#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale
+#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench series
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale tiers
 #   4 GPUs: setup par4 scale4
 set -u
 OUT=$1; shift
@@ -385,6 +406,137 @@ stage_cpscale() {
     wait "${pids[@]}"
     for one in "${names[@]}"; do log "cpscale-$tag-$one: $(cat "$OUT/cpscale-$tag-$one-$NEWEST.json")"; done
   done
+}
+
+stage_series() {  # apply -> unpatched/patched training -> install + smoke -> throughput
+  local SRC=${SOURCE:-$W/src} W=${SERIES_WORK:-/tmp/mrocm-validate}
+  local REFS=(${SERIES_REFS:-core_v0.12.0 core_v0.14.0 core_v0.16.0 core_v0.19.0 main})
+  local R pids=() flag=() kind side tree err f T MBS=() SMOKE_REFS=()
+  mkdir -p "$W"
+  for R in "${REFS[@]}"; do
+    $PY -m megatron_rocm apply --source "$SRC" --ref "$R" --dest "$W/p-$R" --json > "$OUT/apply-$R.json" \
+      && log "apply $R: ok" || log "apply $R: FAILED"
+    git clone -q "$SRC" "$W/u-$R" && git -C "$W/u-$R" checkout -q "$R"
+  done
+
+  # Unpatched (default flags) and patched small GPT runs, all at once on the one GPU.
+  local NEWEST=${REFS[$((${#REFS[@]} - 1))]}
+  if [ "${SKIP_BASIC:-0}" != 1 ]; then
+  pids=()
+  for R in "${REFS[@]}"; do
+    (cd "$HERE" && $PY -m scripts.training.train_small "$W/u-$R" --preset gpt --iters 3 \
+       --log "$OUT/unpatched-$R.log" > "$OUT/unpatched-$R.json" 2>&1) & pids+=($!)
+    (cd "$HERE" && $PY -m scripts.training.train_small "$W/p-$R" --preset gpt --iters 50 \
+       --log "$OUT/patched-gpt-$R.log" > "$OUT/patched-gpt-$R.json" 2>&1) & pids+=($!)
+  done
+  for R in core_v0.19.0 "$NEWEST"; do
+    [ -d "$W/p-$R" ] || continue
+    (cd "$HERE" && $PY -m scripts.training.train_small "$W/p-$R" --preset llama --iters 50 \
+       --log "$OUT/patched-llama-$R.log" > "$OUT/patched-llama-$R.json" 2>&1) & pids+=($!)
+  done
+  wait "${pids[@]}"
+  for R in "${REFS[@]}"; do
+    # train_small's verdict names the exception that stopped the run
+    err=$(tail -1 "$OUT/unpatched-$R.json" | $PY -c \
+      'import json,sys; p=json.load(sys.stdin)["problems"]; print(next((x for x in p if "Error: " in x), ""))' 2>/dev/null)
+    log "unpatched $R default flags: ${err:-no error found (see log)}"
+    log "patched gpt $R: $(tail -1 "$OUT/patched-gpt-$R.json")"
+  done
+  for f in "$OUT"/patched-llama-*.json; do log "$(basename "$f"): $(tail -1 "$f")"; done
+  fi
+
+  # Paired timings: patched defaults vs upstream with every fusion off, one run at a time.
+  if [ "${PAIRED:-0}" = 1 ]; then
+    for R in "${REFS[@]}"; do
+      for kind in p u; do
+        flag=(); [ $kind = u ] && flag=(--unfused)
+        [ -n "${PAIRED_MBS:-}" ] && flag+=(--micro-batch-size "$PAIRED_MBS")
+        (cd "$HERE" && $PY -m scripts.training.train_small "$W/$kind-$R" --preset gpt \
+           --iters "${PAIRED_ITERS:-25}" "${flag[@]}" \
+           --log "$OUT/paired-$kind-$R.log" > "$OUT/paired-$kind-$R.json" 2>&1)
+        log "paired $kind $R: $(tail -1 "$OUT/paired-$kind-$R.json")"
+      done
+    done
+  fi
+
+  # install (offline, from carried wheels) and the smoke suite.
+  SMOKE_REFS=("$NEWEST"); [ "${SMOKE_ALL:-0}" = 1 ] && SMOKE_REFS=("${REFS[@]}")
+  [ "${SKIP_SMOKE:-0}" = 1 ] && SMOKE_REFS=()
+  for R in "${SMOKE_REFS[@]}"; do
+    if [ -n "${WHEELS:-}" ]; then
+      PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS" $PY -m megatron_rocm install "$W/p-$R" \
+        > "$OUT/install-$R.txt" 2>&1; log "install $R: exit $? ($(tail -1 "$OUT/install-$R.txt"))"
+    fi
+    $PY -m megatron_rocm smoke "$W/p-$R" --json "$OUT/smoke-$R.json" --junit "$OUT/smoke-$R.xml" \
+      > "$OUT/smoke-$R.txt" 2>&1; log "smoke $R: exit $? ($(tail -1 "$OUT/smoke-$R.txt"))"
+  done
+
+  # Throughput: 0.85B Llama-style, same GPU, same run; patched defaults vs upstream unfused.
+  T=${THROUGHPUT_REF:-core_v0.19.0}
+  MBS=(); [ -n "${TP_MBS:-}" ] && MBS=(--micro-batch-size "$TP_MBS")
+  if [ -d "$W/p-$T" ] && [ "${SKIP_THROUGHPUT:-0}" != 1 ]; then
+    for side in patched unfused; do
+      [ -n "${TP_ONLY:-}" ] && [ "$TP_ONLY" != $side ] && continue
+      tree=$W/p-$T; flag=(); [ $side = unfused ] && tree=$W/u-$T && flag=(--unfused)
+      (cd "$HERE" && $PY -m scripts.training.train_small "$tree" --preset llama --preset-size 0.85b \
+         "${flag[@]}" "${MBS[@]}" --iters "${TP_ITERS:-20}" --log "$OUT/tput-$side.log" \
+         > "$OUT/tput-$side.json" 2>&1)
+      log "0.85b $side $T ${TP_MBS:+mbs $TP_MBS}: $(tail -1 "$OUT/tput-$side.json")"
+    done
+  fi
+}
+
+tiers_smoke_one() {  # tiers: the suite and its fault proof on one ref
+  local R=$1 W=$2
+  (cd "$HERE" && $PY -m megatron_rocm smoke "$W/p-$R" --json "$OUT/smoke-$R.json" \
+     --junit "$OUT/smoke-$R.xml" > "$OUT/smoke-$R.txt" 2>&1)
+  log "smoke $R: exit $? ($(tail -1 "$OUT/smoke-$R.txt"))"
+  (cd "$HERE" && MEGATRON_ROCM_SMOKE_FAULT=resume $PY -m megatron_rocm smoke "$W/p-$R" \
+     --only training.resume.1gpu.local > "$OUT/fault-$R.txt" 2>&1)
+  log "fault=resume $R: exit $? (1 expected) ($(grep -m1 'training.resume' "$OUT/fault-$R.txt"))"
+}
+
+stage_tiers() {  # apply -> install -> smoke tiers, the fault proof, distopt resume, the table
+  local SRC=${SOURCE:-$W/src} W=${TIERS_WORK:-/tmp/mrocm-smoke-tiers}
+  local REFS=(${TIERS_REFS:-core_v0.12.0 core_v0.16.0 core_v0.19.0 main})
+  local R DREFS
+  mkdir -p "$W"
+  for R in "${REFS[@]}"; do
+    rm -rf "$W/p-$R"
+    $PY -m megatron_rocm apply --source "$SRC" --ref "$R" --dest "$W/p-$R" > "$OUT/apply-$R.txt" 2>&1 \
+      && log "apply $R: ok" || log "apply $R: FAILED ($(tail -1 "$OUT/apply-$R.txt"))"
+    if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+      if [ -n "${WHEELS:-}" ]; then
+        PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELS" $PY -m megatron_rocm install "$W/p-$R" > "$OUT/install-$R.txt" 2>&1
+      else
+        $PY -m megatron_rocm install "$W/p-$R" > "$OUT/install-$R.txt" 2>&1
+      fi
+      log "install $R: exit $? ($(tail -1 "$OUT/install-$R.txt"))"
+    fi
+  done
+
+  local running=0 args=()
+  for R in "${REFS[@]}"; do
+    [ -d "$W/p-$R" ] || continue
+    tiers_smoke_one "$R" "$W" &
+    running=$((running + 1))
+    if [ "$running" -ge "${JOBS:-2}" ]; then wait -n; running=$((running - 1)); fi
+  done
+  wait
+
+  DREFS=(${DISTOPT_REFS:-${REFS[$((${#REFS[@]} - 1))]}})
+  for R in "${DREFS[@]}"; do
+    [ "$R" = none ] && continue
+    [ -d "$W/p-$R" ] || continue
+    (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$R" --out "$W/distopt-$R" \
+       > "$OUT/distopt-$R.jsonl" 2> "$OUT/distopt-$R.err")
+    log "distopt resume $R: exit $?"
+    sed 's/^/    /' "$OUT/distopt-$R.jsonl" | cut -c1-220 | tee -a "$OUT/summary.txt"
+  done
+
+  for R in "${REFS[@]}"; do [ -f "$OUT/smoke-$R.json" ] && args+=("$R=$OUT/smoke-$R.json"); done
+  [ ${#args[@]} -gt 0 ] && $PY "$HERE/scripts/smoke_table.py" "${args[@]}" > "$OUT/smoke-table.md" \
+    && log "table: $OUT/smoke-table.md"
 }
 
 for stage in "$@"; do

@@ -1,4 +1,4 @@
-"""scripts/gpu_validate_te.sh: the stages its header documents are the stages it defines, and
+"""scripts/gpu.sh, the one GPU driver: the stages its header documents are the stages it defines, and
 ``cpscale`` launches the runs its header promises. The GPU work itself runs on lent machines
 (docs/results.md); here a stand-in Python records what each stage would have launched."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts/gpu_validate_te.sh"
+SCRIPT = ROOT / "scripts/gpu.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -54,6 +54,9 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
         # with FAKE_LOGS=1 a training run writes the log it was given, as train_small.py does
         'if [ "${FAKE_LOGS:-0}" = 1 ]; then prev=; for a in "$@"; do\n'
         '  [ "$prev" = --log ] && : > "$a"; prev=$a; done; fi\n'
+        # with FAKE_DEST=1 an apply makes the --dest folder, as megatron-rocm apply does
+        'if [ "${FAKE_DEST:-0}" = 1 ]; then prev=; for a in "$@"; do\n'
+        '  [ "$prev" = --dest ] && mkdir -p "$a"; prev=$a; done; fi\n'
         "echo '{\"ok\": true}'\n"
     )
     fake.chmod(0o755)
@@ -266,3 +269,47 @@ def test_scale4_runs_issue_14_and_smokes_four_gpu_checks_on_every_ref(tmp_path: 
     four = {f"parallel.{m.name}" for m in checks_parallel.MODES if m.world == 4}
     four |= {f"training.resume.{n}" for n, (w, _, _) in checks_resume.SCENARIOS.items() if w == 4}
     assert set(only) == four  # every four-GPU check the smoke suite has, and only those
+
+
+def test_tiers_applies_installs_and_smokes_every_ref_and_proves_the_fault(tmp_path: Path) -> None:
+    work = tmp_path / "tiers"
+    calls = run_stage(
+        tmp_path,
+        "tiers",
+        SOURCE="SRC",
+        TIERS_REFS="core_v0.19.0 main",
+        TIERS_WORK=str(work),
+        FAKE_DEST="1",
+    )
+    verbs = [c.split()[1:4] for c in calls if " -m megatron_rocm " in c]
+    per_ref = [["-m", "megatron_rocm", "apply"], ["-m", "megatron_rocm", "install"]]
+    smokes = [["-m", "megatron_rocm", "smoke"]] * 4  # the suite and the fault run, per ref
+    assert verbs == per_ref * 2 + smokes
+    applies = [c for c in calls if " apply " in c]
+    assert [option(c, "--source") for c in applies] == ["SRC", "SRC"]
+    assert [option(c, "--dest") for c in applies] == [
+        str(work / "p-core_v0.19.0"),
+        str(work / "p-main"),
+    ]
+    faults = [c for c in calls if "--only training.resume.1gpu.local" in c]
+    assert len(faults) == 2
+    distopt = [c for c in calls if " -m scripts.training.validate_distopt_resume " in c]
+    assert [c.split()[3] for c in distopt] == [str(work / "p-main")]  # the last ref only
+
+
+def test_series_applies_then_smokes_the_newest_ref(tmp_path: Path) -> None:
+    work = tmp_path / "series"
+    (work / "p-main").mkdir(parents=True)
+    calls = run_stage(
+        tmp_path,
+        "series",
+        SOURCE="SRC",
+        SERIES_REFS="core_v0.19.0 main",
+        SERIES_WORK=str(work),
+        SKIP_BASIC="1",
+        SKIP_THROUGHPUT="1",
+    )
+    applies = [c for c in calls if " -m megatron_rocm apply " in c]
+    assert [option(c, "--ref") for c in applies] == ["core_v0.19.0", "main"]
+    smokes = [c for c in calls if " -m megatron_rocm smoke " in c]
+    assert [c.split()[4] for c in smokes] == [str(work / "p-main")]
