@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2), like every other error of the CLI."""
 
     last_error = ""  # the line the latest refusal printed (for --json's error document)
-    prints_json = False  # has a --json flag that puts a document on stdout (``commands.options.add_json``)
+    prints_json = False  # has a --json flag printing a document on stdout (options.add_json)
     verbs: dict[str, _Parser] = {}  # the top parser's verbs (``build_parser``)
 
     def error(self, message: str) -> NoReturn:
