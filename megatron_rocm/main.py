@@ -1,7 +1,8 @@
-"""The one argparse entry point: parses, then dispatches to ``commands/<verb>.py``.
+"""The one argparse entry point: the top parser, then dispatch to ``commands/<verb>.py``.
 
-Only this module sees the ``argparse.Namespace``; every verb is a typed function that takes
-keyword arguments and returns an exit code, so verbs are trivial to call from tests.
+Each verb's module declares its own options (``add_parser``) and maps the parsed namespace onto
+its typed function (``run``), which takes keyword arguments and returns an exit code, so verbs
+are trivial to call from tests.
 ``main`` returns the exit code (it never raises ``SystemExit``), prints argparse's errors as
 one line, and guards stdout against a closed pipe.
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import NoReturn
 
 from megatron_rocm import __version__
@@ -34,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2), like every other error of the CLI."""
 
     last_error = ""  # the line the latest refusal printed (for --json's error document)
-    prints_json = False  # has a --json flag that puts a document on stdout (``_add_json``)
+    prints_json = False  # has a --json flag printing a document on stdout (options.add_json)
     verbs: dict[str, _Parser] = {}  # the top parser's verbs (``build_parser``)
 
     def error(self, message: str) -> NoReturn:
@@ -44,36 +46,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"megatron-rocm: {_Parser.last_error}\n")
 
 
-DEFAULT_SOURCE_HELP = (
-    "where upstream comes from: a git URL (default: https://github.com/NVIDIA/Megatron-LM.git), "
-    "a local clone or mirror path, or 'pypi' for a megatron-core sdist"
-)
+# verb -> its module in commands/, which owns the verb's parser (``add_parser``) and maps the
+# parsed arguments onto its typed function (``run``); the order is --help's
+VERBS = {
+    "apply": "apply",
+    "check": "check",
+    "export": "export",
+    "list": "list_series",
+    "matrix": "matrix",
+    "install": "install",
+    "smoke": "smoke",
+    "doctor": "doctor",
+}
 
 
-def _add_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default=None, help=DEFAULT_SOURCE_HELP)
-
-
-def _add_series(parser: argparse.ArgumentParser, version: bool = True) -> None:
-    parser.add_argument(
-        "--series",
-        default=None,
-        metavar="DIR",
-        help="patch series folder (default: $MEGATRON_ROCM_SERIES or the bundled patches/)",
-    )
-    if not version:  # a verb that reads no tree has no version to override
-        return
-    parser.add_argument(
-        "--megatron-version",
-        default=None,
-        metavar="X.Y.Z",
-        help="override the version read from megatron/core/package_info.py",
-    )
-
-
-def _add_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.prints_json = True
+def _command(verb: str) -> ModuleType:
+    return importlib.import_module(f"megatron_rocm.commands.{VERBS[verb]}")
 
 
 def build_parser() -> _Parser:
@@ -86,182 +74,13 @@ def build_parser() -> _Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     parser.verbs = sub.choices
 
-    p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
-    _add_source(p)
-    p.add_argument(
-        "--ref",
-        default=None,
-        help="tag, branch or commit (default: newest release; with --source pypi, the newest "
-        "this Python can install, as pip would pick)",
-    )
-    p.add_argument("--dest", default=None, help="checkout folder (default: ./Megatron-LM)")
-    p.add_argument("--branch", default=None, help="fork branch name (default: rocm/<ref>)")
-    p.add_argument(
-        "--3way", dest="three_way", action="store_true", help="allow hunks that need a 3-way merge"
-    )
-    _add_series(p)
-    _add_json(p)
-
-    p = sub.add_parser("check", help="check the series against refs without a checkout")
-    _add_source(p)
-    p.add_argument("--ref", nargs="+", default=None, help="refs to check (default: newest release)")
-    _add_series(p)
-    _add_json(p)
-
-    p = sub.add_parser("export", help="turn a patched fork's commits back into diff files")
-    p.add_argument("--repo", default=".", help="the patched fork (default: current folder)")
-    p.add_argument(
-        "--new-variant",
-        action="store_true",
-        help="for each patch that changed, start a new variant at this tree's version instead "
-        "of updating the matching one (unchanged patches keep theirs)",
-    )
-    _add_series(p)
-    _add_json(p)
-
-    p = sub.add_parser("list", help="show the series, its variants and version ranges")
-    _add_series(p, version=False)
-    _add_json(p)
-
-    p = sub.add_parser("matrix", help="check the series against every upstream tag")
-    _add_source(p)
-    p.add_argument(
-        "--tags",
-        nargs="+",
-        default=None,
-        metavar="PATTERN",
-        help="glob patterns of tags/branches, replacing the default set (release tags >= "
-        "core_v0.12.0, main, dev and the --refs refs); tags/NAME or heads/NAME picks one of a "
-        "name that is both",
-    )
-    p.add_argument(
-        "--refs",
-        nargs="*",
-        default=None,
-        metavar="PATTERN",
-        help="branch/PR refs to watch besides the default set (default: 'pull-request/*', "
-        "upstream's copies of open pull requests; give none to watch none); their breaks "
-        "are reported, never counted as the series' failure",
-    )
-    p.add_argument(
-        "--refs-file",
-        default=None,
-        metavar="FILE",
-        help="more --refs patterns, one per line ('#' comments)",
-    )
-    p.add_argument(
-        "--format",
-        choices=["md", "html", "json", "junit"],
-        action="append",
-        default=None,
-        help="report format; repeat for several (default: md)",
-    )
-    p.add_argument("--out", default=None, help="report file, or folder when several formats")
-    p.add_argument("--no-scan", action="store_true", help="skip the new-CUDA-surface scan")
-    _add_series(p)
-
-    p = sub.add_parser("install", help="pip-install a patched tree (never touches torch)")
-    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
-    p.add_argument("--no-editable", action="store_true", help="a regular, not editable, install")
-    p.add_argument("--dry-run", action="store_true", help="print the steps, change nothing")
-    _add_json(p)
-
-    p = sub.add_parser("smoke", help="run the GPU smoke suite on a patched tree")
-    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
-    p.add_argument("--json", dest="json_file", default=None, metavar="FILE", help="JSON report")
-    p.add_argument("--junit", dest="junit_file", default=None, metavar="FILE", help="JUnit XML")
-    p.add_argument(
-        "--only",
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="CHECK",
-        help="run only these (repeatable)",
-    )
-    p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
-
-    p = sub.add_parser("doctor", help="report the ROCm/CUDA environment and flag problems")
-    _add_json(p)
+    for verb in VERBS:  # no command module imports torch at import time
+        _command(verb).add_parser(sub)
     return parser
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    # Imports are local so that `megatron-rocm apply` never imports torch-using modules.
-    if args.command == "apply":
-        from megatron_rocm.commands.apply import apply
-
-        return apply(
-            source=args.source,
-            ref=args.ref,
-            dest=args.dest,
-            branch=args.branch,
-            three_way=args.three_way,
-            series_dir=args.series,
-            version_override=args.megatron_version,
-            as_json=args.json,
-        )
-    if args.command == "check":
-        from megatron_rocm.commands.check import check
-
-        return check(
-            source=args.source,
-            refs=args.ref,
-            series_dir=args.series,
-            version_override=args.megatron_version,
-            as_json=args.json,
-        )
-    if args.command == "export":
-        from megatron_rocm.commands.export import export
-
-        return export(
-            repo_dir=args.repo,
-            new_variant=args.new_variant,
-            series_dir=args.series,
-            version_override=args.megatron_version,
-            as_json=args.json,
-        )
-    if args.command == "list":
-        from megatron_rocm.commands.list_series import list_series
-
-        return list_series(series_dir=args.series, as_json=args.json)
-    if args.command == "matrix":
-        from megatron_rocm.commands.matrix import matrix
-
-        return matrix(
-            source=args.source,
-            tag_patterns=args.tags,
-            watch=args.refs,
-            watch_file=args.refs_file,
-            formats=args.format or ["md"],
-            out=args.out,
-            scan=not args.no_scan,
-            series_dir=args.series,
-            version_override=args.megatron_version,
-        )
-    if args.command == "install":
-        from megatron_rocm.commands.install import install
-
-        return install(
-            tree_dir=args.dir,
-            editable=not args.no_editable,
-            dry_run=args.dry_run,
-            as_json=args.json,
-        )
-    if args.command == "smoke":
-        from megatron_rocm.commands.smoke import smoke
-
-        return smoke(
-            tree_dir=args.dir,
-            json_file=args.json_file,
-            junit_file=args.junit_file,
-            only=args.only,
-            steps=args.steps,
-        )
-    if args.command == "doctor":
-        from megatron_rocm.commands.doctor import doctor
-
-        return doctor(as_json=args.json)
-    raise AssertionError(f"unhandled command {args.command}")
+    return _command(args.command).run(args)
 
 
 def _wants_json(parser: _Parser, argv: Sequence[str]) -> bool:

@@ -13,13 +13,18 @@ import io
 import json
 import os
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport, accepts
+from megatron_rocm.patchtool.results import (  # noqa: F401 - the CLI's names for them
+    HunkLabel,
+    RefReport,
+    first_failure,
+    hunk_summary,
+)
+from megatron_rocm.progress import note  # noqa: F401
 
 _closed = False
 
@@ -122,11 +127,6 @@ def write_file(path: Path, text: str, option: str) -> None:
         raise SourceError(f"cannot write {option} {path}: {e.strerror}") from None
 
 
-def note(text: str) -> None:
-    """A remark for the person at the terminal (stderr, so JSON on stdout stays parseable)."""
-    print(f"note: {text}", file=sys.stderr, flush=True)
-
-
 _json_printed = False
 
 
@@ -141,29 +141,6 @@ def print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
     _json_printed = True
-
-
-def hunk_summary(p: PatchResult) -> str:
-    if p.error:
-        return p.error
-    if p.variant == "skip":
-        return "upstream has the change" if p.merged else "not needed for this version"
-    counts = Counter(h.label.value for h in p.hunks)
-    order = [lb.value for lb in HunkLabel]
-    return ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
-
-
-def first_failure(p: PatchResult, three_way: bool = False) -> str:
-    """One line naming the patch, the file, the hunk and the upstream lines that moved."""
-    if p.error:
-        return f"patch {p.patch_id}: {p.error}"
-    for h in p.hunks:
-        if not accepts(h.label, three_way):
-            return (
-                f"patch {p.patch_id} ({p.variant}): {h.path} hunk {h.index} "
-                f"{h.label.value}: {h.detail}"
-            )
-    return f"patch {p.patch_id}: ok"
 
 
 def print_ref_report(r: RefReport, verbose: bool = False) -> None:

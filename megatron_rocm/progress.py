@@ -1,4 +1,8 @@
-"""Progress bars on stderr: redrawn in place on a terminal, a few plain lines otherwise."""
+"""What a person at the terminal sees while a run works, on stderr (JSON on stdout stays parseable).
+
+Progress bars are redrawn in place on a terminal, a few plain lines otherwise; notes are one line.
+Neutral ground: the patch tool and the CLI both use it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,11 @@ import sys
 import time
 
 import git
+
+
+def note(text: str) -> None:
+    """A remark for the person at the terminal (stderr, so JSON on stdout stays parseable)."""
+    print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 class Bar:

@@ -7,9 +7,11 @@ transaction itself (order of effects, commit point, signals, leftovers of killed
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+from megatron_rocm.commands import options
 from megatron_rocm.errors import EXIT_OK, Interrupted, SourceError, UsageError
 from megatron_rocm.output import hunk_summary, print_json
 from megatron_rocm.patchtool import diffio, engine, refnames, transaction, upstream
@@ -133,3 +135,35 @@ def _show(done: transaction.Outcome, dest: Path, as_json: bool) -> None:
     else:
         made = len(done.commits)
         print(f"created branch {done.branch} ({made} commits on {done.ref}) in {dest}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("apply", help="clone upstream and build a patched fork branch")
+    options.add_source(p)
+    p.add_argument(
+        "--ref",
+        default=None,
+        help="tag, branch or commit (default: newest release; with --source pypi, the newest "
+        "this Python can install, as pip would pick)",
+    )
+    p.add_argument("--dest", default=None, help="checkout folder (default: ./Megatron-LM)")
+    p.add_argument("--branch", default=None, help="fork branch name (default: rocm/<ref>)")
+    p.add_argument(
+        "--3way", dest="three_way", action="store_true", help="allow hunks that need a 3-way merge"
+    )
+    options.add_series(p)
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return apply(
+        source=args.source,
+        ref=args.ref,
+        dest=args.dest,
+        branch=args.branch,
+        three_way=args.three_way,
+        series_dir=args.series,
+        version_override=args.megatron_version,
+        as_json=args.json,
+    )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+from megatron_rocm.commands import options
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json, print_ref_report
 from megatron_rocm.patchtool import diffio, engine, gitcmd, refnames, upstream
@@ -69,3 +71,22 @@ def check(
             + (f"; failing: {', '.join(bad)}" if bad else "")
         )
     return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("check", help="check the series against refs without a checkout")
+    options.add_source(p)
+    p.add_argument("--ref", nargs="+", default=None, help="refs to check (default: newest release)")
+    options.add_series(p)
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return check(
+        source=args.source,
+        refs=args.ref,
+        series_dir=args.series,
+        version_override=args.megatron_version,
+        as_json=args.json,
+    )

@@ -6,6 +6,9 @@ Exit codes: 0 nothing wrong, 1 problems found, 3 torch is not installed or does 
 
 from __future__ import annotations
 
+import argparse
+
+from megatron_rocm.commands import options
 from megatron_rocm.envtools import envcheck
 from megatron_rocm.errors import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK
 from megatron_rocm.output import print_json
@@ -76,3 +79,13 @@ def doctor(as_json: bool = False) -> int:
     if torch is None:
         return EXIT_ENVIRONMENT
     return EXIT_FAILED if snap.problems else EXIT_OK
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("doctor", help="report the ROCm/CUDA environment and flag problems")
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return doctor(as_json=args.json)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+
+from megatron_rocm.commands import options
 from megatron_rocm.errors import EXIT_OK, UsageError
 from megatron_rocm.output import print_json
 from megatron_rocm.patchtool import gitcmd, lock, refnames
@@ -53,3 +56,27 @@ def export(
         for i in missing:
             print(f"warning: patch {i.patch_id} has no commit on this fork; left unchanged")
     return EXIT_OK
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("export", help="turn a patched fork's commits back into diff files")
+    p.add_argument("--repo", default=".", help="the patched fork (default: current folder)")
+    p.add_argument(
+        "--new-variant",
+        action="store_true",
+        help="for each patch that changed, start a new variant at this tree's version instead "
+        "of updating the matching one (unchanged patches keep theirs)",
+    )
+    options.add_series(p)
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return export(
+        repo_dir=args.repo,
+        new_variant=args.new_variant,
+        series_dir=args.series,
+        version_override=args.megatron_version,
+        as_json=args.json,
+    )

@@ -8,11 +8,13 @@ sees a clean tree. ``--dry-run`` prints the plan and changes nothing.
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import time
 from pathlib import Path
 
 from megatron_rocm.cache import cache_dir
+from megatron_rocm.commands import options
 from megatron_rocm.envtools import build_byproducts, installer
 from megatron_rocm.errors import EXIT_OK
 from megatron_rocm.output import print_json
@@ -70,3 +72,21 @@ def install(
             f"torch {p.torch} untouched; next: megatron-rocm smoke {p.tree}"
         )
     return EXIT_OK
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("install", help="pip-install a patched tree (never touches torch)")
+    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
+    p.add_argument("--no-editable", action="store_true", help="a regular, not editable, install")
+    p.add_argument("--dry-run", action="store_true", help="print the steps, change nothing")
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return install(
+        tree_dir=args.dir,
+        editable=not args.no_editable,
+        dry_run=args.dry_run,
+        as_json=args.json,
+    )

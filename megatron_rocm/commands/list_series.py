@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+
+from megatron_rocm.commands import options
 from megatron_rocm.errors import EXIT_OK
 from megatron_rocm.output import print_json
 from megatron_rocm.patchtool.series import load_series
@@ -41,3 +44,14 @@ def list_series(*, series_dir: str | None, as_json: bool) -> int:
             what = "skip (not needed)" if v.skip else v.diff
             print(f"      {v.range_text:<22} {what}")
     return EXIT_OK
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("list", help="show the series, its variants and version ranges")
+    options.add_series(p, version=False)
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return list_series(series_dir=args.series, as_json=args.json)

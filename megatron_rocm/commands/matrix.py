@@ -8,10 +8,12 @@ fork's commit) when no ref breaks: the report is written first, with an error ro
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import sys
 from pathlib import Path
 
+from megatron_rocm.commands import options
 from megatron_rocm.errors import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -167,3 +169,57 @@ def matrix(
     _output(m, formats, out)
     _note_errors(m)
     return exit_code(m)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("matrix", help="check the series against every upstream tag")
+    options.add_source(p)
+    p.add_argument(
+        "--tags",
+        nargs="+",
+        default=None,
+        metavar="PATTERN",
+        help="glob patterns of tags/branches, replacing the default set (release tags >= "
+        "core_v0.12.0, main, dev and the --refs refs); tags/NAME or heads/NAME picks one of a "
+        "name that is both",
+    )
+    p.add_argument(
+        "--refs",
+        nargs="*",
+        default=None,
+        metavar="PATTERN",
+        help="branch/PR refs to watch besides the default set (default: 'pull-request/*', "
+        "upstream's copies of open pull requests; give none to watch none); their breaks "
+        "are reported, never counted as the series' failure",
+    )
+    p.add_argument(
+        "--refs-file",
+        default=None,
+        metavar="FILE",
+        help="more --refs patterns, one per line ('#' comments)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["md", "html", "json", "junit"],
+        action="append",
+        default=None,
+        help="report format; repeat for several (default: md)",
+    )
+    p.add_argument("--out", default=None, help="report file, or folder when several formats")
+    p.add_argument("--no-scan", action="store_true", help="skip the new-CUDA-surface scan")
+    options.add_series(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return matrix(
+        source=args.source,
+        tag_patterns=args.tags,
+        watch=args.refs,
+        watch_file=args.refs_file,
+        formats=args.format or ["md"],
+        out=args.out,
+        scan=not args.no_scan,
+        series_dir=args.series,
+        version_override=args.megatron_version,
+    )

@@ -5,6 +5,7 @@ Exit 0 only when no check failed; skips (no GPU, one GPU) are listed with their 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from megatron_rocm.envtools.installer import ROCM_TORCH, check_python, megatron_tree
@@ -79,9 +80,9 @@ def smoke(
         raise SourceError(f"torch is installed but does not import ({failure})")
     if torch is None:
         raise SourceError(f"torch is not installed; install the ROCm build: {ROCM_TORCH}")
-    from megatron_rocm.envtools.smoke import report, runner
+    from megatron_rocm.envtools.smoke import catalog, report, runner
 
-    checks = runner.select(runner.load_checks(), only)
+    checks = runner.select(catalog.load_checks(), only)
     ctx = runner.make_context(_tree_for(checks, tree_dir), steps)
     device = report.device_description()
     print(
@@ -101,3 +102,30 @@ def smoke(
     }
     print(f"smoke: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
     return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """This verb's options, on ``main``'s parser."""
+    p = sub.add_parser("smoke", help="run the GPU smoke suite on a patched tree")
+    p.add_argument("dir", nargs="?", default=".", help="patched tree (default: .)")
+    p.add_argument("--json", dest="json_file", default=None, metavar="FILE", help="JSON report")
+    p.add_argument("--junit", dest="junit_file", default=None, metavar="FILE", help="JUnit XML")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CHECK",
+        help="run only these (repeatable)",
+    )
+    p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return smoke(
+        tree_dir=args.dir,
+        json_file=args.json_file,
+        junit_file=args.junit_file,
+        only=args.only,
+        steps=args.steps,
+    )

@@ -11,9 +11,7 @@ same before and after. Running it twice changes nothing the second time.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK
@@ -51,17 +49,7 @@ def normalize(series_dir: str | None, check: bool = False) -> int:
     return EXIT_FAILED if check and changes else EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from megatron_rocm.error_handler import error_handler
-
-    parser = argparse.ArgumentParser(prog="python3 -m megatron_rocm.patchtool.normalize")
-    parser.add_argument("series", nargs="?", default=None, help="series folder (default: patches/)")
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if needed")
-    args = parser.parse_args(argv)
-    with error_handler() as result:
-        result.code = normalize(args.series, args.check)
-    return result.code
-
-
 if __name__ == "__main__":
+    from megatron_rocm.commands.normalize import main
+
     sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -123,3 +124,26 @@ class RefReport:
                 hd["label"] = HunkLabel(hd["label"]).value
         d["ok"] = self.ok
         return d
+
+
+def hunk_summary(p: PatchResult) -> str:
+    if p.error:
+        return p.error
+    if p.variant == "skip":
+        return "upstream has the change" if p.merged else "not needed for this version"
+    counts = Counter(h.label.value for h in p.hunks)
+    order = [lb.value for lb in HunkLabel]
+    return ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
+
+
+def first_failure(p: PatchResult, three_way: bool = False) -> str:
+    """One line naming the patch, the file, the hunk and the upstream lines that moved."""
+    if p.error:
+        return f"patch {p.patch_id}: {p.error}"
+    for h in p.hunks:
+        if not accepts(h.label, three_way):
+            return (
+                f"patch {p.patch_id} ({p.variant}): {h.path} hunk {h.index} "
+                f"{h.label.value}: {h.detail}"
+            )
+    return f"patch {p.patch_id}: ok"

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rocm.errors import FatalError, PatchFailed, SourceError, UsageError
-from megatron_rocm.output import first_failure, note
 from megatron_rocm.patchtool import engine, gitcmd, interrupts, lock, scratch, switch, upstream
-from megatron_rocm.patchtool.results import PatchResult
+from megatron_rocm.patchtool.results import PatchResult, first_failure
 from megatron_rocm.patchtool.series import Series
+from megatron_rocm.progress import note
 
 FRESH_STEPS = (
     "locked",

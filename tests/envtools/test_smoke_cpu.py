@@ -74,7 +74,7 @@ def test_detail_names_the_path_each_kernel_takes(tmp_path: Path, monkeypatch) ->
     """Where Triton would run, a check says so for the kernels that take it, not for LayerNorm
     (on torch's kernel by design) nor for a kernel forced onto its reference path."""
     from megatron_rocm.envtools.smoke.checks_kernels import _path
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     monkeypatch.setattr(_runtime, "triton_available", lambda: True)
     monkeypatch.setattr(_runtime, "interpreting", lambda: True)

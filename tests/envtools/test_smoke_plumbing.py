@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rocm.envtools.smoke import runner, world
+from megatron_rocm.envtools.smoke import catalog, runner, world
 from megatron_rocm.envtools.smoke.world import JobResult
 
 pytestmark = pytest.mark.torch
@@ -30,7 +30,7 @@ def ctx(tmp_path: Path, gpus: int = 2, fault: str | None = None, tree: Path | No
 
 # ----------------------------------------------------------------------------- selection
 def test_registry_names_every_mode_and_spec() -> None:
-    names = list(runner.load_checks())
+    names = list(catalog.load_checks())
     training = [n for n in names if n.startswith("training.")]
     assert training == [
         "training.gpt.local",
@@ -59,7 +59,7 @@ def test_registry_names_every_mode_and_spec() -> None:
     [(["parallel"], 24), (["parallel.ep2_moe"], 2), (["training.resume"], 8), (["training"], 12)],
 )
 def test_select_by_prefix(only, count) -> None:
-    assert len(runner.select(runner.load_checks(), only)) == count
+    assert len(runner.select(catalog.load_checks(), only)) == count
 
 
 def test_parallel_batch_follows_the_selection(tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_parallel_batch_follows_the_selection(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- skips
 def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
-    checks = runner.select(runner.load_checks(), ["parallel.tp2_sp.te", "training.resume"])
+    checks = runner.select(catalog.load_checks(), ["parallel.tp2_sp.te", "training.resume"])
     results = {r.name: r for r in runner.run_checks(ctx(tmp_path, gpus=1), checks)}
     assert results["parallel.tp2_sp.te"].status == "skip"
     assert (
@@ -87,7 +87,7 @@ def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
 
 def test_four_gpu_modes_skip_on_two_and_join_the_batch_on_four(tmp_path: Path) -> None:
     checks = runner.select(
-        runner.load_checks(), ["parallel.tp2_cp2.te", "training.resume.dp4_distopt"]
+        catalog.load_checks(), ["parallel.tp2_cp2.te", "training.resume.dp4_distopt"]
     )
     results = {r.name: r for r in runner.run_checks(ctx(tmp_path, gpus=2), checks)}
     assert results["parallel.tp2_cp2.te"].status == "skip"
@@ -117,7 +117,7 @@ def test_static_skip_reasons(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(
         checks_parallel.importlib.util,
         "find_spec",
-        lambda name: None if name.endswith("context_parallel") else real(name),
+        lambda name: None if name.endswith(("context_parallel", "cp.dispatch")) else real(name),
     )
     assert "no context parallelism yet" in checks_parallel.skip_reason(modes["cp2"], "te", tree)
     assert "only through TEDotProductAttention" in checks_parallel.skip_reason(
@@ -126,7 +126,7 @@ def test_static_skip_reasons(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(
         checks_parallel.importlib.util,
         "find_spec",
-        lambda name: None if name.endswith("packed_context_parallel") else real(name),
+        lambda name: None if name.endswith("packed.context_parallel") else real(name),
     )
     assert "no packed context parallelism yet" in checks_parallel.skip_reason(
         modes["cp2_packed"], "te", tree

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rocm.commands import smoke as smoke_cmd
-from megatron_rocm.envtools.smoke import report, runner
+from megatron_rocm.envtools.smoke import catalog, report, runner
 from megatron_rocm.errors import SourceError, UsageError
 
 
@@ -94,13 +94,13 @@ def test_a_tree_swallowed_by_only_is_named_as_such(tmp_path, monkeypatch) -> Non
 
 def test_registry_has_the_whole_suite() -> None:
     pytest.importorskip("torch")  # the check modules import torch
-    names = list(runner.load_checks())
+    names = list(catalog.load_checks())
     assert names[0].startswith("imports.") and names[-1].startswith("parallel.")
     assert {
         "kernels.softmax.causal",
         "kernels.softmax.masked",
         "kernels.softmax.scaled",
-        "kernels.attention",
+        "kernels.local_sdpa",
         "training.llama.local",
         "training.llama.te",
         "training.resume.dp2_distopt.local",

@@ -1,11 +1,10 @@
 """scripts/smoke_table.py: smoke JSON reports of several trees -> one Markdown table, and
-scripts/validate_distopt_resume.py's command-line guards (no GPU needed for either)."""
+scripts/training/validate_distopt_resume.py's command-line guards (no GPU needed for either)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    package = "scripts" if name == "smoke_table" else "scripts.training"
+    return importlib.import_module(f"{package}.{name}")
 
 
 def report(tmp_path: Path, name: str, checks: list[tuple[str, str, str]]) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from toyrepo import apply_argv, run
 
+from megatron_rocm.commands import normalize as normalize_cli
 from megatron_rocm.errors import UsageError
 from megatron_rocm.main import main
 from megatron_rocm.patchtool import diffio, engine, gitcmd, normalize
@@ -57,9 +58,9 @@ def test_normalize_then_check_changes_nothing_that_applies(toy, capsys):
     refs = ["core_v0.1.0", "core_v0.2.0", "core_v0.3.0", "core_v0.6.0"]
     main([*check, *refs])
     before = capsys.readouterr().out
-    assert normalize.main([str(series), "--check"]) == 1
-    assert normalize.main([str(series)]) == 0
-    assert normalize.main([str(series), "--check"]) == 0
+    assert normalize_cli.main([str(series), "--check"]) == 1
+    assert normalize_cli.main([str(series)]) == 0
+    assert normalize_cli.main([str(series), "--check"]) == 0
     assert normalize.pending(load_series(series)) == []
     capsys.readouterr()
     main([*check, *refs])
@@ -73,7 +74,7 @@ def _am(repo: Path, diffs: list[Path]) -> None:
 
 def test_git_am_of_the_series_builds_the_fork_apply_builds(toy):
     root, upstream, series = toy
-    assert normalize.main([str(series)]) == 0
+    assert normalize_cli.main([str(series)]) == 0
     fork = root / "fork"
     assert main(apply_argv(upstream, series, fork, "core_v0.1.0")) == 0
     am = root / "am"
@@ -91,7 +92,7 @@ def test_git_am_of_the_real_series_on_a_real_tag(tmp_path, tag, capsys):
     """``git am`` accepts every diff of the shipped series, and gives apply's tree."""
     series = tmp_path / "series"
     shutil.copytree(default_series_dir(), series)
-    normalize.main([str(series)])
+    normalize_cli.main([str(series)])
     fork = tmp_path / "fork"
     argv = ["apply", "--source", str(MIRROR), "--ref", tag, "--dest", str(fork)]
     assert main([*argv, "--series", str(series), "--json"]) == 0

@@ -120,7 +120,7 @@ def test_one_boolean_grammar_refuses(name: str, text: str, monkeypatch: pytest.M
 def test_the_local_spec_switch_keeps_its_old_name(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from megatron_rocm.runtime.kernels.attention import sdpa_enabled
+    from megatron_rocm.runtime.kernels.local_sdpa import sdpa_enabled
 
     caplog.set_level(logging.WARNING, logger=settings.logger.name)
     monkeypatch.setenv("MEGATRON_ROCM_SDPA", "0")
@@ -242,17 +242,17 @@ def test_the_read_check_sees_a_direct_read(tmp_path: Path) -> None:
 # values only the registry's grammar takes (the modules' old parsers refused them), so the
 # module's answer shows it read the switch through the registry
 THROUGH_THE_REGISTRY = [
-    ("kernels._runtime", "reference_forced", ("norm",), "MEGATRON_ROCM_KERNELS", "reference:NORM", True),
-    ("kernels.attention", "sdpa_enabled", (), "MEGATRON_ROCM_SDPA", "No", False),
+    ("kernels.launch", "reference_forced", ("norm",), "MEGATRON_ROCM_KERNELS", "reference:NORM", True),
+    ("kernels.local_sdpa", "sdpa_enabled", (), "MEGATRON_ROCM_SDPA", "No", False),
     ("kernels.norm", "triton_serves", ("LayerNorm", 1), "MEGATRON_ROCM_TRITON_NORMS", "layernorm", True),
     ("kernels.grouped_gemm", "requested_implementation", (), "MEGATRON_ROCM_GROUPED_GEMM", "TRITON", "triton"),
-    ("backend.a2a_projection", "enabled", (), "MEGATRON_ROCM_CP_A2A_QKV", "off", False),
-    ("backend._cp_handoff", "handoff_directions", (), "MEGATRON_ROCM_CP_A2A_HANDOFF", "no", frozenset()),
-    ("backend._cp_copy_engine", "requested_transport", (), "MEGATRON_ROCM_CP_A2A_TRANSPORT", "Copy-Engine", "copy-engine"),
-    ("backend._cp_a2a", "requested_stages", (), "MEGATRON_ROCM_CP_A2A_STAGES", "3", 3),
-    ("backend._cp_block_attention", "requested_kernel", (), "MEGATRON_ROCM_CP_KERNEL", "Math", "math"),
-    ("backend.sdpa", "requested_backends", (), "MEGATRON_ROCM_SDPA_BACKENDS", "Math, flash", "math,flash"),
-    ("backend.packed_attention", "requested_implementation", (None,), "MEGATRON_ROCM_PACKED_ATTENTION", "FLEX", "flex"),
+    ("backend.cp.a2a_projection", "enabled", (), "MEGATRON_ROCM_CP_A2A_QKV", "off", False),
+    ("backend.cp.handoff", "handoff_directions", (), "MEGATRON_ROCM_CP_A2A_HANDOFF", "no", frozenset()),
+    ("backend.cp.copy_engine", "requested_transport", (), "MEGATRON_ROCM_CP_A2A_TRANSPORT", "Copy-Engine", "copy-engine"),
+    ("backend.cp.a2a", "requested_stages", (), "MEGATRON_ROCM_CP_A2A_STAGES", "3", 3),
+    ("backend.cp.block_attention", "requested_kernel", (), "MEGATRON_ROCM_CP_KERNEL", "Math", "math"),
+    ("backend.te_sdpa", "requested_backends", (), "MEGATRON_ROCM_SDPA_BACKENDS", "Math, flash", "math,flash"),
+    ("backend.packed.thd_attention", "requested_implementation", (None,), "MEGATRON_ROCM_PACKED_ATTENTION", "FLEX", "flex"),
 ]  # fmt: skip
 
 

@@ -1,21 +1,17 @@
-"""scripts/bench_a2a_row_split.py on the CPU: the row splits must equal one whole causal call."""
+"""scripts/bench/a2a_row_split.py on the CPU: the row splits must equal one whole causal call."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_a2a_row_split as bench  # noqa: E402
-
-from megatron_rocm.runtime.backend import _cp_block_attention as blocks  # noqa: E402
-from megatron_rocm.runtime.backend._cp_layout import zigzag_chunk_ids  # noqa: E402
+from megatron_rocm.runtime.backend.cp import block_attention as blocks  # noqa: E402
+from megatron_rocm.runtime.backend.cp.layout import zigzag_chunk_ids  # noqa: E402
+from scripts.bench import a2a_row_split as bench  # noqa: E402
 
 
 class BottomRightMath(blocks.MathKernel):

@@ -1,4 +1,4 @@
-"""scripts/bench_cp_attention.py on two gloo ranks (``--cpu``): the script, not the numbers."""
+"""scripts/bench/cp_attention.py on two gloo ranks (``--cpu``): the script, not the numbers."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp_attention.py"
+REPO = Path(__file__).resolve().parents[2]
+MODULE = "scripts.bench.cp_attention"
 
 
 def _bench(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "cp.jsonl"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(SCRIPT), "--cpu", "--iters", "1", "--json", str(out), *args,
+        "-m", MODULE, "--cpu", "--iters", "1", "--json", str(out), *args,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -58,16 +59,14 @@ def test_each_case_says_how_its_blocks_took_the_grouped_kv_heads(tmp_path: Path)
 
 
 def test_grouped_heads_forces_expansion_for_one_case_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
+    import importlib
 
-    from megatron_rocm.runtime.backend import _cp_block_attention as blocks
+    from megatron_rocm.runtime.backend.cp import block_attention as blocks
 
     monkeypatch.setattr(blocks, "is_hip", lambda: False)  # a ROCm build of torch says True
 
-    spec = importlib.util.spec_from_file_location("bench_cp_attention", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    from megatron_rocm.runtime.backend._cp_block_attention import KERNELS
+    bench = importlib.import_module(MODULE)
+    from megatron_rocm.runtime.backend.cp.block_attention import KERNELS
 
     flash = KERNELS["flash"]  # takes grouped heads natively off ROCm
     q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 2, 2, 8)
@@ -124,6 +123,6 @@ def test_a2a_cases_per_transport_say_which_ran(tmp_path: Path) -> None:
     ],
 )
 def test_bad_shapes_and_stage_counts_are_refused_before_any_set_up(args: list[str]) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", *args], capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", MODULE, "--cpu", *args], capture_output=True,
+                          text=True, cwd=REPO)  # fmt: skip
     assert done.returncode == 2 and args[0] in done.stderr and "Traceback" not in done.stderr

@@ -1,17 +1,15 @@
-"""scripts/bench_fp8_linear.py: shape parsing and its CPU smoke run."""
+"""scripts/bench/fp8_linear.py: shape parsing and its CPU smoke run."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import bench_fp8_linear  # noqa: E402
+from scripts.bench import fp8_linear as bench_fp8_linear  # noqa: E402
 
 
 def test_shapes_by_name_and_by_size() -> None:

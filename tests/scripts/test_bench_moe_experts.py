@@ -1,4 +1,4 @@
-"""scripts/bench_moe_experts.py on a real patched 0.19 sdist, on the CPU (``--cpu``): that the
+"""scripts/bench/moe_experts.py on a real patched 0.19 sdist, on the CPU (``--cpu``): that the
 script builds upstream's two expert modules from upstream's specs, gives them the same experts
 and times both, not the numbers."""
 
@@ -18,13 +18,13 @@ from megatron_rocm.main import main
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.upstream]
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_moe_experts.py"
+
 SMALL = ["--cpu", "--tokens", "64", "--hidden", "64", "--ffn", "32"]
 
 
 def _bench(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), str(tree), "--json", str(out), *args],
+        [sys.executable, "-m", "scripts.bench.moe_experts", str(tree), "--json", str(out), *args],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,

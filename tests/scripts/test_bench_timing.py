@@ -1,18 +1,14 @@
-"""scripts/bench_timing.py, the kernel benchmarks' shared timer, on the CPU path."""
+"""scripts/bench/timing.py, the kernel benchmarks' shared timer, on the CPU path."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_timing  # noqa: E402
+from scripts.bench import timing as bench_timing  # noqa: E402
 
 
 def test_cpu_timing_times_the_second_call_only() -> None:
@@ -51,3 +47,26 @@ def test_environment_sets_the_variables_then_restores_each(
             raise RuntimeError("inside")
     assert os.environ["MEGATRON_ROCM_KERNELS"] == "auto"
     assert "MEGATRON_ROCM_TRITON_NORMS" not in os.environ
+
+
+def test_sampled_ms_leaves_out_the_warmup_and_takes_the_median_on_the_wall_clock() -> None:
+    delays = iter([0.3, 0.001, 0.03, 0.001])  # a slow warm-up call, then one slow sample of three
+
+    def call() -> None:
+        time.sleep(next(delays))
+
+    ms = bench_timing.sampled_ms(call, 3, "cpu", warmup=1)
+    assert 0.5 < ms < 25  # the median sample: neither the warm-up nor the slow one
+
+
+def test_the_patch_tool_benchmark_times_without_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; from scripts.bench import check, timing; "
+        "print(timing.sampled_ms(lambda: None, 2))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""scripts/compare_losses.py on logs written here in Megatron's format: which iterations are
+"""scripts/training/compare_losses.py on logs written here in Megatron's format: which iterations are
 compared, the two spans, and the one-line refusals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/compare_losses.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_log(path: Path, losses: dict[int, str]) -> Path:
@@ -26,7 +26,10 @@ def write_log(path: Path, losses: dict[int, str]) -> Path:
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True
+        [sys.executable, "-m", "scripts.training.compare_losses", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
 
 

@@ -1,16 +1,14 @@
-"""scripts/trace_summary.py on a small hand-made Chrome trace: busy/idle and the idle gap's cause."""
+"""scripts/training/trace_summary.py on a small hand-made Chrome trace: busy/idle and the idle gap's cause."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import trace_summary  # noqa: E402
+from scripts.training import trace_summary
 
 
 def _trace(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""scripts/train_small.py's log reading: iteration records, the run verdict, and the error a
+"""scripts/training/train_small.py's log reading: iteration records, the run verdict, and the error a
 failed run reports; and the pretrain_gpt.py flags its parallel options become. The log lines
 are written here in Megatron's format, not copied from it."""
 
@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/train_small.py"
-
 
 @pytest.fixture(scope="module")
 def ts():
-    spec = importlib.util.spec_from_file_location("train_small", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_small"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.training.train_small")
 
 
 def iteration(i: int, loss: str, ms: float, nan: int = 0) -> str:

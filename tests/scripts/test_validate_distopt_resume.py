@@ -1,4 +1,4 @@
-"""scripts/validate_distopt_resume.py's verdict: run B's printed losses against run A's, with
+"""scripts/training/validate_distopt_resume.py's verdict: run B's printed losses against run A's, with
 upstream's first-iteration logging rule (from 0.16 the second line a process prints is the
 mean of its first two iterations). Numbers are of the shape Megatron prints (7 digits)."""
 
@@ -18,13 +18,7 @@ STRAIGHT = [5.716166, 5.302709, 5.309906, 4.979735]
 
 @pytest.fixture(scope="module")
 def vd():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports train_small from its folder
-    spec = importlib.util.spec_from_file_location(
-        "validate_distopt_resume", SCRIPTS / "validate_distopt_resume.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.training.validate_distopt_resume")
 
 
 def test_identical_prints_are_bit_exact(vd) -> None:

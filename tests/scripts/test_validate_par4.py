@@ -1,4 +1,4 @@
-"""scripts/validate_par4.py without GPUs: the train_small.py command of each layout (and the
+"""scripts/training/validate_par4.py without GPUs: the train_small.py command of each layout (and the
 pretrain_gpt.py flags train_small.py makes of it), the one-GPU baselines, the resume verdict,
 the scaling table, the command line, and a whole run against a stand-in for train_small.py
 that prints Megatron-style iteration lines (written here, not copied from upstream)."""
@@ -19,12 +19,7 @@ MASK = "--no-create-attention-mask-in-dataloader"
 
 @pytest.fixture(scope="module")
 def vp():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports train_small and the resume checker
-    spec = importlib.util.spec_from_file_location("validate_par4", SCRIPTS / "validate_par4.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["validate_par4"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.training.validate_par4")
 
 
 @pytest.fixture
@@ -78,8 +73,8 @@ def test_each_layout_is_a_train_small_command(vp, tree: Path, name: str) -> None
     step = vp.step(tree, tree / "out", name, vp.layouts()[name], 30, [])
     options, flags = split(step.cmd)
     assert all(isinstance(arg, str) for arg in step.cmd)  # an argument list, never a shell line
-    assert options[:2] == [sys.executable, str(SCRIPTS / "train_small.py")]
-    assert options[2:11] == [
+    assert options[:3] == [sys.executable, "-m", "scripts.training.train_small"]
+    assert options[3:12] == [
         str(tree),
         "--preset",
         "llama",
@@ -90,7 +85,7 @@ def test_each_layout_is_a_train_small_command(vp, tree: Path, name: str) -> None
         "--log",
         str(tree / "out" / f"{name}.log"),
     ]
-    assert options[11:] == LAYOUT_OPTIONS[name].split()
+    assert options[12:] == LAYOUT_OPTIONS[name].split()
     assert "--transformer-impl" not in " ".join(step.cmd)  # upstream's default: the TE spec
     assert flags == [*LAYOUT_FLAGS[name], MASK]
     assert step.env == {} and step.out == tree / "out" / f"{name}.out"
@@ -129,8 +124,8 @@ def test_train_small_turns_each_command_into_the_layouts_flags(
 ) -> None:
     """The real train_small.py, --dry-run: the pretrain_gpt.py flags the layout means."""
     options, flags = split(vp.step(tree, tree, name, vp.layouts()[name], 30, []).cmd)
-    train_small = sys.modules["train_small"]  # the module validate_par4 imported
-    assert train_small.main([*options[2:], "--dry-run", "--", *flags]) == 0
+    train_small = sys.modules["scripts.training.train_small"]  # the module validate_par4 imported
+    assert train_small.main([*options[3:], "--dry-run", "--", *flags]) == 0
     shown = capsys.readouterr().out.split()
     pretrain = shown[shown.index("pretrain_gpt.py") + 1 :]
     assert set(EXPECTED_PRETRAIN[name]) <= set(pretrain)
@@ -184,9 +179,9 @@ def test_the_large_layouts_train_the_0_85b_llama_in_micro_batches_of_16k_tokens(
     with micro-batches of 16k tokens per rank (its step at micro-batch 2 is host-bound)."""
     layout = vp.layouts("0.85b")[name]
     options, flags = split(vp.step(tree, tree, name, layout, 30, []).cmd)
-    assert options[3:7] == ["--preset", "llama", "--preset-size", "0.85b"]
-    train_small = sys.modules["train_small"]
-    assert train_small.main([*options[2:], "--dry-run", "--", *flags]) == 0
+    assert options[4:8] == ["--preset", "llama", "--preset-size", "0.85b"]
+    train_small = sys.modules["scripts.training.train_small"]
+    assert train_small.main([*options[3:], "--dry-run", "--", *flags]) == 0
     shown = capsys.readouterr().out.split()
     pretrain = set(shown[shown.index("pretrain_gpt.py") + 1 :])
     assert set(LARGE_PRETRAIN[name]) <= pretrain
@@ -410,12 +405,17 @@ def test_a_dry_run_honours_runs_and_the_switches(vp, tree: Path, capsys) -> None
 def test_it_imports_and_names_no_gpu_without_torch() -> None:
     """CI jobs without torch import the script; torch is only looked for to name the GPU."""
     code = (
-        "import sys; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
-        "import validate_par4; assert 'torch' not in [m for m in sys.modules if sys.modules[m]]; "
+        "import sys; sys.modules['torch'] = None; "
+        "from scripts.training import validate_par4; "
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m]]; "
         "print(validate_par4.gpu_names())"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(SCRIPTS)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=SCRIPTS.parent,
     )
     assert done.stdout.strip() == "[]"
 
@@ -458,7 +458,7 @@ print(json.dumps({
 def fake_runs(vp, tree: Path, tmp_path: Path, monkeypatch) -> Path:
     fake = tmp_path / "fake_train_small.py"
     fake.write_text(FAKE_TRAIN_SMALL)
-    monkeypatch.setattr(vp, "TRAIN_SMALL", fake)
+    monkeypatch.setattr(vp, "TRAIN_SMALL", [str(fake)])
     monkeypatch.setattr(vp, "gpu_names", lambda: ["Fake GPU"] * 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("FAKE_FAIL", raising=False)

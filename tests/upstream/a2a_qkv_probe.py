@@ -6,7 +6,7 @@ Launches a gloo world of two ranks (CP=2, ``--cp-comm-type a2a``), each running 
 the patched tree: upstream's ``GPTModel`` built through ``get_gpt_layer_with_transformer_engine_
 spec()`` (the native backend, TE being absent), forward and backward on the rank's zigzag shard
 of one batch, twice from the same seed: with ``MEGATRON_ROCM_CP_A2A_QKV=1`` (the
-``a2a-qkv-projection`` hunk hands the projection to ``_cp_a2a_qkv``) and ``=0`` (upstream's
+``a2a-qkv-projection`` hunk hands the projection to ``cp.a2a_qkv``) and ``=0`` (upstream's
 path). Each rank writes its losses, logits and gradients of both runs side by side, how often
 the projected path ran in each, and what ``a2a_projection`` logged.
 """
@@ -84,8 +84,9 @@ def run_rank(args: argparse.Namespace) -> dict:
     )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_rocm.runtime.backend import _cp_a2a_qkv, a2a_projection
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.backend.cp import a2a_projection
+    from megatron_rocm.runtime.backend.cp import a2a_qkv as _cp_a2a_qkv
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     parallel_state.initialize_model_parallel(context_parallel_size=CP)
     projected, logged = [], []

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_rocm.runtime.backend.attention import TEDotProductAttention, mask_name
+    from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention, mask_name
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)

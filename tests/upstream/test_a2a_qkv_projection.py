@@ -3,7 +3,7 @@
 The series is applied to the 0.19.2 sdist; ``a2a_qkv_probe.py`` then runs upstream's
 ``GPTModel`` on the TE spec (the native backend) in a gloo world of two ranks with CP=2 and
 ``cp_comm_type="a2a"``, once with ``MEGATRON_ROCM_CP_A2A_QKV=1`` and once with ``=0``, from
-the same seed. With the hunk handing the projection to ``_cp_a2a_qkv`` the loss, the logits and
+the same seed. With the hunk handing the projection to ``cp.a2a_qkv`` the loss, the logits and
 every parameter's gradient must be upstream's; each module's parameters are only valid after
 its forward pre-hook (as under ``--overlap-param-gather``), so a path that read the QKV weight
 outside ``linear_qkv``'s call would show. Where the chain is not upstream's plain one (q/k

@@ -42,7 +42,7 @@ def _path(ctx: Context, t: Tensor, triton_kernel: str | None) -> str:
     if triton_kernel is None:
         return f"torch native, {t.device.type}"
     try:
-        from megatron_rocm.runtime.kernels._runtime import use_triton
+        from megatron_rocm.runtime.kernels.launch import use_triton
 
         return "triton" if use_triton(t, kernel=triton_kernel) else "torch reference"
     except ImportError:
@@ -387,7 +387,7 @@ def _mask_types() -> type[enum.Enum]:
         )
 
 
-@register("kernels.attention")
+@register("kernels.local_sdpa")
 def attention(ctx: Context) -> str:
     """sdpa_attention (MHA and GQA, causal and no mask) vs softmax(QK^T)V, forward and backward."""
     k, tally, amt = _kernel("attention"), _Tally(), _mask_types()

@@ -111,20 +111,20 @@ def skip_reason(mode: Mode, spec: str, tree: Path) -> str | None:
         )
     if (
         mode.packed
-        and importlib.util.find_spec("megatron_rocm.runtime.backend.packed_context_parallel")
+        and importlib.util.find_spec("megatron_rocm.runtime.backend.packed.context_parallel")
         is None
     ):
         return (
             "the native TE backend has no packed context parallelism yet "
-            "(megatron_rocm.runtime.backend.packed_context_parallel)"
+            "(megatron_rocm.runtime.backend.packed.context_parallel)"
         )
     if (
         mode.layout.cp > 1
-        and importlib.util.find_spec("megatron_rocm.runtime.backend.context_parallel") is None
+        and importlib.util.find_spec("megatron_rocm.runtime.backend.cp.dispatch") is None
     ):
         return (
             "the native TE backend has no context parallelism yet "
-            "(megatron_rocm.runtime.backend.context_parallel)"
+            "(megatron_rocm.runtime.backend.cp.dispatch)"
         )
     if (
         mode.name == "megatron_fsdp"

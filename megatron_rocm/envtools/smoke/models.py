@@ -259,7 +259,7 @@ def packed_microbatches(
     restarting per document, ``loss_mask`` 0 on padding) and split for context parallelism
     per document (TE's ``thd_get_partitioned_indices``, what upstream's packed data path
     calls)."""
-    from megatron_rocm.runtime.backend.thd_partition import thd_get_partitioned_indices
+    from megatron_rocm.runtime.backend.packed.thd_partition import thd_get_partitioned_indices
 
     if micro_batch_size(dp) != MICRO_BATCH:  # each row packs MICRO_BATCH samples
         raise ValueError(

@@ -115,34 +115,6 @@ def register(name: str) -> Callable[[Callable[[Context], str]], Callable[[Contex
     return deco
 
 
-def load_checks() -> dict[str, Check]:
-    """Import the check modules (they register themselves), in suite order."""
-    from megatron_rocm.envtools.smoke import (  # noqa: F401 - imported for registration
-        checks_collectives,
-        checks_imports,
-        checks_kernels,
-        checks_parallel,
-        checks_realdata,
-        checks_resume,
-        checks_training,
-    )
-
-    order = (
-        "imports",
-        "kernels",
-        "training",
-        "training.resume",
-        "real-data",
-        "collectives",
-        "parallel",
-    )
-
-    def rank(name: str) -> int:  # the longest prefix decides: resume after the other trainings
-        return max(i for i, p in enumerate(order) if name == p or name.startswith(p + "."))
-
-    return dict(sorted(REGISTRY.items(), key=lambda kv: rank(kv[0])))
-
-
 def select(checks: dict[str, Check], only: Sequence[str] | None) -> list[Check]:
     """``--only`` takes check names or prefixes: ``kernels``, ``kernels.softmax``, ``training``."""
     if not only:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from megatron_rocm.output import first_failure, hunk_summary
 from megatron_rocm.patchtool.matrix import ERROR, Matrix, Row, status_of
-from megatron_rocm.patchtool.results import accepts
+from megatron_rocm.patchtool.results import accepts, first_failure, hunk_summary
 
 
 def _suite(parent: ET.Element, name: str, **attrs: object) -> ET.Element:

@@ -3,7 +3,7 @@
 Used by the duplicated ``TELinear`` and by ``TERowParallelLinear`` without tensor parallelism
 when its input is an a2a attention output whose exchanges it can overlap
 (``project_attention_output``: the forward's last one lands while it computes over the rank's
-own heads, ``_cp_early_output``; it starts the backward's first one, ``_cp_handoff``). Kept
+own heads, ``cp.early_output``; it starts the backward's first one, ``cp.handoff``). Kept
 free of Megatron imports so the CP tests run it on bare torch.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend._cp_early_output import Landing, take
-from megatron_rocm.runtime.backend._cp_handoff import Handoff, claim
+from megatron_rocm.runtime.backend.cp.early_output import Landing, take
+from megatron_rocm.runtime.backend.cp.handoff import Handoff, claim
 from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
 
 
@@ -26,7 +26,7 @@ class LinearFunction(torch.autograd.Function):
     ``weight.main_grad`` and autograd gets a placeholder, flagged ``grad_added_to_main_grad``
     so Megatron's DDP hooks do not add it again. With a ``handoff`` the input gradient starts
     the attention's exchange before the weight-gradient GEMM, whose transfers run beside it.
-    With a ``landing`` the input's peers' heads are still on their way (``_cp_early_output``).
+    With a ``landing`` the input's peers' heads are still on their way (``cp.early_output``).
     """
 
     @staticmethod

@@ -145,7 +145,7 @@ class TERowParallelLinear(RowParallelLinear):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Upstream's forward, except where the input is an a2a attention output with
-        handoffs for this layer (``_cp_early_output``, ``_cp_handoff``) and nothing but the GEMM
+        handoffs for this layer (``cp.early_output``, ``cp.handoff``) and nothing but the GEMM
         is in play (one TP rank, a trainable weight, no CPU offloading): then the same GEMM,
         over the rank's own heads while the peers' land, and whose backward starts the
         attention's exchange ahead of the weight gradient. Under ``--fp8-format``, the FP8

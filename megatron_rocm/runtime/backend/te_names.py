@@ -10,7 +10,7 @@ code paths that really need TE still take their TE-less branch.
 
 from __future__ import annotations
 
-from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
 from megatron_rocm.runtime.backend.grouped_linear import (
     TEColumnParallelGroupedLinear,
     TEGroupedLinear,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -61,7 +61,7 @@ def _global_max_logsum(
 class _TritonCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group):  # noqa: ANN001, ANN205 - autograd signature
-        from megatron_rocm.runtime.kernels import _cross_entropy_triton as tri
+        from megatron_rocm.runtime.kernels import cross_entropy_triton as tri
 
         rank, world = _world(group)
         shape = logits.shape[:-1]
@@ -80,7 +80,7 @@ class _TritonCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):  # noqa: ANN001, ANN205 - autograd signature
-        from megatron_rocm.runtime.kernels import _cross_entropy_triton as tri
+        from megatron_rocm.runtime.kernels import cross_entropy_triton as tri
 
         x, t, row_max, row_logsum = ctx.saved_tensors
         g = grad_loss.reshape(-1).to(torch.float32).contiguous()

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.kernels._runtime import reference_forced
+from megatron_rocm.runtime.kernels.launch import reference_forced
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
 

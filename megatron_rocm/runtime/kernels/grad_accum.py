@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import log_fallback_once
 
 _Accum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rocm.runtime import settings
-from megatron_rocm.runtime.kernels import _grouped_gemm_ops as ops
-from megatron_rocm.runtime.kernels._runtime import (
+from megatron_rocm.runtime.kernels import grouped_gemm_ops as ops
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
+from megatron_rocm.runtime.kernels.launch import (
     interpreting,
     is_hip,
     log_fallback_once,
     reference_forced,
     triton_available,
 )
-from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
 ENV = "MEGATRON_ROCM_GROUPED_GEMM"
 IMPLEMENTATIONS = settings.choices(ENV)[1:]  # after "auto"

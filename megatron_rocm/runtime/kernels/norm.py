@@ -6,7 +6,7 @@ zero-centred gamma, ``persist_layer_norm`` and ``memory_efficient_layer_norm`` a
 cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 
 * on a GPU (CUDA or ROCm) RMSNorm runs a Triton kernel
-  (:mod:`~megatron_rocm.runtime.kernels._norm_triton`) on calls of at least
+  (:mod:`~megatron_rocm.runtime.kernels.norm_triton`) on calls of at least
   ``TRITON_NORM_MIN_ELEMENTS``: one read of ``x`` forward, one read of ``x`` and ``dy`` backward
   with ``dw`` summed in the same pass, where torch's backward runs two kernels reading both
   twice (docs/kernels.md); smaller calls, LayerNorm (unless ``MEGATRON_ROCM_TRITON_NORMS`` names
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rocm.runtime import settings
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, use_triton
 
 _NORMS = settings.choices("MEGATRON_ROCM_TRITON_NORMS")  # ("LayerNorm", "RMSNorm")
 # The norms the Triton kernel serves on a GPU by default. Its LayerNorm is correct (tested)
@@ -184,7 +184,7 @@ def _triton_unsupported(
     x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None
 ) -> str | None:
     """Why the Triton kernel cannot take these tensors (None: it can)."""
-    from megatron_rocm.runtime.kernels import _norm_triton as kernel
+    from megatron_rocm.runtime.kernels import norm_triton as kernel
 
     if x.shape[-1] == 0:
         return "empty rows"
@@ -202,7 +202,7 @@ class _TritonNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gamma, bias, eps, is_rms):  # noqa: ANN001, ANN205 - autograd signature
-        from megatron_rocm.runtime.kernels import _norm_triton as kernel
+        from megatron_rocm.runtime.kernels import norm_triton as kernel
 
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:
@@ -214,7 +214,7 @@ class _TritonNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205 - autograd signature
-        from megatron_rocm.runtime.kernels import _norm_triton as kernel
+        from megatron_rocm.runtime.kernels import norm_triton as kernel
 
         x2d, gamma, mean, rstd = ctx.saved_tensors
         dy2d = grad.reshape(-1, grad.shape[-1])

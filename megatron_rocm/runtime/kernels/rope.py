@@ -12,7 +12,7 @@ pass through unchanged (partial rotary). ``interleaved`` rotates pairs ``(2i, 2i
 instead of halves.
 
 Dispatch (the project's policy, as :mod:`~megatron_rocm.runtime.kernels.softmax`): on a GPU
-(CUDA or ROCm) a Triton kernel (:mod:`~megatron_rocm.runtime.kernels._rope_triton`) reads
+(CUDA or ROCm) a Triton kernel (:mod:`~megatron_rocm.runtime.kernels.rope_triton`) reads
 ``t`` once and writes the output once, computing ``cos``/``sin`` from the angles itself, in
 the forward and in the backward; elsewhere the torch path below. Other dtypes or layouts fall
 back to the torch path with the reason logged once; ``MEGATRON_ROCM_KERNELS=reference`` forces
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, use_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -99,7 +99,7 @@ def _run_triton(
 ) -> torch.Tensor:
     """``x`` as the kernel's ``[R1, R2, H, D]``: sbhd as is (``[s, b, d]`` gets ``h = 1``),
     thd ``[T, h, d]`` as ``[T, 1, h, d]``. Only the head dim must be contiguous."""
-    from megatron_rocm.runtime.kernels import _rope_triton
+    from megatron_rocm.runtime.kernels import rope_triton as _rope_triton
 
     if x.stride(-1) != 1:
         x = x.contiguous()  # e.g. an expanded gradient; Megatron's q/k have unit stride here
@@ -193,7 +193,7 @@ def rotate_sbhd(
 ) -> torch.Tensor:
     """The rotation of ``fused_apply_rotary_pos_emb`` (or, ``inverse``, its transpose: the
     gradient) without autograd, for callers that write their own backward
-    (``backend._cp_a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
+    (``backend.cp.a2a_qkv``). ``t`` is ``[s, b, h, d]`` with any strides but a contiguous head
     dim (e.g. a slice of the fused QKV projection); the result is a new contiguous tensor."""
     freqs, angles, problem = _sbhd_inputs(t, freqs)
     if _triton(t, freqs, problem):

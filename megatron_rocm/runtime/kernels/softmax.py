@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.kernels import softmax_reference as ref
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, use_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -46,7 +46,7 @@ def _triton(x: torch.Tensor) -> Any | None:
     if x.dtype not in SUPPORTED_DTYPES:
         log_fallback_once(f"softmax-{x.dtype}", f"softmax: no Triton kernel for {x.dtype}")
         return None
-    from megatron_rocm.runtime.kernels import _softmax_triton
+    from megatron_rocm.runtime.kernels import softmax_triton as _softmax_triton
 
     return _softmax_triton
 

@@ -4,7 +4,7 @@ Upstream's bias-free SwiGLU (``--swiglu`` with ``--bias-swiglu-fusion``, the def
 Llama-style model, both specs) runs two ``torch.compile``-d functions, ``swiglu`` and
 ``swiglu_back``. The backward's ``torch.cat`` makes the compiled kernel load each input twice,
 and it is the largest non-GEMM kernel of a Llama step (``docs/kernels.md``). On a GPU these run
-one Triton pass each (:mod:`~megatron_rocm.runtime.kernels._swiglu_triton`).
+one Triton pass each (:mod:`~megatron_rocm.runtime.kernels.swiglu_triton`).
 
 ``native_swiglu(bias_swiglu_impl, swiglu, swiglu_back)`` wraps upstream's entry point: the
 plain case (no bias, no FP8 input store, no CPU offload, no clamp) runs ``NativeSwiGLU``, every
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, use_triton
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Backward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,7 +30,7 @@ Backward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _unsupported(y: torch.Tensor, g: torch.Tensor | None = None) -> str | None:
     """Why the Triton kernel cannot take these tensors, or None."""
-    from megatron_rocm.runtime.kernels._swiglu_triton import SUPPORTED_DTYPES
+    from megatron_rocm.runtime.kernels.swiglu_triton import SUPPORTED_DTYPES
 
     if y.dtype not in SUPPORTED_DTYPES:
         return f"dtype {y.dtype}"
@@ -59,7 +59,7 @@ def forward(y: torch.Tensor, fallback: Forward) -> torch.Tensor:
     """``silu(y1) * y2`` where ``y = [y1 | y2]`` on the last dimension."""
     if not _use_kernel(y):
         return fallback(y)
-    from megatron_rocm.runtime.kernels import _swiglu_triton as tri
+    from megatron_rocm.runtime.kernels import swiglu_triton as tri
 
     out = tri.swiglu_forward(y.view(-1, y.shape[-1]))
     return out.view(*y.shape[:-1], y.shape[-1] // 2)
@@ -69,7 +69,7 @@ def backward(g: torch.Tensor, y: torch.Tensor, fallback: Backward) -> torch.Tens
     """The gradient w.r.t. ``y`` of ``forward(y)`` for the output gradient ``g``."""
     if not _use_kernel(y, g):
         return fallback(g, y)
-    from megatron_rocm.runtime.kernels import _swiglu_triton as tri
+    from megatron_rocm.runtime.kernels import swiglu_triton as tri
 
     dy = tri.swiglu_backward(g.view(-1, g.shape[-1]), y.view(-1, y.shape[-1]))
     return dy.view(y.shape)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_rocm.runtime.backend.context_parallel import context_parallel_attention
+from megatron_rocm.runtime.backend.cp.dispatch import context_parallel_attention
 
 _GROUPS: dict[tuple[tuple[int, ...], ...], Any] = {}
 
@@ -66,8 +66,8 @@ def _as_if_captured() -> Iterator[None]:
     """a2a told it is inside a CUDA-graph capture (CPU worlds cannot capture), failing if it
     still decides the group's transport (its probe's collectives would be captured) or builds
     a handoff."""
-    from megatron_rocm.runtime.backend import _cp_a2a as a2a
-    from megatron_rocm.runtime.backend import _cp_copy_engine as link
+    from megatron_rocm.runtime.backend.cp import a2a as a2a
+    from megatron_rocm.runtime.backend.cp import copy_engine as link
 
     def refuse(name: str) -> Callable[..., Any]:
         def called(*args: Any, **kw: Any) -> Any:
@@ -126,7 +126,8 @@ def parity_case(
     """Run CP attention on this rank's shard of the full q/k/v; return output and grads, how
     many batches of transfers a2a posted to the process group (``posts``: one per head group
     and direction) and whether a2a's exchanges went by copy engines (``copy_engine``)."""
-    from megatron_rocm.runtime.backend import _cp_a2a, _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
     os.environ.pop(_cp_a2a.STAGES_ENV, None)
@@ -175,7 +176,7 @@ def captured_parity_case(**case: Any) -> dict[str, Any]:
 def ring_hop_case(*, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
     """The ring's backward, recording the dtypes of every hop of the dK/dV sums; then again with
     the last hop sent in fp32 as the earlier ones (``_final`` made a no-op). Both dK/dV."""
-    from megatron_rocm.runtime.backend import _cp_ring
+    from megatron_rocm.runtime.backend.cp import ring as _cp_ring
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
     cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
@@ -294,7 +295,7 @@ def packed_parity_case(
     a module built without CP (``dynamic``), or CP turned off by ``local_cp_size=1`` on a
     module built with it (``off``: every rank attends over all rows).
     """
-    from megatron_rocm.runtime.backend.packed_context_parallel import (
+    from megatron_rocm.runtime.backend.packed.context_parallel import (
         packed_context_parallel_attention,
     )
 
@@ -336,7 +337,7 @@ def packed_parity_case(
         )  # fmt: skip
     out.backward(tensors["grad"][index].to(device, dtype))
     result = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
-    from megatron_rocm.runtime.backend.packed_attention import last_implementation
+    from megatron_rocm.runtime.backend.packed.thd_attention import last_implementation
 
     tensors_out = {n: t.float().cpu() for n, t in result.items()}
     return {"rows": rows, "implementation": last_implementation(), **tensors_out}
@@ -344,7 +345,7 @@ def packed_parity_case(
 
 def _te_attention(leaves: list[torch.Tensor], cp: int, causal: bool, scale: float | None) -> Any:
     """The backend's TEDotProductAttention as a TE spec builds it, with CP over the world."""
-    from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+    from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
 
     heads, dim = leaves[0].shape[1], leaves[0].shape[2]
     config = SimpleNamespace(
@@ -448,7 +449,7 @@ class World:
 def probe_case(*, failing_ranks: list[int]) -> str | None:
     """A copy-engine link's probe where mapping the window fails on ``failing_ranks``: what
     this rank's probe says (the ranks must agree that the link cannot be used)."""
-    from megatron_rocm.runtime.backend._cp_copy_engine import CopyEngineLink
+    from megatron_rocm.runtime.backend.cp.copy_engine import CopyEngineLink
 
     link = object.__new__(CopyEngineLink)  # no CUDA stream on the CPU: the probe's logic only
     link.group, link.device = dist.group.WORLD, torch.device("cpu")
@@ -463,7 +464,7 @@ def probe_case(*, failing_ranks: list[int]) -> str | None:
 
 def a2a_order_case(*, tensors: dict[str, torch.Tensor]) -> list[str]:
     """The order of a2a's copies and posted exchanges in one forward (``copy`` / ``post``)."""
-    from megatron_rocm.runtime.backend import _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
     events: list[str] = []
@@ -489,7 +490,9 @@ def early_output_case(
     the output finished inside the attention (``MEGATRON_ROCM_CP_A2A_HANDOFF=backward``); then
     an early output nobody reads, followed by the group's next exchange. Memory is handed out
     filled with NaN (torch's deterministic mode), so columns read before they land show."""
-    from megatron_rocm.runtime.backend import _cp_copy_engine, _cp_early_output, _cp_handoff
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import early_output as _cp_early_output
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "math"
     if transport is not None:
@@ -550,7 +553,7 @@ def two_streams_case(
     Returns, per output and gradient of both, how far it is from what the same input gives
     one after the other on one stream (relative to its largest value: cuDNN's backward may
     sum in another order, so not always bit for bit; a race gives garbage)."""
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
     os.environ[_cp_copy_engine.TRANSPORT_ENV] = "copy-engine"
@@ -630,12 +633,10 @@ def handoff_case(
     attention's backward took the exchange the linear started (``taken``), how many started
     exchanges were settled, how many batches were posted to the process group, and how many
     early outputs the projection computed on while they landed (``split``)."""
-    from megatron_rocm.runtime.backend import (
-        _cp_a2a,
-        _cp_copy_engine,
-        _cp_handoff,
-        _linear_function,
-    )
+    from megatron_rocm.runtime.backend import _linear_function
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
     os.environ[_cp_handoff.HANDOFF_ENV] = handoff
@@ -698,7 +699,7 @@ def missing_peer_case(*, tensors: dict[str, torch.Tensor], absent: int, timeout_
     joins. Returns ``"absent"`` on that rank; on the others, how the second exchange ended
     (the error's type and first line, or ``None``) and how many seconds it took. The link's
     barrier traps its kernel, so this process's CUDA context is unusable afterwards."""
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
     os.environ[_cp_copy_engine.TRANSPORT_ENV] = "copy-engine"
@@ -739,7 +740,7 @@ def graph_case(*, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     and backward, into a CUDA graph as Megatron's ``--cuda-graph-impl`` does, and replayed on
     the same inputs: the replay's output and gradients against the eager ones, and which
     transport the eager call took."""
-    from megatron_rocm.runtime.backend import _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
 
     _cp_copy_engine.decide_again()
     cp, rank, device = dist.get_world_size(), dist.get_rank(), _device()
@@ -800,7 +801,7 @@ def projected_case(
 ) -> dict[str, Any]:
     """Upstream's ``SelfAttention`` from the normalised input to the output projection, on this
     rank's shard, two ways: as upstream computes it (one QKV GEMM, the split, RoPE, then
-    ``context_parallel_attention``, all plain autograd) and through ``_cp_a2a_qkv`` (the
+    ``context_parallel_attention``, all plain autograd) and through ``cp.a2a_qkv`` (the
     projection split by rank around a2a's exchanges); both followed by the output projection
     as ``TERowParallelLinear`` computes it at one TP rank, so that its handoffs run too.
     ``fuse``: the QKV weight's gradient goes into ``main_grad`` (Megatron's fusion);
@@ -808,14 +809,12 @@ def projected_case(
 
     Returns, for each way (``upstream``, ``projected``), the output and the gradients of the
     input, both weights and the bias, and how many batches each posted to the process group."""
-    from megatron_rocm.runtime.backend import (
-        _cp_a2a,
-        _cp_a2a_qkv,
-        _cp_copy_engine,
-        _cp_handoff,
-        _linear_function,
-    )
-    from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
+    from megatron_rocm.runtime.backend import _linear_function
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a_qkv as _cp_a2a_qkv
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
+    from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel
     from megatron_rocm.runtime.kernels.rope import rope_reference
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = kernel
@@ -896,8 +895,9 @@ def retained_case(*, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     must not wait in the autograd graph for the backward."""
     import gc
 
-    from megatron_rocm.runtime.backend import _cp_a2a, _cp_a2a_qkv
-    from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel
+    from megatron_rocm.runtime.backend.cp import a2a as _cp_a2a
+    from megatron_rocm.runtime.backend.cp import a2a_qkv as _cp_a2a_qkv
+    from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel
 
     os.environ["MEGATRON_ROCM_CP_KERNEL"] = "auto"
     cp, rank = dist.get_world_size(), dist.get_rank()

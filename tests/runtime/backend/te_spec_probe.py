@@ -100,7 +100,7 @@ def build(kind: str, dtype: torch.dtype, spec_name: str):
         # Upstream's local DotProductAttention takes no k_channels/v_channels: MLA has never run
         # on the local spec. The twin keeps the local linears and norms around the native core
         # attention, so the comparison checks the TE linears and LN-linears inside MLA.
-        from megatron_rocm.runtime.backend.attention import TEDotProductAttention
+        from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
 
         spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
     torch.manual_seed(1234)
@@ -281,7 +281,9 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
     a frozen weight or a layer that is more than a GEMM still takes. An early output (the
     peers' half of its columns landing later) is computed on while it lands: upstream's
     numbers but for the order of the sums (``row_early_diff``)."""
-    from megatron_rocm.runtime.backend import _cp_early_output, _cp_handoff, _linear_function
+    from megatron_rocm.runtime.backend import _linear_function
+    from megatron_rocm.runtime.backend.cp import early_output as _cp_early_output
+    from megatron_rocm.runtime.backend.cp import handoff as _cp_handoff
     from megatron_rocm.runtime.backend.te_names import TERowParallelLinear
 
     events: list[str] = []
@@ -375,13 +377,13 @@ def modules_case() -> dict:
     """Module-level behaviour of the native TE classes inside a real Megatron tree."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_rocm.runtime.backend.sdpa import attention_reference_te
     from megatron_rocm.runtime.backend.te_names import (  # the extension's names (0.13+)
         TEColumnParallelLinear,
         TEDotProductAttention,
         TELayerNormColumnParallelLinear,
         TELinear,
     )
+    from megatron_rocm.runtime.backend.te_sdpa import attention_reference_te
 
     cfg = config("llama", torch.float32)
     init = torch.nn.init.normal_

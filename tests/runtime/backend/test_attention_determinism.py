@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.backend.attention import TEDotProductAttention  # noqa: E402
-from megatron_rocm.runtime.kernels import _runtime  # noqa: E402
+from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention  # noqa: E402
+from megatron_rocm.runtime.kernels import launch as _runtime  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -71,7 +71,7 @@ def test_te_spec_matches_local_spec(probe_results: dict, release: str, case: str
     assert "error" not in result, result.get("error")
     classes = result["classes"]
     assert classes["linear_qkv"] == "megatron_rocm.runtime.backend.layernorm_linear"
-    assert classes["core_attention"] == "megatron_rocm.runtime.backend.attention"
+    assert classes["core_attention"] == "megatron_rocm.runtime.backend.dot_product_attention"
     assert classes["linear_proj"] == "megatron_rocm.runtime.backend.linear"
     assert classes["mlp"] == ("MoELayer" if case.startswith("moe") else "MLP")
     assert result["grads_finite"] and result["grad_scale"] > 0

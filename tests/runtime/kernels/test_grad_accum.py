@@ -85,7 +85,7 @@ def test_falls_back_when_out_dtype_gemm_is_missing(
     walks down to the upcast, logs why, and remembers the choice."""
     monkeypatch.setattr(grad_accum, "_gpu_gemm_overloads", lambda x: True)
     monkeypatch.setattr(grad_accum, "_chosen", {})
-    monkeypatch.setattr("megatron_rocm.runtime.kernels._runtime._logged", set())
+    monkeypatch.setattr("megatron_rocm.runtime.kernels.launch._logged", set())
     total_input, grad_output = _inputs((8, 4), (8, 3), torch.bfloat16)
     main_grad = torch.zeros(3, 4)
     expected = wgrad_reference(total_input, grad_output, main_grad)

@@ -19,8 +19,8 @@ from triton_interpreter import run_triton_tests_under_interpreter
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.kernels import _runtime  # noqa: E402
 from megatron_rocm.runtime.kernels import grouped_gemm as gg  # noqa: E402
+from megatron_rocm.runtime.kernels import launch as _runtime  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -180,7 +180,7 @@ def _compare_with_reference(norm: FusedNorm, x: torch.Tensor, zero_centered: boo
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the Triton launches, so a test cannot pass on torch's kernels by accident; the
     kernel serves both norms here (by default only ``norm.TRITON_NORMS``)."""
-    from megatron_rocm.runtime.kernels import _norm_triton
+    from megatron_rocm.runtime.kernels import norm_triton as _norm_triton
 
     monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, ",".join(NORMS))
 
@@ -233,7 +233,7 @@ def test_default_routing_sends_large_rmsnorm_calls_to_triton(
     """Production routing: RMSNorm calls of ``TRITON_NORM_MIN_ELEMENTS`` or more on the Triton
     kernel, smaller ones (where the host's cost per call outweighs the GPU's saving) and
     LayerNorm on torch's. The threshold is lowered to 4 rows of 64 so the interpreter can run it."""
-    from megatron_rocm.runtime.kernels import _norm_triton
+    from megatron_rocm.runtime.kernels import norm_triton as _norm_triton
 
     monkeypatch.delenv(norm_module.TRITON_NORMS_ENV, raising=False)
     monkeypatch.setattr(norm_module, "TRITON_NORM_MIN_ELEMENTS", 4 * 64)
@@ -288,7 +288,7 @@ def test_triton_norms_setting_routes_the_named_norms(
 ) -> None:
     """``MEGATRON_ROCM_TRITON_NORMS`` replaces the default routing, for A/B runs in a model;
     ``MEGATRON_ROCM_KERNELS=reference:norm`` still puts every norm on torch's path."""
-    from megatron_rocm.runtime.kernels import _norm_triton
+    from megatron_rocm.runtime.kernels import norm_triton as _norm_triton
 
     monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", kernels)
@@ -346,7 +346,7 @@ def test_triton_norms_setting_typo_raises(monkeypatch: pytest.MonkeyPatch, setti
 def test_kernels_setting_selects_the_reference_per_kernel(
     monkeypatch: pytest.MonkeyPatch, setting: str, forced: dict[str | None, bool]
 ) -> None:
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", setting)
     assert {k: _runtime.reference_forced(k) for k in forced} == forced
@@ -358,7 +358,7 @@ def test_kernels_setting_selects_the_reference_per_kernel(
 
 @pytest.mark.parametrize("setting", ["refrence", "reference:", "reference:nrom", "torch:norm"])
 def test_kernels_setting_typo_raises(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", setting)
     with pytest.raises(ValueError, match="MEGATRON_ROCM_KERNELS=.*expected 'auto'"):
@@ -382,7 +382,7 @@ def test_triton_non_contiguous_input(kernel_calls: dict[str, int]) -> None:
 def test_triton_backward_splits_rows_over_programs(programs: int, normalization: str) -> None:
     """The row ranges of the backward's programs tile the rows exactly once, whatever the
     split (rows not divisible by programs; more programs than rows)."""
-    from megatron_rocm.runtime.kernels import _norm_triton
+    from megatron_rocm.runtime.kernels import norm_triton as _norm_triton
 
     torch.manual_seed(2)
     rows, columns = 29, 40
@@ -426,7 +426,7 @@ def test_unsupported_mix_falls_back_to_torch_with_the_reason_logged(
     result and the reason is logged (once)."""
     pytest.importorskip("triton")
     monkeypatch.setattr(norm_module, "use_triton", lambda *tensors, kernel=None: True)
-    monkeypatch.setattr("megatron_rocm.runtime.kernels._runtime._logged", set())
+    monkeypatch.setattr("megatron_rocm.runtime.kernels.launch._logged", set())
     monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, "RMSNorm")  # at this small size too
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     gamma = torch.randn(16, dtype=torch.float32)

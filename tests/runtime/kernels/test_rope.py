@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 
 from triton_interpreter import INTERPRETER, TRITON_DEVICE, triton_test  # noqa: E402
 
-from megatron_rocm.runtime.kernels import _runtime  # noqa: E402
+from megatron_rocm.runtime.kernels import launch as _runtime  # noqa: E402
 from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
@@ -251,7 +251,7 @@ def _tuning(name: str, shape: tuple[int, ...], rot_dim: int) -> Iterator[None]:
     whole batch. ``split``: the batch is cut into uneven chunks, and 64-element tiles make each
     program loop over several head blocks, the last one partial.
     """
-    from megatron_rocm.runtime.kernels import _rope_triton as tri
+    from megatron_rocm.runtime.kernels import rope_triton as tri
 
     old = tri.get_tuning()
     changes = {"whole": {"programs_per_sm": 1}, "split": {"tile": 64, "programs_per_sm": 2}}
@@ -443,7 +443,7 @@ def test_triton_fallbacks_are_logged_once(
 @pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_plan_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_rocm.runtime.kernels import _rope_triton as tri
+    from megatron_rocm.runtime.kernels import rope_triton as tri
 
     t = tri.Tuning(tile=2048, elems_per_thread=64, programs_per_sm=16)
     # Enough positions to fill the GPU: one program owns the whole batch (angles computed once).
@@ -479,7 +479,7 @@ def test_kernel_compiles_for_gpus(backend: str, arch: object, vector_load: str, 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megatron_rocm.runtime.kernels import _rope_triton as tri
+    from megatron_rocm.runtime.kernels import rope_triton as tri
 
     if not triton.__version__.startswith(("3.4", "3.5", "3.6")):
         pytest.skip("ASTSource's signature format is only known for Triton 3.4-3.6")

@@ -52,7 +52,7 @@ def _tuning(looped: bool, sk: int) -> Iterator[None]:
     """With ``looped``, shrink the register-resident limit so ``sk`` takes the two-pass loop
     kernel in about four tiles (enough to exercise the online max/sum, few enough for the
     interpreter)."""
-    from megatron_rocm.runtime.kernels import _softmax_triton as tri
+    from megatron_rocm.runtime.kernels import softmax_triton as tri
 
     old = tri.get_tuning()
     if looped:
@@ -260,7 +260,7 @@ def test_triton_autograd_with_tensor_scale() -> None:
 @pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_plan_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_rocm.runtime.kernels import _softmax_triton as tri
+    from megatron_rocm.runtime.kernels import softmax_triton as tri
 
     t = tri.Tuning()
     assert tri.plan(1000, 1, tuning=t).rows == t.min_tile // 16  # short rows are packed

@@ -100,7 +100,7 @@ def test_wrapper_keeps_upstreams_name_and_reference() -> None:
 
 
 def test_kernels_setting_forces_upstreams_functions(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_rocm.runtime.kernels import _runtime
+    from megatron_rocm.runtime.kernels import launch as _runtime
 
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:swiglu")
     monkeypatch.setattr(_runtime, "triton_available", lambda: True)
@@ -132,7 +132,7 @@ def test_unsupported_tensor_falls_back_with_the_reason_logged(
 ) -> None:
     pytest.importorskip("triton")
     monkeypatch.setattr(swiglu, "use_triton", lambda *tensors, kernel=None: True)
-    monkeypatch.setattr("megatron_rocm.runtime.kernels._runtime._logged", set())
+    monkeypatch.setattr("megatron_rocm.runtime.kernels.launch._logged", set())
     up = Upstream()
     with caplog.at_level(logging.INFO, logger="megatron_rocm.runtime.kernels"):
         up.wrapped()(torch.randn(4, 10, dtype=torch.float64), None)
@@ -148,7 +148,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the Triton launches, so a case cannot pass on the fallback."""
-    from megatron_rocm.runtime.kernels import _swiglu_triton
+    from megatron_rocm.runtime.kernels import swiglu_triton as _swiglu_triton
 
     calls = {"forward": 0, "backward": 0}
     for name, key in (("swiglu_forward", "forward"), ("swiglu_backward", "backward")):
@@ -205,7 +205,7 @@ def test_triton_matches_upstreams_rounding_to_one_ulp() -> None:
 @triton_test
 def test_triton_int64_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
     """The int64-offset variant (outputs of 2**30 elements and more) computes the same."""
-    from megatron_rocm.runtime.kernels import _swiglu_triton
+    from megatron_rocm.runtime.kernels import swiglu_triton as _swiglu_triton
 
     assert _swiglu_triton.needs_int64(2**30) and not _swiglu_triton.needs_int64(2**29)
     monkeypatch.setattr(_swiglu_triton, "needs_int64", lambda n: True)
@@ -220,7 +220,7 @@ def test_triton_int64_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
 @triton_test
 def test_triton_kernels_refuse_strided_tensors() -> None:
     """The entry points route these to upstream; the kernels themselves refuse them too."""
-    from megatron_rocm.runtime.kernels import _swiglu_triton
+    from megatron_rocm.runtime.kernels import swiglu_triton as _swiglu_triton
 
     y = torch.randn(6, 40, device=DEVICE)[:, :20]
     with pytest.raises(ValueError, match="contiguous"):

@@ -1,0 +1,1 @@
+"""Context-parallel core attention: the schemes of ``--cp-comm-type`` (``dispatch`` picks one)."""

@@ -1,0 +1,1 @@
+"""Packed-sequence (THD) attention: batch plans, kernels, CP partitioning and document masks."""

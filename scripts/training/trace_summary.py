@@ -1,0 +1,327 @@
+"""Where one profiled training iteration spends its time, from a torch profiler trace.
+
+    python -m scripts.training.trace_summary TRACE.json[.gz] [--gaps 15] [--top 30]
+    python -m scripts.training.trace_summary RANK0.json.gz --against RANK1.json.gz [--top 30]
+
+Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler`` (or any
+``torch.profiler`` run) writes and prints:
+
+* the span of GPU work, the time some kernel was running (busy) and the idle rest;
+* GPU time per kernel family (GEMM, attention, Triton, norms, elementwise, copies, NCCL, ...);
+* the longest idle gaps, each with the Python frames (Megatron's and ours) that launched the
+  kernel ending the gap: idle time is CPU time the GPU waited for (syncs, launch overhead);
+* communication no compute kernel runs beside (exposed), per collective, and how much compute
+  ran beside communication (where both share the GPU's SMs and memory).
+
+``--against`` compares two ranks of one iteration: in a step that ends in a collective every
+rank waits for the slowest, so the kernels one rank spends longer on say where the step's
+imbalance comes from, and each rank's exposed communication says how long it waited. The same
+kernels are also paired call by call: ranks that exchange at every layer lose what each
+stretch between exchanges took longer on the other rank, so differences that alternate
+between the ranks cost time that the totals do not show.
+
+A full-depth model's op table (``scripts/training/profile_step.py --ops``) says what each kernel costs;
+this says what the *iteration* costs beyond its kernels, which is where the step time that
+no kernel accounts for goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+# a2a on copy engines: what marks its kernels -> the kind of exchange each is
+EXCHANGES = {
+    "Memcpy PtoP": "copy-engine copy",
+    "symmetric_memory::barrier": "symmetric-memory barrier",
+}
+
+# First match wins. Attention comes before GEMM: cuDNN's attention kernels are named
+# "cudnn_generated_..._sdpa_sm90_flash_..._wgmma_...", which the GEMM pattern also matches.
+FAMILIES = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|Cijk|sm90_|sm80_", re.I)),
+    ("nccl", re.compile(r"nccl|rccl", re.I)),
+    # a2a on copy engines: peer copies through symmetric memory, and the group's barriers
+    ("exchange", re.compile("|".join(map(re.escape, EXCHANGES)))),
+    ("norm", re.compile(r"norm|GammaBeta", re.I)),
+    ("triton", re.compile(r"^triton_|_kernel$")),
+    ("copy", re.compile(r"copy|Memcpy|cat|transpose", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),
+    ("reduce", re.compile(r"reduce|sum|max|softmax|cross_entropy|nll", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|fill|Memset", re.I)),
+)
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+COMMUNICATION = {"nccl", "exchange"}
+_OURS = re.compile(r"(megatron/|megatron_rocm/|pretrain_gpt)")
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        data = json.load(fh)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def family(name: str) -> str:
+    for fam, pattern in FAMILIES:
+        if pattern.search(name):
+            return fam
+    return "other"
+
+
+def busy_union(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total covered time and the idle gaps between covered stretches (microseconds)."""
+    covered = _merged(spans)
+    busy = sum(end - start for start, end in covered)
+    return busy, [(a[1], b[0]) for a, b in zip(covered, covered[1:])]
+
+
+def gpu_kernels(events: list[dict]) -> list[dict]:
+    """The trace's GPU events (kernels, copies, memsets), in start order."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    kernels.sort(key=lambda e: e["ts"])
+    return kernels
+
+
+def _span(e: dict) -> tuple[float, float]:
+    return e["ts"], e["ts"] + e.get("dur", 0)
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping stretches covering ``spans``."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _covered(start: float, end: float, cover: list[tuple[float, float]]) -> float:
+    """How much of ``[start, end)`` the sorted stretches ``cover`` cover."""
+    i = max(bisect.bisect_right(cover, (start, float("inf"))) - 1, 0)
+    total = 0.0
+    while i < len(cover) and cover[i][0] < end:
+        total += max(0.0, min(end, cover[i][1]) - max(start, cover[i][0]))
+        i += 1
+    return total
+
+
+def collective(name: str) -> str:
+    """A communication kernel's collective: ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``
+    -> ``ReduceScatter``; p2p batches are ``SendRecv``; copy-engine transfers through
+    symmetric memory are ``copy-engine copy``, its barriers ``symmetric-memory barrier`` (whose
+    exposed time is mostly one rank waiting for the other to arrive)."""
+    for mark, kind in EXCHANGES.items():
+        if mark in name:
+            return kind
+    m = re.search(r"(?:nccl|rccl)\w*?Kernel_([A-Za-z]+)", name, re.I)
+    return m.group(1) if m else name[:40]
+
+
+def exposure(kernels: list[dict]) -> dict[str, float]:
+    """Microseconds: compute (time some non-communication kernel runs), compute beside
+    communication, and per collective the time it runs with no compute beside it."""
+    comm = [e for e in kernels if family(e["name"]) in COMMUNICATION]
+    compute = _merged([_span(e) for e in kernels if family(e["name"]) not in COMMUNICATION])
+    comm_cover = _merged([_span(e) for e in comm])
+    out: dict[str, float] = defaultdict(float)
+    out["compute"] = sum(end - start for start, end in compute)
+    out["compute beside communication"] = sum(_covered(s, e, comm_cover) for s, e in compute)
+    # a collective's stretches, less the compute beside them (two kernels of one collective
+    # running at once count once)
+    by_collective: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in comm:
+        by_collective[collective(e["name"])].append(_span(e))
+    for name, spans in by_collective.items():
+        out[f"exposed {name}"] = sum(
+            (end - start) - _covered(start, end, compute) for start, end in _merged(spans)
+        )
+    return dict(out)
+
+
+def compare(ours: list[dict], theirs: list[dict], top: int) -> str:
+    """Two ranks' iterations side by side: families, exposure, the kernels whose total time
+    differs most (same name on both ranks), and the same kernels call by call (``pace``)."""
+    lines = ["| family | this rank ms | other rank ms | other - this |", "|---|---|---|---|"]
+    fams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])
+    for side, kernels in enumerate((ours, theirs)):
+        for e in kernels:
+            fams[family(e["name"])][side] += e.get("dur", 0)
+            names[e["name"]][side] += e.get("dur", 0)
+            names[e["name"]][side + 2] += 1
+    for fam, (a, b) in sorted(fams.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])):
+        lines.append(f"| {fam} | {a / 1e3:.1f} | {b / 1e3:.1f} | {(b - a) / 1e3:+.1f} |")
+    lines += ["", "| | this rank ms | other rank ms | other - this |", "|---|---|---|---|"]
+    mine, other = exposure(ours), exposure(theirs)
+    for key in sorted(set(mine) | set(other)):
+        a, b = mine.get(key, 0.0), other.get(key, 0.0)
+        lines.append(f"| {key} | {a / 1e3:.1f} | {b / 1e3:.1f} | {(b - a) / 1e3:+.1f} |")
+    lines += [
+        "",
+        "| kernel | this rank ms (calls) | other rank ms (calls) | other - this |",
+        "|---|---|---|---|",
+    ]
+    for name, (a, b, na, nb) in sorted(names.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[
+        :top
+    ]:
+        lines.append(
+            f"| {name[:80]} | {a / 1e3:.2f} ({na}) | {b / 1e3:.2f} ({nb}) | {(b - a) / 1e3:+.2f} |"
+        )
+    return "\n".join(lines + [""] + pace(ours, theirs, top))
+
+
+def pace(ours: list[dict], theirs: list[dict], top: int) -> list[str]:
+    """The same compute kernels call by call: how much longer each rank took where it was the
+    slower one.
+
+    Ranks that exchange at every layer wait for each other at each exchange, so a rank can
+    lose time to the other even where the totals say the other is the faster: a kernel whose
+    calls are sometimes longer on one rank and sometimes on the other (clocks under a power
+    cap, say) costs both. Summed over the calls where the *other* rank took longer, the
+    differences bound what this rank can have waited for it (and the converse): a bound, since
+    differences of kernels between the same two exchanges may cancel. Kernels are paired by
+    name and call order, where both ranks called them equally often; the rest are counted.
+    """
+    calls: list[dict[str, list[float]]] = [defaultdict(list), defaultdict(list)]
+    for side, kernels in enumerate((ours, theirs)):
+        for e in kernels:
+            if family(e["name"]) not in COMMUNICATION:
+                calls[side][e["name"]].append(e.get("dur", 0))
+    rows: list[tuple[float, float, float, str]] = []  # other slower, this slower, largest, name
+    unpaired = [0, 0.0]
+    for name in set(calls[0]) | set(calls[1]):
+        mine, other = calls[0].get(name, []), calls[1].get(name, [])
+        if len(mine) != len(other):
+            unpaired[0] += 1
+            unpaired[1] += sum(mine) + sum(other)
+            continue
+        deltas = [b - a for a, b in zip(mine, other, strict=True)]
+        rows.append((
+            sum(d for d in deltas if d > 0), -sum(d for d in deltas if d < 0),
+            max(deltas, key=abs), name,
+        ))  # fmt: skip
+    other_slower, this_slower = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    lines = [
+        f"Paired calls: the other rank took {other_slower / 1e3:.1f} ms longer where it was"
+        f" slower, this rank {this_slower / 1e3:.1f} ms where it was (net"
+        f" {(other_slower - this_slower) / 1e3:+.1f} ms); {unpaired[0]} kernel name(s),"
+        f" {unpaired[1] / 1e3:.1f} ms, called unequally often, not paired.",
+        "",
+        "| kernel | calls | other slower by ms | this slower by ms | largest ms |",
+        "|---|---|---|---|---|",
+    ]
+    for longer, shorter, largest, name in sorted(rows, key=lambda r: -(r[0] + r[1]))[:top]:
+        lines.append(
+            f"| {name[:80]} | {len(calls[0][name])} | {longer / 1e3:.2f} | {shorter / 1e3:.2f} |"
+            f" {largest / 1e3:+.2f} |"
+        )
+    return lines
+
+
+def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:
+    """Our and Megatron's Python frames around the launch of ``kernel`` (innermost first)."""
+    corr = kernel.get("args", {}).get("correlation")
+    launch = next(
+        (
+            e
+            for e in events
+            if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") == corr
+        ),
+        None,
+    )
+    if launch is None:
+        return "?"
+    ts, tid = launch["ts"], launch.get("tid")
+    frames = [
+        e
+        for e in events
+        if e.get("cat") in ("python_function", "cpu_op")
+        and e.get("tid") == tid
+        and e["ts"] <= ts <= e["ts"] + e.get("dur", 0)
+    ]
+    frames.sort(key=lambda e: e.get("dur", 0))
+    ours = [e["name"] for e in frames if e.get("cat") == "cpu_op" or _OURS.search(e["name"])]
+    return " < ".join(n.split("/")[-1][:60] for n in ours[:depth]) or frames[0]["name"][:60]
+
+
+def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
+    kernels = gpu_kernels(events)
+    if not kernels:
+        return "no GPU events in this trace"
+    spans = [_span(e) for e in kernels]
+    span = max(end for _, end in spans) - spans[0][0]
+    busy, gaps = busy_union(spans)
+    lines = [
+        f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms"
+        f" ({len(kernels)} kernels)",
+        "",
+        "| family | ms | share |",
+        "|---|---|---|",
+    ]
+    per_family: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        per_family[family(e["name"])] += e.get("dur", 0)
+        stat = per_kernel[e["name"]]
+        stat[0] += e.get("dur", 0)
+        stat[1] += 1
+    total = sum(per_family.values())
+    for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {fam} | {us / 1e3:.1f} | {us / total:.1%} |")
+    lines += ["", "| kernel | ms | calls |", "|---|---|---|"]
+    for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name[:90]} | {us / 1e3:.2f} | {n} |")
+    lines += ["", "| idle gap ms | before kernel | launched from |", "|---|---|---|"]
+    starts = [s for s, _ in spans]
+    for gap_start, gap_end in sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]:
+        nxt = kernels[bisect.bisect_left(starts, gap_end)]
+        where = launching_frames(events, nxt)
+        lines.append(f"| {(gap_end - gap_start) / 1e3:.2f} | {nxt['name'][:50]} | {where} |")
+    lines += ["", "| communication and compute | ms |", "|---|---|"]
+    lines += [f"| {key} | {us / 1e3:.1f} |" for key, us in sorted(exposure(kernels).items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--gaps", type=int, default=15, help="idle gaps to list")
+    ap.add_argument("--top", type=int, default=30, help="kernels to list")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="TRACE",
+        help="another rank's trace of the same iteration: compare the two instead",
+    )
+    args = ap.parse_args(argv)
+    traces = [args.trace] + ([args.against] if args.against else [])
+    loaded = []
+    for path in traces:
+        try:
+            loaded.append(load(path))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"trace_summary: cannot read {path}: {exc}", file=sys.stderr)
+            return 1
+    if args.against:
+        ours, theirs = (gpu_kernels(events) for events in loaded)
+        if not ours or not theirs:
+            print("trace_summary: a trace has no GPU events to compare", file=sys.stderr)
+            return 1
+        print(compare(ours, theirs, args.top))
+    else:
+        print(summarise(loaded[0], args.gaps, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
