@@ -307,11 +307,13 @@ def test_a_module_asks_the_registry(
 
 def test_the_modules_take_their_choices_from_the_registry() -> None:
     pytest.importorskip("torch")
-    from megatron_rocm.runtime.backend import _cp_block_attention, _cp_copy_engine, sdpa
-    from megatron_rocm.runtime.backend import packed_attention as pa
-    from megatron_rocm.runtime.kernels import _runtime, grouped_gemm, norm
+    from megatron_rocm.runtime.backend import te_sdpa as sdpa
+    from megatron_rocm.runtime.backend.cp import block_attention as _cp_block_attention
+    from megatron_rocm.runtime.backend.cp import copy_engine as _cp_copy_engine
+    from megatron_rocm.runtime.backend.packed import thd_attention as pa
+    from megatron_rocm.runtime.kernels import grouped_gemm, launch, norm
 
-    assert _runtime.KERNELS == settings.choices("MEGATRON_ROCM_KERNELS")
+    assert launch.KERNELS == settings.choices("MEGATRON_ROCM_KERNELS")
     assert ("auto", *_cp_block_attention.KERNELS) == settings.choices("MEGATRON_ROCM_CP_KERNEL")
     assert _cp_copy_engine.TRANSPORTS == settings.choices("MEGATRON_ROCM_CP_A2A_TRANSPORT")
     assert ("auto", *pa.IMPLEMENTATIONS) == settings.choices("MEGATRON_ROCM_PACKED_ATTENTION")
