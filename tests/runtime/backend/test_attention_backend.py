@@ -10,11 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from te_attention_oracle import attention_reference_te  # noqa: E402
+
 from megatron_rocm.runtime.backend import attention_backend, context_parallel  # noqa: E402
 from megatron_rocm.runtime.backend._cp_block_attention import pick_kernel  # noqa: E402
 from megatron_rocm.runtime.backend.attention import TEDotProductAttention  # noqa: E402
 from megatron_rocm.runtime.backend.packed_attention import last_implementation  # noqa: E402
-from megatron_rocm.runtime.backend.sdpa import attention_reference_te  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
