@@ -80,7 +80,8 @@ def test_local_is_not_a_kernel_of_the_te_spec():
 @pytest.mark.parametrize("env", ["MEGATRON_ROCM_CP_KERNEL", "MEGATRON_ROCM_PACKED_ATTENTION"])
 def test_a_kernel_variable_at_auto_chooses_nothing(monkeypatch, env):
     monkeypatch.setenv(env, "auto")
-    assert attention(AttnBackend.unfused).kernels is not None  # the flag's choice stands
+    kernels = attention(AttnBackend.unfused).kernels  # the flag's choice stands
+    assert (kernels.sdpa, kernels.cp_blocks, kernels.packed) == ("math", ("math",), "sdpa_loop")
 
 
 @pytest.mark.parametrize("env", ["MEGATRON_ROCM_SDPA_BACKENDS", "MEGATRON_ROCM_CP_KERNEL",
