@@ -2,7 +2,7 @@
 
 The torch-path tests always run. ``triton`` tests run the Triton kernel through the public
 functions: on a GPU natively, on CPU-only machines under ``TRITON_INTERPRET=1`` with tiny
-shapes (``test_triton_interpreter_runs.py`` runs them in a child pytest). ``gpu`` tests run at the
+shapes (a child pytest runs them; each reports its outcome here). ``gpu`` tests run at the
 0.85B Llama's sizes.
 
 Closeness is measured against the rounding the math allows, per element:
