@@ -13,7 +13,17 @@ from pathlib import Path
 
 import cache_paths  # noqa: F401 - imported before HOME is replaced, so it sees the real one
 import pytest
+import tiers
 from toyrepo import make_series, make_upstream, seal
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected the other tier
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Plain ``pytest`` (the quick tier) must touch every area of ``tiers.AREAS``."""
+    if tiers.is_whole_quick_run(config):
+        gaps = tiers.missing_areas(items)
+        if gaps:
+            raise pytest.UsageError(f"the quick tier collects no test of: {', '.join(gaps)}")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -5,7 +5,8 @@ in-process on a GPU or under ``TRITON_INTERPRET=1``. ``TRITON_INTERPRET`` must b
 Triton compiles anything, so on a CPU-only machine with Triton installed (``VIA_CHILD``) a
 child pytest runs them with it set, once per test file, and each of them reports the child's
 outcome for itself (``outcome_from_child``, called from ``tests/conftest.py``): every child test
-is one line of the parent's report and counts in its summary. Without Triton they skip.
+is one line of the parent's report and counts in its summary; a skip there fails the test in a
+file that sets ``TRITON_SKIPS_ALLOWED = False``. Without Triton they skip.
 ``run_triton_tests_under_interpreter`` judges a file's child run as a whole: it fails if the
 child failed, ran nothing, or (``allow_skips=False``) skipped anything.
 """
@@ -126,6 +127,12 @@ def outcome_from_child(item: pytest.Function) -> bool | None:
     if got["outcome"] == "failed":
         pytest.fail(f"under TRITON_INTERPRET=1 (child pytest), {got['detail']}", pytrace=False)
     if got["outcome"] == "skipped":
+        if not getattr(item.module, "TRITON_SKIPS_ALLOWED", True):
+            pytest.fail(
+                f"skipped under TRITON_INTERPRET=1, where {item.path.name} allows no skip: "
+                f"{got['detail']}",
+                pytrace=False,
+            )
         pytest.skip(f"under TRITON_INTERPRET=1: {got['detail']}")
     if got["outcome"] == "xfailed":
         pytest.xfail(got["detail"])

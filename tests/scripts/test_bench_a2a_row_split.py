@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.full]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import bench_a2a_row_split as bench  # noqa: E402

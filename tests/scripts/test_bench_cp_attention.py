@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp_attention.py"
 
 

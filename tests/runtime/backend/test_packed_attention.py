@@ -241,9 +241,10 @@ def fake_flash(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 CPU_IMPLS = ["reference", "sdpa_loop", "flex", "flash"]
+FLEX_FULL = pytest.param("flex", marks=pytest.mark.full)  # eager flex on the CPU: seconds a case
 
 
-@pytest.fixture(params=CPU_IMPLS)
+@pytest.fixture(params=[FLEX_FULL if name == "flex" else name for name in CPU_IMPLS])
 def impl(request: pytest.FixtureRequest) -> str:
     if request.param == "flash":
         request.getfixturevalue("fake_flash")
@@ -300,11 +301,12 @@ def test_cross_attention_lengths(impl: str) -> None:
     assert_parity(Batch([3, 5, 1], kv_lens=[6, 2, 4]), impl, False)
 
 
-@pytest.mark.parametrize("impl_name", ["reference", "sdpa_loop", "flex"])
+@pytest.mark.parametrize("impl_name", ["reference", "sdpa_loop", FLEX_FULL])
 def test_value_head_dim_differs(impl_name: str) -> None:
     assert_parity(Batch([5, 4], dim=16, dim_v=8), impl_name, True)
 
 
+@pytest.mark.full
 def test_long_documents_span_flex_blocks() -> None:
     """Documents crossing 128-row blocks: full, partial and skipped blocks of the flex mask."""
     from megatron_rocm.runtime.backend.packed_flex import document_block_mask

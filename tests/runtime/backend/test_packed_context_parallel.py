@@ -23,6 +23,8 @@ from megatron_rocm.runtime.backend.packed_attention import packed_attention  # n
 from megatron_rocm.runtime.backend.packed_context_parallel import chunk_layout  # noqa: E402
 from megatron_rocm.runtime.backend.thd_partition import thd_get_partitioned_indices  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 # (real document lengths, padded lengths or None): padded lengths are multiples of 2cp
 LAYOUTS = {
     "padded": ([5, 12, 1, 7], [8, 12, 8, 8]),

@@ -35,6 +35,8 @@ from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
     rope_thd_reference,
 )
 
+TRITON_SKIPS_ALLOWED = False  # under the interpreter every Triton case runs
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
