@@ -19,9 +19,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,21 @@ TRITON_CASE = [
     needs_triton,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
+
+
+def quick_few(values: Sequence[Any], keep: int = 1, unpack: bool = False) -> list[Any]:
+    """Parameter values with all but the first ``keep`` in the full tier: the quick tier runs a
+    kernel under the interpreter on a few small cases, the full tier on every one. ``unpack``:
+    each value is the tuple of several parameters."""
+    out: list[Any] = []
+    for i, v in enumerate(values):
+        if i < keep:
+            out.append(v)
+        elif hasattr(v, "marks"):  # a pytest.param already
+            out.append(pytest.param(*v.values, marks=[*v.marks, pytest.mark.full], id=v.id))
+        else:
+            out.append(pytest.param(*(v if unpack else (v,)), marks=pytest.mark.full))
+    return out
 
 
 def triton_test(fn: Callable[..., None]) -> Callable[..., None]:
