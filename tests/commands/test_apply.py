@@ -216,8 +216,7 @@ def test_lock_path_that_is_a_folder_is_exit_3(toy, capsys):
     assert snapshot(dest) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-def test_unwritable_lock_file_is_exit_3(toy, capsys):
+def test_unwritable_lock_file_is_exit_3(toy, capsys, owner_permissions):
     root, upstream, series = toy
     dest = root / "clone"
     run("clone", "-q", str(upstream), str(dest), cwd=root)

@@ -21,6 +21,8 @@ from toyrepo import apply_argv, make_series, make_upstream, run, snapshot
 from megatron_rocm.main import main
 from megatron_rocm.patchtool import export as export_module
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture
 def fork(tmp_path):

@@ -135,8 +135,7 @@ def test_destination_exists_and_is_not_ours(toy, capsys):
     assert (dest / "notes.txt").read_text() == "keep me\n"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-def test_permission_denied(toy, capsys):
+def test_permission_denied(toy, capsys, owner_permissions):
     root, upstream, series = toy
     locked = root / "locked"
     locked.mkdir(mode=0o500)
@@ -154,7 +153,9 @@ def test_permission_denied(toy, capsys):
         )
         == 3
     )
-    assert "permission denied" in _err(capsys)
+    err = _err(capsys)  # the lock beside the fork is the first file it cannot create
+    assert "permission denied" in err.lower() and f"cannot take the lock {locked}/" in err
+    assert not (locked / "fork").exists()
 
 
 def test_missing_git_binary(toy, capsys, monkeypatch):

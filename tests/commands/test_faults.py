@@ -31,6 +31,8 @@ from megatron_rocm.main import main
 from megatron_rocm.patchtool.interrupts import FAULT_ENV, READY_ENV
 from megatron_rocm.patchtool.transaction import EXISTING_STEPS, FRESH_STEPS
 
+pytestmark = pytest.mark.full
+
 FRESH_COMMIT = FRESH_STEPS.index("committed")
 EXISTING_COMMIT = EXISTING_STEPS.index("journal-written")
 REF = "core_v0.2.0"

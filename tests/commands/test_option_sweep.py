@@ -17,6 +17,8 @@ from toyrepo import make_series, make_upstream, run, seal, snapshot
 
 from megatron_rocm.main import main
 
+pytestmark = pytest.mark.full
+
 CANARY = "INJECTED"
 
 

@@ -104,6 +104,7 @@ def test_install_puts_them_back_whether_or_not_the_build_succeeds(
 
 
 @pytest.mark.upstream
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_real_sdist_tree_exports_a_zero_diff_after_its_metadata_is_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

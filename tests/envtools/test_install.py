@@ -178,6 +178,7 @@ def test_dry_run_prints_steps_and_changes_nothing(tmp_path, monkeypatch, capsys)
     assert json.loads(capsys.readouterr().out)["pins"]["torch"] == "2.13.0+cpu"
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_real_pip_installs_fake_tree_offline(tmp_path: Path) -> None:
     """The tree step's exact pip arguments, plus --target, against real pip (no network)."""

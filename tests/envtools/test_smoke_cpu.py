@@ -178,6 +178,7 @@ def test_cli_exit_code_follows_failures(tmp_path: Path, monkeypatch) -> None:
     assert main(["smoke", "--only", "kernels.softmax.scaled"]) == 1
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_collectives_over_gloo_pass_and_catch_a_bad_allreduce(monkeypatch) -> None:
     assert "all_reduce" in run_world(2, "gloo", "collectives", timeout=120)
@@ -208,6 +209,7 @@ def test_training_hides_megatron_chatter_but_not_errors(capsys) -> None:
     assert logging.getLogger("megatron").level == logging.NOTSET  # restored
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_world_whose_port_was_taken_starts_again_on_another(monkeypatch) -> None:
     """free_port() cannot reserve its port: when another process binds it first, rank 0's store

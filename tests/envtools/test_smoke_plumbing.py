@@ -1,5 +1,6 @@
 """How the training, resume and parallel checks are selected, skipped, launched and judged,
-without a GPU and without starting a world (``run_jobs`` is replaced where a test says so)."""
+without a GPU and without starting a world: ``launches`` replaces ``run_jobs`` where a check
+would run, and a test that starts a real world anyway fails (``no_world``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def ctx(tmp_path: Path, gpus: int = 2, fault: str | None = None, tree: Path | No
     return runner.Context(
         tree=tree, device="cuda" if gpus else "cpu", gpu_count=gpus, fault=fault, log=lambda _: None
     )
+
+
+@pytest.fixture(autouse=True)
+def no_world(monkeypatch: pytest.MonkeyPatch):
+    """Fail a test that starts ranks, even where the runner turned the refusal into a failed
+    check the test does not look at."""
+    started: list[list[str]] = []
+
+    def refuse(cmd: list[str], *args, **kwargs) -> bool:  # noqa: ANN002, ANN003
+        started.append(cmd)
+        raise RuntimeError("the plumbing tests start no world")
+
+    monkeypatch.setattr(world, "start_world", refuse)
+    yield
+    assert not started, f"a real world was started: {started}"
 
 
 # ----------------------------------------------------------------------------- selection
@@ -75,7 +91,7 @@ def test_parallel_batch_follows_the_selection(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- skips
-def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
+def test_too_few_gpus_skip_with_the_count(tmp_path: Path, launches) -> None:
     checks = runner.select(catalog.load_checks(), ["parallel.tp2_sp.te", "training.resume"])
     results = {r.name: r for r in runner.run_checks(ctx(tmp_path, gpus=1), checks)}
     assert results["parallel.tp2_sp.te"].status == "skip"
@@ -83,6 +99,8 @@ def test_too_few_gpus_skip_with_the_count(tmp_path: Path) -> None:
         results["parallel.tp2_sp.te"].detail == "the parallel tier needs 2 GPUs; only 1 GPU visible"
     )
     assert results["training.resume.dp2_distopt.local"].status == "skip"
+    assert {n for n, _, _ in launches} == {1}  # only the 1-GPU resume checks ran (stubbed)
+    assert results["training.resume.1gpu.te"].status == "pass"
 
 
 def test_four_gpu_modes_skip_on_two_and_join_the_batch_on_four(tmp_path: Path) -> None:

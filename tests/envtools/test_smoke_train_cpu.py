@@ -23,7 +23,7 @@ from cache_paths import DOWNLOAD_CACHE
 from megatron_rocm.envtools.smoke import runner
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 pytest.importorskip("psutil", reason="megatron's torch_dist checkpoint writer needs psutil")
 

@@ -43,10 +43,13 @@ def test_gitpython_is_only_the_progress_parser():
 
 def test_a_leaked_git_dir_does_not_redirect_commands(toy, monkeypatch):
     _, upstream, _ = toy
+    tagged = run("rev-parse", "core_v0.1.0^{commit}", cwd=upstream)
     other = upstream.parent / "other"
     run("init", "-q", str(other), cwd=upstream.parent)
+    run("commit", "-q", "--allow-empty", "-m", "other", cwd=other)
+    run("tag", "core_v0.1.0", cwd=other)  # the same name, another commit
     monkeypatch.setenv("GIT_DIR", str(other / ".git"))  # e.g. inherited from a git hook
-    assert gitcmd.rev_parse(upstream, "core_v0.1.0") is not None
+    assert gitcmd.rev_parse(upstream, "core_v0.1.0") == tagged
 
 
 def test_repo_hooks_and_fsmonitor_never_run(toy):
@@ -95,7 +98,9 @@ def test_clone_and_fetch_with_progress(toy, tmp_path):
     _, upstream, _ = toy
     dest = tmp_path / "clone"
     gitcmd.clone(str(upstream), dest, quiet=True)
-    assert gitcmd.rev_parse(dest, "core_v0.6.0") is not None
+    assert gitcmd.rev_parse(dest, "core_v0.6.0") == run(
+        "rev-parse", "core_v0.6.0^{commit}", cwd=upstream
+    )
     run("tag", "extra", "core_v0.1.0", cwd=upstream)
     gitcmd.fetch(dest, str(upstream), ["+refs/tags/*:refs/tags/*"], quiet=True)
     assert gitcmd.rev_parse(dest, "extra") == gitcmd.rev_parse(upstream, "core_v0.1.0")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.full]
 from megatron_rocm.runtime.backend.cp import block_attention as blocks  # noqa: E402
 from megatron_rocm.runtime.backend.cp.layout import zigzag_chunk_ids  # noqa: E402
 from scripts.bench import a2a_row_split as bench  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "scripts.bench.cp_attention"
 

@@ -16,7 +16,7 @@ from cache_paths import DOWNLOAD_CACHE
 from megatron_rocm.main import main
 
 pytest.importorskip("torch")
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.upstream]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.upstream, pytest.mark.full]
 REPO = Path(__file__).resolve().parents[2]
 
 SMALL = ["--cpu", "--tokens", "64", "--hidden", "64", "--ffn", "32"]

@@ -417,6 +417,7 @@ def toy_run(ut, tmp_path_factory):
     return code, argv, json.loads((out / "toy" / "results.json").read_text())
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.torch
 def test_a_real_run_keeps_every_result_across_a_crash(toy_run) -> None:
@@ -451,6 +452,7 @@ def _dur(res: dict) -> dict:
     return {"duration": res["duration"]} if "duration" in res else {}
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.torch
 def test_resume_runs_nothing_already_recorded(ut, toy_run) -> None:
@@ -561,6 +563,7 @@ def test_a_port_lost_to_another_process_is_retried_not_blamed(ut, tmp_path: Path
     assert found == {"a.py::x": results.Result("passed")}
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.torch
 def test_resume_runs_what_the_budget_left(ut, toy_run, tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ def test_the_rule_is_read_from_the_tree(vd, tmp_path: Path) -> None:
     assert vd.averages_second_log(tmp_path)
 
 
+@pytest.mark.full  # waits out the hang it stops (~18 s)
 @pytest.mark.torch
 def test_a_hung_run_is_stopped_and_reported_with_its_last_line(vd, tmp_path: Path) -> None:
     """A rank stuck in a collective must not hang the validation: torchrun and its ranks
@@ -99,6 +100,7 @@ def test_the_verdict_names_the_iterations_it_compared(vd) -> None:
     )
 
 
+@pytest.mark.full  # starts and stops a process group (~5 s)
 def test_a_stopped_wrapper_takes_its_children_along(vd, tmp_path: Path) -> None:
     """train_small.py runs torchrun as a child: a hang stops the whole process group, not
     only the wrapper (which would leave torchrun and its ranks running)."""

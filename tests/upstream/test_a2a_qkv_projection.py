@@ -23,7 +23,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 torch = pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("a2a_qkv_probe.py")
 REPO = Path(__file__).resolve().parents[2]

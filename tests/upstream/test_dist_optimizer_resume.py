@@ -26,7 +26,7 @@ from cache_paths import DOWNLOAD_CACHE
 from megatron_rocm.patchtool import pypi
 from megatron_rocm.patchtool.series import load_series, parse_version
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 WORKER = Path(__file__).with_name("distopt_roundtrip.py")
 PATCH = "dist-optimizer-resume"

@@ -19,7 +19,7 @@ from cache_paths import DOWNLOAD_CACHE
 from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 DIFF = Path(__file__).parents[2] / "patches/megatron-fsdp-wgrad-dtype/v0.14.diff"
 

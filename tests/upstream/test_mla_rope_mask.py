@@ -19,7 +19,13 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.triton, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.upstream,
+    pytest.mark.torch,
+    pytest.mark.triton,
+    pytest.mark.slow,
+    pytest.mark.full,
+]
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 

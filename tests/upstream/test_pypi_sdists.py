@@ -32,6 +32,7 @@ def newest(cache) -> str:
     return pypi.release_versions()[-1]
 
 
+@pytest.mark.full  # four sdists and the index's newest release; the quick tier fetches one
 def test_real_series_applies_to_release_sdists(cache, newest, capsys):
     refs = [*FIXED, newest]
     code = main(["check", "--source", "pypi", "--ref", *refs, "--json"])

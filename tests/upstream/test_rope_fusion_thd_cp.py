@@ -23,7 +23,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[2]
 ROPE_UTILS = "megatron/core/models/common/embeddings/rope_utils.py"

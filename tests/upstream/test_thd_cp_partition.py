@@ -20,7 +20,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 PATCH = HERE.parents[1] / "patches/thd-cp-partition"

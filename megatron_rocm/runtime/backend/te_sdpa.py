@@ -182,37 +182,3 @@ def sdpa_sbhd(
         out = out.masked_fill(dead_rows, 0.0)
     # [b, np, sq, hv] -> [sq, b, np * hv], contiguous: the projection after it may call .view()
     return out.permute(2, 0, 1, 3).contiguous().view(sq, b, heads * value.shape[-1])
-
-
-def attention_reference_te(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    mask_type: str,
-    attention_mask: torch.Tensor | None = None,
-    attention_bias: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    window_size: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Unfused fp32 math with TE's semantics (the parity oracle; no dropout)."""
-    sq, b, heads, dim = query.shape
-    sk, groups = key.shape[0], key.shape[2]
-    key = key.repeat_interleave(heads // groups, dim=2)
-    value = value.repeat_interleave(heads // groups, dim=2)
-    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
-    scores = torch.einsum("qbnh,kbnh->bnqk", query.float(), key.float()) * scale
-    if attention_bias is not None:
-        scores = scores + attention_bias.float()
-    keep = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=query.device)
-    if mask_type in ("padding", "padding_causal", "arbitrary") and attention_mask is not None:
-        keep = keep & ~attention_mask.to(torch.bool)
-    causal = mask_type in ("causal", "padding_causal", "causal_bottom_right")
-    if window_size is not None:
-        keep = keep & _band(sq, sk, window_size[0], 0 if causal else window_size[1], query.device)
-    elif causal:
-        keep = keep & _causal_keep(sq, sk, query.device, mask_type == "causal_bottom_right")
-    scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    context = torch.einsum("bnqk,kbnh->qbnh", probs, value.float()).to(query.dtype)
-    return context.reshape(sq, b, heads * value.shape[-1])

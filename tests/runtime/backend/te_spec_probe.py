@@ -376,6 +376,7 @@ def _row_linear_handoff(cfg, common: dict) -> dict:  # noqa: ANN001
 def modules_case() -> dict:
     """Module-level behaviour of the native TE classes inside a real Megatron tree."""
     from megatron.core.transformer.enums import AttnMaskType
+    from te_attention_oracle import attention_reference_te  # beside this probe (sys.path[0])
 
     from megatron_rocm.runtime.backend.te_names import (  # the extension's names (0.13+)
         TEColumnParallelLinear,
@@ -383,7 +384,6 @@ def modules_case() -> dict:
         TELayerNormColumnParallelLinear,
         TELinear,
     )
-    from megatron_rocm.runtime.backend.te_sdpa import attention_reference_te
 
     cfg = config("llama", torch.float32)
     init = torch.nn.init.normal_

@@ -10,12 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from te_attention_oracle import attention_reference_te  # noqa: E402
+
 from megatron_rocm.runtime.backend import attention_backend_flag as attention_backend  # noqa: E402
 from megatron_rocm.runtime.backend.cp import dispatch as context_parallel  # noqa: E402
 from megatron_rocm.runtime.backend.cp.block_attention import pick_kernel  # noqa: E402
 from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention  # noqa: E402
 from megatron_rocm.runtime.backend.packed.thd_attention import last_implementation  # noqa: E402
-from megatron_rocm.runtime.backend.te_sdpa import attention_reference_te  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -80,7 +81,8 @@ def test_local_is_not_a_kernel_of_the_te_spec():
 @pytest.mark.parametrize("env", ["MEGATRON_ROCM_CP_KERNEL", "MEGATRON_ROCM_PACKED_ATTENTION"])
 def test_a_kernel_variable_at_auto_chooses_nothing(monkeypatch, env):
     monkeypatch.setenv(env, "auto")
-    assert attention(AttnBackend.unfused).kernels is not None  # the flag's choice stands
+    kernels = attention(AttnBackend.unfused).kernels  # the flag's choice stands
+    assert (kernels.sdpa, kernels.cp_blocks, kernels.packed) == ("math", ("math",), "sdpa_loop")
 
 
 @pytest.mark.parametrize("env", ["MEGATRON_ROCM_SDPA_BACKENDS", "MEGATRON_ROCM_CP_KERNEL",

@@ -411,6 +411,7 @@ def _extract_core(sdist: Path, dest: Path) -> Path:
 
 
 @pytest.mark.upstream
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.skipif(MEGATRON_HERE, reason="megatron is importable: the tests above run here")
 @pytest.mark.parametrize("release", RELEASES)

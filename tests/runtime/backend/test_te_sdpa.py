@@ -1,4 +1,5 @@
-"""TE's mask semantics on SDPA (``backend.te_sdpa``) against the unfused fp32 oracle."""
+"""TE's mask semantics on SDPA (``backend.te_sdpa``) against the float64 oracle of
+``te_attention_oracle`` (masks written out key by key, no code shared with ``te_sdpa``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_rocm.runtime.backend.te_sdpa import (  # noqa: E402
-    BACKENDS_ENV,
-    attention_reference_te,
-    sdpa_sbhd,
-)
+from te_attention_oracle import attention_reference_te, visible  # noqa: E402
+
+from megatron_rocm.runtime.backend.te_sdpa import BACKENDS_ENV, sdpa_sbhd  # noqa: E402
 
 pytestmark = pytest.mark.torch
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (3e-3, 3e-3)}
@@ -92,6 +91,29 @@ def test_fully_masked_rows_are_zero_not_nan():
 @pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
 def test_sliding_window(window, mask_type):
     check({"mask_type": mask_type, "window_size": window})
+
+
+@pytest.mark.parametrize("shape", [(7, 11, 1, 2, 1, 8), (11, 7, 1, 2, 1, 8)])
+@pytest.mark.parametrize(
+    ("mask_type", "window"), [("no_mask", (2, 1)), ("no_mask", (-1, 0)), ("causal", (3, 0))]
+)
+def test_sliding_window_on_unequal_lengths(shape, mask_type, window):
+    """The band is aligned on the bottom-right diagonal (TE's rule) whatever the lengths."""
+    check({"mask_type": mask_type, "window_size": window}, shape=shape)
+
+
+def test_the_oracle_masks_are_tes_rules_written_out():
+    """The oracle's own masks for 3 queries over 5 keys, literally (1 = visible)."""
+    rows = {
+        ("causal", None): [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]],
+        ("causal_bottom_right", None): [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+        ("no_mask", (1, 0)): [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]],
+        ("causal", (1, 2)): [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]],
+        ("no_mask", (-1, 1)): [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]],
+        ("no_mask", None): [[1] * 5] * 3,
+    }
+    for (mask_type, window), want in rows.items():
+        assert visible(3, 5, mask_type, window).int().tolist() == want, (mask_type, window)
 
 
 def test_attention_bias_with_causal_mask():

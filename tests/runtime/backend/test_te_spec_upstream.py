@@ -21,7 +21,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 pytest.importorskip("torch")
 
 # One release per variant of the te-spec-backend patch (and the newest of each line).

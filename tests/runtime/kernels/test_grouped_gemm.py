@@ -3,8 +3,9 @@
 Forward, input gradient, per-expert weight gradients and the fused accumulation into
 ``main_grad``, in fp32/bf16/fp16, with uneven splits, experts without tokens and odd sizes.
 ``loop`` and ``torch`` (``torch._grouped_mm``, whose CPU build loops) run on the CPU; the
-``triton`` cases need ``TRITON_INTERPRET=1`` on CPU (the driver test at the bottom runs them
-in a child pytest) or a GPU. ``gpu`` tests run the real kernels at MoE-like sizes.
+``triton`` cases need ``TRITON_INTERPRET=1`` on CPU (a child pytest runs them, each reporting
+its outcome here; the driver test at the bottom judges that run) or a GPU. ``gpu`` tests run
+the real kernels at MoE-like sizes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
-from triton_interpreter import run_triton_tests_under_interpreter
+from triton_interpreter import TRITON_CASE, run_triton_tests_under_interpreter
 
 torch = pytest.importorskip("torch")
 
@@ -34,14 +35,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRETING else None)
 
-triton_case = [
-    pytest.mark.triton,
-    pytest.mark.skipif(
-        not HAS_TRITON or TRITON_DEVICE is None, reason="needs a GPU, or TRITON_INTERPRET=1"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+triton_case = [*TRITON_CASE, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 IMPLS = [
     pytest.param("loop", id="loop"),
     pytest.param(
@@ -394,5 +388,5 @@ def test_gpu_automatic_choice_is_grouped() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="Triton runs in-process")
-def test_triton_cases_under_the_interpreter() -> None:
-    run_triton_tests_under_interpreter(Path(__file__), "-k", "triton")
+def test_triton_cases_under_the_interpreter(request: pytest.FixtureRequest) -> None:
+    run_triton_tests_under_interpreter(Path(__file__), request.session)

@@ -2,7 +2,7 @@
 
 The torch-path tests always run. ``triton`` tests run the Triton kernel through the public
 functions: on a GPU natively, on CPU-only machines under ``TRITON_INTERPRET=1`` with tiny
-shapes (``test_triton_interpreter_runs.py`` runs them in a child pytest). ``gpu`` tests run at the
+shapes (a child pytest runs them; each reports its outcome here). ``gpu`` tests run at the
 0.85B Llama's sizes.
 
 Closeness is measured against the rounding the math allows, per element:
@@ -25,7 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from triton_interpreter import INTERPRETER, TRITON_DEVICE, triton_test  # noqa: E402
+from triton_interpreter import INTERPRETER, TRITON_DEVICE, quick_few, triton_test  # noqa: E402
 
 from megatron_rocm.runtime.kernels import launch as _runtime  # noqa: E402
 from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
@@ -34,6 +34,8 @@ from megatron_rocm.runtime.kernels.rope import (  # noqa: E402
     rope_reference,
     rope_thd_reference,
 )
+
+TRITON_SKIPS_ALLOWED = False  # under the interpreter every Triton case runs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -287,13 +289,15 @@ TUNED = [  # the other launch heuristics on cases with a batch of 5 (3 + 2 when 
 @triton_test
 @pytest.mark.parametrize(
     ("shape", "rot_dim", "freq_batch", "interleaved", "dtype", "tuning"),
-    [
-        pytest.param(*case, inter, dtype, "default", id=f"{case[0]}-{inter}-{dtype}")
-        for case in SBHD_CASES
-        for inter in (False, True)
-        for dtype in DTYPES
-    ]
-    + TUNED,
+    quick_few(
+        [
+            pytest.param(*case, inter, dtype, "default", id=f"{case[0]}-{inter}-{dtype}")
+            for case in SBHD_CASES
+            for inter in (False, True)
+            for dtype in DTYPES
+        ]
+        + TUNED
+    ),
 )
 def test_triton_sbhd(
     shape: tuple[int, ...],
@@ -322,6 +326,7 @@ def test_triton_sbhd(
     assert torch.equal(dt[..., rot_dim:].cpu(), grad[..., rot_dim:])
 
 
+@pytest.mark.full  # the largest views of the file: tens of seconds under the interpreter
 @triton_test
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_triton_strided_views_like_megatron(interleaved: bool) -> None:
@@ -351,7 +356,7 @@ def test_triton_strided_views_like_megatron(interleaved: bool) -> None:
 
 
 @triton_test
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", quick_few(DTYPES))
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
     ("seqlens", "cp_size", "cp_rank", "pad"),
@@ -388,7 +393,7 @@ def test_triton_thd(
 
 
 @triton_test
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", quick_few(DTYPES))
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_triton_rounding_vs_exact_and_te(dtype: torch.dtype, interleaved: bool) -> None:
     """The chosen rounding (Megatron's unfused, op by op) against the exact rotation (fp64) and

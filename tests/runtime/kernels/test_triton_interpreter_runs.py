@@ -1,9 +1,10 @@
-"""Run each kernel's Triton parity tests under the Triton interpreter on CPU-only machines.
+"""Judge each kernel file's child run under the Triton interpreter on CPU-only machines.
 
-``TRITON_INTERPRET`` must be set before Triton compiles anything, so the ``-m triton`` tests of
-each kernel's test file run in a child pytest with it set; a case fails if any of them fails or
-if none ran, and (where the file has no legitimately skipped case) if any was skipped. Grouped
-GEMM runs its own child from ``test_grouped_gemm.py`` (``-k triton``).
+``TRITON_INTERPRET`` must be set before Triton compiles anything, so a file's Triton tests run
+in a child pytest with it set, and each reports its own outcome from there
+(``triton_interpreter``). These cases judge a file's child run as a whole: it fails if the
+child failed or ran nothing, and (where the file has no legitimately skipped case) if anything
+was skipped. Grouped GEMM judges its own from ``test_grouped_gemm.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ KERNEL_TESTS = {
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the Triton tests natively")
 @pytest.mark.parametrize("test_file", sorted(KERNEL_TESTS))
-def test_triton_parity_under_interpreter(test_file: str) -> None:
+def test_triton_parity_under_interpreter(test_file: str, request: pytest.FixtureRequest) -> None:
     run_triton_tests_under_interpreter(
-        Path(__file__).with_name(test_file), allow_skips=KERNEL_TESTS[test_file]
+        Path(__file__).with_name(test_file), request.session, allow_skips=KERNEL_TESTS[test_file]
     )

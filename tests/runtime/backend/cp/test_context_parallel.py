@@ -39,6 +39,8 @@ from megatron_rocm.runtime.backend.cp.layout import (  # noqa: E402
 )
 from megatron_rocm.runtime.kernels.local_sdpa import attention_reference  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 # (tokens of the whole sequence, batch, query heads, kv groups, head dim, value head dim)
 GQA = (16, 2, 4, 2, 8, 8)

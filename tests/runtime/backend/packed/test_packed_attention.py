@@ -1,7 +1,8 @@
 """Packed (THD) attention against attention done document by document (forward and dq/dk/dv).
 
-The oracle slices the packed tensors with plain Python offsets (not the module's plan) and runs
-the local DotProductAttention math (``attention_reference``) per document; padding rows must
+The oracle slices the packed tensors with plain Python offsets (not the module's plan) and
+computes each document's attention in float64 with its own masks (sharing no code with the
+"reference" implementation, which runs ``attention_reference`` per document); padding rows must
 come out zero and receive zero gradient. The varlen flash kernel has no CPU implementation:
 its glue (offsets, padding, gather, zeroed rows) is tested here with a CPU stand-in that has
 the kernel's contract, including the rows it leaves unwritten; the kernel itself runs in the
@@ -96,27 +97,32 @@ def _cumsum(xs):  # noqa: ANN001, ANN202
 
 
 def oracle(batch: Batch, q, k, v, causal, scale=None, window=None):  # noqa: ANN001, ANN201
-    """Per document with Python offsets; zeros elsewhere."""
-    heads, dim_v = q.shape[1], v.shape[-1]
-    out = q.new_zeros(q.shape[0], heads * dim_v)
-    rows = []
+    """Per document with Python offsets, dense float64 attention written out here (no code of
+    the module or of ``attention_reference``); zeros elsewhere. Query i of a document sees key
+    j when ``i + d - left <= j <= i + d + right`` (``d`` = keys - queries, bottom-right
+    aligned; a negative bound is unbounded) and, causal, ``j <= i``."""
+    heads, groups, dim_v = q.shape[1], k.shape[1], v.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    left, right = window if window is not None else (-1, -1)
+    out = torch.zeros(q.shape[0], heads, dim_v, dtype=torch.float64)
     for s, n, ks, kn in zip(batch.starts, batch.lens, batch.kv_starts, batch.kv_lens):
         if n == 0:
             continue
-        win = None if window is None else tuple(max(n, kn) if w < 0 else w for w in window)
-        qd, kd, vd = q[s : s + n, None], k[ks : ks + kn, None], v[ks : ks + kn, None]
-        # attention_reference shapes its output with the query head dim: pad v's to it.
-        vd = torch.nn.functional.pad(vd, (0, qd.shape[-1] - dim_v))
-        o = attention_reference(
-            qd, kd, vd, None, "causal" if causal else "no_mask", scale, window_size=win
-        )
-        rows.append((s, n, o[:, 0].view(n, heads, -1)[..., :dim_v].reshape(n, -1)))
-    pieces, row = [], 0
-    for s, n, o in rows:
-        pieces += [out[row:s], o]
-        row = s + n
-    pieces.append(out[row:])
-    return torch.cat(pieces)
+        i = torch.arange(n)[:, None] + (kn - n)  # each query's diagonal key
+        j = torch.arange(kn)[None, :]
+        keep = torch.ones(n, kn, dtype=torch.bool)
+        if causal:
+            keep &= j <= torch.arange(n)[:, None]
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+        qd = q[s : s + n].double().transpose(0, 1)  # [heads, n, dim]
+        kd, vd = (x[ks : ks + kn].double().transpose(0, 1) for x in (k, v))
+        kd, vd = (x.repeat_interleave(heads // groups, dim=0) for x in (kd, vd))
+        scores = (qd @ kd.transpose(1, 2) * scale).masked_fill(~keep, -math.inf)
+        out[s : s + n] = (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
+    return out.reshape(q.shape[0], -1).to(q.dtype)
 
 
 def run_both(batch: Batch, impl: str, causal: bool, scale=None, window=None, **extra):  # noqa: ANN001, ANN003, ANN201
@@ -236,9 +242,10 @@ def fake_flash(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 CPU_IMPLS = ["reference", "sdpa_loop", "flex", "flash"]
+FLEX_FULL = pytest.param("flex", marks=pytest.mark.full)  # eager flex on the CPU: seconds a case
 
 
-@pytest.fixture(params=CPU_IMPLS)
+@pytest.fixture(params=[FLEX_FULL if name == "flex" else name for name in CPU_IMPLS])
 def impl(request: pytest.FixtureRequest) -> str:
     if request.param == "flash":
         request.getfixturevalue("fake_flash")
@@ -295,11 +302,12 @@ def test_cross_attention_lengths(impl: str) -> None:
     assert_parity(Batch([3, 5, 1], kv_lens=[6, 2, 4]), impl, False)
 
 
-@pytest.mark.parametrize("impl_name", ["reference", "sdpa_loop", "flex"])
+@pytest.mark.parametrize("impl_name", ["reference", "sdpa_loop", FLEX_FULL])
 def test_value_head_dim_differs(impl_name: str) -> None:
     assert_parity(Batch([5, 4], dim=16, dim_v=8), impl_name, True)
 
 
+@pytest.mark.full
 def test_long_documents_span_flex_blocks() -> None:
     """Documents crossing 128-row blocks: full, partial and skipped blocks of the flex mask."""
     from megatron_rocm.runtime.backend.packed.flex import document_block_mask

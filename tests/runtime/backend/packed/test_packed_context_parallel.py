@@ -23,6 +23,8 @@ from megatron_rocm.runtime.backend.packed.context_parallel import chunk_layout  
 from megatron_rocm.runtime.backend.packed.thd_attention import packed_attention  # noqa: E402
 from megatron_rocm.runtime.backend.packed.thd_partition import thd_get_partitioned_indices  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 # (real document lengths, padded lengths or None): padded lengths are multiples of 2cp
 LAYOUTS = {
     "padded": ([5, 12, 1, 7], [8, 12, 8, 8]),
