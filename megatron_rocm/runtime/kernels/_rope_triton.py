@@ -293,12 +293,13 @@ def aot_configs(shapes: aot.Shapes, sms: int = 304) -> list[aot.Launch]:
                             ptrs=dict(
                                 x_ptr=dt,
                                 f_ptr=torch.float32,
-                                pos_ptr="i64" if thd else "fp32",
+                                pos_ptr="i64",
                                 y_ptr=dt,
                             ),
                             num_warps=p.num_warps,
                             grid=grid,
                             model_shape=model,
+                            neutral=("INVERSE", "HAS_POS"),  # a sign; a scalar load
                             enable_fp_fusion=False,
                         )
                     )

@@ -17,9 +17,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import math
 import pkgutil
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ class Launch:
     grid: tuple[int, ...] = (1,)
     model_shape: bool = True  # a shape of a model in docs: no scratch allowed
     options: tuple[tuple[str, Any], ...] = ()
+    neutral: tuple[str, ...] = ()  # constexprs that change no shape (a sign, a scalar load)
 
     @property
     def key(self) -> tuple:
@@ -102,6 +104,7 @@ def launch(
     num_stages: int = 2,
     grid: Sequence[int] = (1,),
     model_shape: bool = True,
+    neutral: Sequence[str] = (),
     **options: Any,
 ) -> Launch:
     """A :class:`Launch` of ``kernel``: arguments in ``ptrs`` are pointers to that dtype, those in
@@ -130,6 +133,7 @@ def launch(
         tuple(grid),
         model_shape,
         tuple(sorted(options.items())),
+        tuple(neutral),
     )
 
 
@@ -176,6 +180,28 @@ def discover(package: str = "megatron_rocm.runtime") -> Found:
         if fns:
             found.kernels[info.name] = fns
     return found
+
+
+def missing_hooks(found: Found) -> list[str]:
+    """One line per kernel module without an ``aot_configs`` hook (or that cannot be read)."""
+    out = [
+        f"{m}: uses triton.jit but does not import here ({why})"
+        for m, why in found.unimportable.items()
+    ]
+    for name in found.kernels:
+        if not callable(getattr(importlib.import_module(name), HOOK, None)):
+            out.append(f"{name}: defines Triton kernels but no {HOOK}(shapes) (kernels/aot.py)")
+    return out
+
+
+def collect(found: Found, shapes: Shapes) -> list[Launch]:
+    """Every launch the hooks of the discovered modules declare for ``shapes``."""
+    out: list[Launch] = []
+    for name in found.kernels:
+        hook = getattr(importlib.import_module(name), HOOK, None)
+        if callable(hook):
+            out += hook(shapes)
+    return out
 
 
 def device_functions(kernels: Iterable[Any], pool: Iterable[Any]) -> set[str]:
@@ -248,31 +274,104 @@ def arange_problems(spec: Launch) -> list[str]:
     """Block constexprs (``BLOCK*``/``*_P``/``B[MNK]``) must be powers of two for tl.arange."""
     out = []
     for name, value in spec.constexprs:
-        blocky = name.startswith("BLOCK") or name.endswith("_P") or name in ("BM", "BN", "BK")
-        if blocky and isinstance(value, int) and not isinstance(value, bool):
+        if _blocky(name) and isinstance(value, int) and not isinstance(value, bool):
             if value and value & (value - 1):
                 out.append(f"{spec.describe()}: {name}={value} is not a power of two")
     return out
+
+
+def _compile_job(job: tuple) -> Result | Exception:
+    """Worker side of :func:`gate`: find the kernel by module and name, compile it."""
+    module, name, spec_fields, arch = job
+    kernel = getattr(importlib.import_module(module), name)
+    spec = Launch(kernel, *spec_fields)
+    try:
+        return compile_for(spec, arch)
+    except Exception as exc:  # noqa: BLE001 - a compile error is a finding
+        return RuntimeError(str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc))
+
+
+def compile_all(
+    specs: Sequence[Launch], archs: Sequence[str], cache: dict, workers: int = 1
+) -> None:
+    """Fill ``cache[(spec.key, arch)]`` with a :class:`Result` or the compile error, in
+    ``workers`` processes (Triton compiles in one thread per process)."""
+    todo = {}
+    for spec in specs:
+        for arch in archs:
+            if (spec.key, arch) not in cache:
+                todo[(spec.key, arch)] = (spec, arch)
+    if workers <= 1 or len(todo) < 2:
+        for key, (spec, arch) in todo.items():
+            try:
+                cache[key] = compile_for(spec, arch)
+            except Exception as exc:  # noqa: BLE001 - a compile error is a finding
+                cache[key] = exc
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = {
+        key: (
+            spec.kernel.fn.__module__,
+            spec.kernel.__name__,
+            _fields(spec),
+            arch,
+        )
+        for key, (spec, arch) in todo.items()
+    }
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        for key, result in zip(jobs, pool.map(_compile_job, jobs.values()), strict=True):
+            cache[key] = result
+
+
+def _fields(spec: Launch) -> tuple:
+    return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec))[1:]
 
 
 def gate(
     specs: Iterable[Launch],
     archs: Sequence[str] = ARCHS,
     cache: dict[tuple, Result | Exception] | None = None,
-    compile_fn: Callable[[Launch, str], Result] = compile_for,
+    workers: int = 1,
 ) -> list[str]:
     """Compile every distinct launch for every arch; return all problems (empty: the gate
     passes). ``cache`` keeps results across calls (the test shares one)."""
     cache = {} if cache is None else cache
+    specs = list(specs)
+    compile_all(specs, archs, cache, workers)
     out: list[str] = []
     for spec in specs:
         out += grid_problems(spec) + arange_problems(spec)
         for arch in archs:
-            key = (spec.key, arch)
-            if key not in cache:
-                try:
-                    cache[key] = compile_fn(spec, arch)
-                except Exception as exc:  # noqa: BLE001 - a compile error is a finding
-                    cache[key] = exc
-            out += problems_of(spec, arch, cache[key])
+            out += problems_of(spec, arch, cache[(spec.key, arch)])
     return list(dict.fromkeys(out))
+
+
+def _blocky(name: str) -> bool:
+    return name.startswith("BLOCK") or name.endswith("_P") or name in ("BM", "BN", "BK", "ROWS")
+
+
+def representatives(specs: Iterable[Launch]) -> list[Launch]:
+    """The launches worth compiling: of launches that differ only in block sizes and warps,
+    16-bit float type (bf16 and fp16 share every layout) or ``neutral`` constexprs, the
+    largest blocks (the most registers and LDS), among the doc models' shapes and overall.
+    The power-of-two and grid checks still see every launch."""
+    groups: dict[tuple, list[Launch]] = {}
+    for s in specs:
+        rest = tuple((k, v) for k, v in s.constexprs if not _blocky(k) and k not in s.neutral)
+        sig = tuple((k, v.replace("bf16", "fp16")) for k, v in s.signature)
+        groups.setdefault((id(s.kernel), sig, rest, s.options), []).append(s)
+
+    def size(s: Launch) -> tuple[int, int]:
+        blocks = [v for k, v in s.constexprs if _blocky(k) and isinstance(v, int)]
+        return (math.prod(blocks), s.num_warps)
+
+    out: dict[tuple, Launch] = {}
+    for members in groups.values():
+        models = [s for s in members if s.model_shape]
+        for pick in (max(members, key=size), max(models, key=size) if models else None):
+            if pick is not None and (pick.key not in out or pick.model_shape):
+                out[pick.key] = pick
+    return list(out.values())
