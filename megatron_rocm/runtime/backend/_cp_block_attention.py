@@ -46,7 +46,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
+from megatron_rocm.runtime.kernels._runtime import (
+    AOTRITON_ARCHS,
+    is_hip,
+    log_fallback_once,
+    rocm_arch,
+)
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -211,7 +216,7 @@ class FlashKernel(BlockKernel):
             return "this torch build has no flash attention"
         if not is_hip() and torch.cuda.get_device_capability(q.device) < (8, 0):
             return "flash attention needs sm80 or newer"
-        return None
+        return _aotriton_problem(q.device)
 
     def native_gqa(self, q: Tensor, k: Tensor) -> bool:
         # ROCm's flash kernels of several torch releases reject grouped heads.
@@ -233,6 +238,16 @@ class FlashKernel(BlockKernel):
         )  # fmt: skip
 
 
+def _aotriton_problem(device: torch.device) -> str | None:
+    """ROCm's flash and efficient SDPA are AOTriton's, compiled for a few GPUs only."""
+    if not is_hip():
+        return None
+    arch = rocm_arch(device)
+    if arch in AOTRITON_ARCHS:
+        return None
+    return f"has no AOTriton kernels for {arch or 'this GPU'} (ROCm builds ship {', '.join(sorted(AOTRITON_ARCHS))})"
+
+
 class EfficientKernel(BlockKernel):
     name = "efficient"
 
@@ -247,7 +262,7 @@ class EfficientKernel(BlockKernel):
             return (
                 "memory-efficient SDPA is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
             )
-        return None
+        return _aotriton_problem(q.device)
 
     def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
