@@ -162,6 +162,18 @@ def build_parser() -> _Parser:
         help="run only these (repeatable)",
     )
     p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every check, with the throughput probe (the first-run report's suite)",
+    )
+    p.add_argument(
+        "--report",
+        dest="report_dir",
+        default=None,
+        metavar="DIR",
+        help="write report.json and report.md (versions, GPUs, every check) into DIR",
+    )
 
     p = sub.add_parser("doctor", help="report the ROCm/CUDA environment and flag problems")
     _add_json(p)
@@ -237,6 +249,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             junit_file=args.junit_file,
             only=args.only,
             steps=args.steps,
+            full=args.full,
+            report_dir=args.report_dir,
         )
     if args.command == "doctor":
         from megatron_rocm.commands.doctor import doctor

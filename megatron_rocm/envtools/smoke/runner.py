@@ -123,10 +123,19 @@ def load_checks() -> dict[str, Check]:
         checks_kernels,
         checks_parallel,
         checks_resume,
+        checks_throughput,
         checks_training,
     )
 
-    order = ("imports", "kernels", "training", "training.resume", "collectives", "parallel")
+    order = (
+        "imports",
+        "kernels",
+        "training",
+        "training.resume",
+        "collectives",
+        "parallel",
+        "throughput",
+    )
 
     def rank(name: str) -> int:  # the longest prefix decides: resume after the other trainings
         return max(i for i, p in enumerate(order) if name == p or name.startswith(p + "."))
