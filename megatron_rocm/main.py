@@ -130,7 +130,24 @@ def build_parser() -> _Parser:
         nargs="+",
         default=None,
         metavar="PATTERN",
-        help="glob patterns of tags/branches (default: release tags >= core_v0.12.0 and main)",
+        help="glob patterns of tags/branches, replacing the default set (release tags >= "
+        "core_v0.12.0, main, dev and the --refs refs); tags/NAME or heads/NAME picks one of a "
+        "name that is both",
+    )
+    p.add_argument(
+        "--refs",
+        nargs="*",
+        default=None,
+        metavar="PATTERN",
+        help="branch/PR refs to watch besides the default set (default: 'pull-request/*', "
+        "upstream's copies of open pull requests; give none to watch none); their breaks "
+        "are reported, never counted as the series' failure",
+    )
+    p.add_argument(
+        "--refs-file",
+        default=None,
+        metavar="FILE",
+        help="more --refs patterns, one per line ('#' comments)",
     )
     p.add_argument(
         "--format",
@@ -225,6 +242,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return matrix(
             source=args.source,
             tag_patterns=args.tags,
+            watch=args.refs,
+            watch_file=args.refs_file,
             formats=args.format or ["md"],
             out=args.out,
             scan=not args.no_scan,

@@ -147,7 +147,7 @@ def hunk_summary(p: PatchResult) -> str:
     if p.error:
         return p.error
     if p.variant == "skip":
-        return "not needed for this version"
+        return "upstream has the change" if p.merged else "not needed for this version"
     counts = Counter(h.label.value for h in p.hunks)
     order = [lb.value for lb in HunkLabel]
     return ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
@@ -171,8 +171,7 @@ def print_ref_report(r: RefReport, verbose: bool = False) -> None:
     print(f"{r.ref} ({r.commit[:12]}, megatron-core {r.version}): {status}")
     width = max((len(p.patch_id) for p in r.patches), default=10)
     for p in r.patches:
-        label = p.label.value if p.variant != "skip" else "skip"
-        print(f"  {p.patch_id:<{width}}  {label:<15} {p.variant or '-':<16} {hunk_summary(p)}")
+        print(f"  {p.patch_id:<{width}}  {p.status:<15} {p.variant or '-':<16} {hunk_summary(p)}")
         if verbose or not p.ok:
             for h in p.hunks:
                 if h.label is not HunkLabel.CLEAN:

@@ -113,7 +113,7 @@ def main() -> int:
     rows = []
     for name in args.configs.split(","):
         spec, fused, sdpa, env = CONFIGS[name]
-        os.environ["MEGATRON_ROCM_SDPA"] = "1" if sdpa else "0"
+        os.environ["MEGATRON_ROCM_LOCAL_SDPA"] = "1" if sdpa else "0"
         os.environ.pop("MEGATRON_ROCM_SDPA_BACKENDS", None)
         os.environ.update(env)
         model = build(args.tree, args.layers, fused, args.seq, spec)

@@ -6,7 +6,7 @@ torchrun with mock data and bf16. The transformer implementation is upstream's d
 (``transformer_engine``: on a machine without TE, the native backend) unless
 ``--transformer-impl local`` asks for the local spec. Every fusion keeps upstream's default
 (on), which is what the series makes work without Apex; ``--unfused`` adds every
-``--no-*-fusion`` flag, ``MEGATRON_ROCM_SDPA=0`` and the local spec: the configuration upstream
+``--no-*-fusion`` flag, ``MEGATRON_ROCM_LOCAL_SDPA=0`` and the local spec: the configuration upstream
 itself can run without Apex and TE (the baseline to compare against).
 
 The log is streamed to the terminal and to a file, then parsed: the last line printed is a
@@ -428,9 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if opts.unfused:
-        env["MEGATRON_ROCM_SDPA"] = "0"
+        env["MEGATRON_ROCM_LOCAL_SDPA"] = "0"
     if opts.dry_run:
-        sdpa = "MEGATRON_ROCM_SDPA=0 " if opts.unfused else ""
+        sdpa = "MEGATRON_ROCM_LOCAL_SDPA=0 " if opts.unfused else ""
         print(f"cd {tree} && {sdpa}" + " ".join(cmd))
         return 0
 

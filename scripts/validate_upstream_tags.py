@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rocm.commands.matrix import read_watch
 from megatron_rocm.error_handler import error_handler
 from megatron_rocm.errors import EXIT_FAILED, EXIT_OK, SourceError, UsageError
 from megatron_rocm.patchtool import gitcmd
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     repo = refresh_mirror(args.mirror, Path(args.mirror_dir), fetch=not args.no_fetch)
     fetched = time.perf_counter()
-    refs = select_refs(repo, args.tags)
+    refs = select_refs(repo, args.tags, read_watch(args.refs, args.refs_file))
     m = build_matrix(repo, refs, series, source=args.mirror, scan=not args.no_scan)
     out = Path(args.out)
     paths = write_reports(m, list(FORMATS), out)
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
                 )
     for ref, patch in fixed:
         print(f"fixed since the previous run: {patch} @ {ref}")
+    for row in m.watched_trouble:
+        what = row.error or ", ".join(p.patch_id for p in row.report.patches if not p.ok)
+        print(f"watched (not gating): {row.name}: {what}")
     for ref, patch in new:
         print(f"NEW BREAK: {patch} @ {ref}")
     if new:
@@ -132,7 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="PATTERN",
-        help="glob patterns (default: release tags >= core_v0.12.0 and main)",
+        help="glob patterns replacing the default set (release tags >= core_v0.12.0, main, "
+        "dev and the watched refs)",
+    )
+    parser.add_argument(
+        "--refs",
+        nargs="*",
+        default=None,
+        metavar="PATTERN",
+        help="branch/PR refs to watch (default: 'pull-request/*'); reported, never gating",
+    )
+    parser.add_argument(
+        "--refs-file", default=None, metavar="FILE", help="more --refs patterns, one per line"
     )
     parser.add_argument("--series", default=None, help="patch series folder")
     parser.add_argument("--no-scan", action="store_true", help="skip the CUDA-surface scan")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_rocm.errors import EXIT_OK, Interrupted, SourceError, UsageError
 from megatron_rocm.output import hunk_summary, print_json
-from megatron_rocm.patchtool import diffio, refnames, transaction, upstream
+from megatron_rocm.patchtool import diffio, engine, refnames, transaction, upstream
 from megatron_rocm.patchtool.results import HunkLabel
 from megatron_rocm.patchtool.series import load_series, parse_version
 
@@ -45,6 +45,8 @@ def _request(
         raise UsageError(
             f"--dest {dest_path} is inside the source {src.location}; choose a folder outside it"
         )
+    if src is not None and src.kind == "path" and ref and not ref.startswith(engine.QUALIFIED):
+        engine.refuse_ambiguous(Path(src.location), ref)  # before a clone, not after it
     if fresh and src is not None and src.kind == "pypi" and ref is not None:
         upstream.pypi.version_from_ref(ref)  # 'main' has no sdist: say so before any download
     return transaction.Request(

@@ -24,6 +24,7 @@ def list_series(*, series_dir: str | None, as_json: bool) -> int:
                                 "since": str(v.since),
                                 "until": str(v.until) if v.until else None,
                                 "skip": v.skip,
+                                "when": [{"path": w.path, "contains": w.contains} for w in v.when],
                             }
                             for v in p.variants
                         ],

@@ -1,4 +1,4 @@
-"""``megatron-rocm matrix``: check the series against every selected upstream tag, report it.
+"""``megatron-rocm matrix``: check the series against every selected upstream ref, report it.
 
 Exit codes: 0 every selected ref applies, 1 at least one breaks, 2 usage (e.g. a --tags
 pattern that matches nothing, several formats with --out naming a file), 3 source problems,
@@ -101,11 +101,31 @@ def _output(m: Matrix, formats: list[str], out: str | None) -> None:
     print(m.summary())
 
 
+def read_watch(patterns: list[str] | None, watch_file: str | None) -> list[str] | None:
+    """``--refs`` plus ``--refs-file``'s lines; None (the default list) when neither is given.
+    Every pattern is checked like ``--tags`` before any clone."""
+    if watch_file is None:
+        found = patterns
+    else:
+        path = refnames.user_path(refnames.check_text(watch_file, "--refs-file"), "--refs-file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--refs-file {watch_file}: cannot read it ({e})") from None
+        lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+        found = list(patterns or []) + [ln for ln in lines if ln]
+    for pattern in found or []:
+        refnames.check_pattern(pattern, "--refs")
+    return found
+
+
 def matrix(
     *,
     source: str | None,
     tag_patterns: list[str] | None,
     formats: list[str],
+    watch: list[str] | None = None,
+    watch_file: str | None = None,
     out: str | None,
     scan: bool,
     series_dir: str | None,
@@ -120,6 +140,7 @@ def matrix(
         raise UsageError("several --format values need --out DIR")
     for pattern in tag_patterns or []:
         refnames.check_pattern(pattern)
+    watch = read_watch(watch, watch_file)
     if out is not None:  # before the work: an unwritable --out must not cost a whole run
         _check_out(formats, out)
     if version_override is not None:
@@ -129,7 +150,7 @@ def matrix(
         repo, refs = _pypi_refs(tag_patterns)
     else:
         repo = upstream.reading_repo(src, None, quiet=out is None)
-        refs = select_refs(repo, tag_patterns)
+        refs = select_refs(repo, tag_patterns, watch)
         if (
             scan
             and gitcmd.git_text("config", "--get", "remote.origin.promisor", cwd=repo, check=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rocm.envtools import rocm_support
+from megatron_rocm.runtime import settings
 
 # Variables the seed guides (AMD's Megatron docs and the adaptation guides) set or ask about,
 # plus the ones PyTorch/RCCL read that change what Megatron sees.
@@ -42,9 +43,8 @@ WATCHED_VARS = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "MIOPEN_FIND_MODE",
     "TRITON_INTERPRET",
-    "MEGATRON_ROCM_KERNELS",
-    "MEGATRON_ROCM_TRITON_NORMS",
-    "MEGATRON_ROCM_SDPA",
+    *settings.runtime_names(),  # the runtime's MEGATRON_ROCM_* switches, and their old names
+    *settings.DEPRECATED,
 )
 
 # Architectures ROCm supports natively: HSA_OVERRIDE_GFX_VERSION on these only hides the real

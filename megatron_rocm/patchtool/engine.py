@@ -69,13 +69,51 @@ def tree_version(cat: gitcmd.CatFile, commit: str) -> Version:
         return Version(core)
 
 
-def find_commit(repo: Path, ref: str) -> str | None:
-    """The commit ``ref`` names in ``repo`` (tag, branch, origin's branch or commit id)."""
-    for candidate in (ref, f"refs/tags/{ref}", f"origin/{ref}", f"refs/remotes/origin/{ref}"):
+QUALIFIED = ("refs/", "tags/", "heads/", "remotes/")
+
+
+def find_commit(repo: Path, ref: str, option: str = "--ref") -> str | None:
+    """The commit ``ref`` names in ``repo`` (tag, branch, origin's branch or commit id).
+
+    A short name that is both a tag and a branch (upstream has ``core_r0.11.0`` as both, on
+    different commits) is refused naming the two: git would silently take the tag. The
+    qualified forms ``tags/<name>`` and ``heads/<name>`` (or ``refs/...``) pick one."""
+    if not ref.startswith(QUALIFIED):
+        refuse_ambiguous(repo, ref, option)
+    candidates = [ref, f"refs/tags/{ref}", f"origin/{ref}", f"refs/remotes/origin/{ref}"]
+    if ref.startswith("heads/"):  # a clone keeps the source's branches as origin's
+        candidates.append(f"refs/remotes/origin/{ref.removeprefix('heads/')}")
+    for candidate in candidates:
         commit = gitcmd.rev_parse(repo, candidate)
         if commit:
             return commit
     return None
+
+
+def refuse_ambiguous(repo: Path, ref: str, option: str = "--ref") -> None:
+    """A usage error when ``ref`` is a tag and a branch (local or origin's) on two commits."""
+    rows = gitcmd.git_text(
+        "for-each-ref",
+        "--format=%(refname)%09%(objectname)%09%(*objectname)",
+        "--end-of-options",
+        f"refs/tags/{ref}",
+        f"refs/heads/{ref}",
+        f"refs/remotes/origin/{ref}",
+        cwd=repo,
+    )
+    found: dict[str, str] = {}
+    for row in rows.splitlines():
+        name, obj, peeled = (row.split("\t") + ["", ""])[:3]
+        found[name] = peeled or obj
+    tag = found.get(f"refs/tags/{ref}")
+    branch = next(
+        (n for n in (f"refs/heads/{ref}", f"refs/remotes/origin/{ref}") if n in found), None
+    )
+    if tag and branch and found[branch] != tag:
+        raise UsageError(
+            f"{option} {ref!r} is ambiguous: both refs/tags/{ref} ({tag[:12]}) and {branch} "
+            f"({found[branch][:12]}); pick one with {option} tags/{ref} or {option} heads/{ref}"
+        )
 
 
 def resolve_commit(repo: Path, ref: str, where: str | None = None) -> str:
@@ -171,8 +209,11 @@ def plan(
     def current(path: str) -> bytes | None:
         return overlay[path] if path in overlay else cat.read(f"{commit}:{path}")
 
+    def upstream_file(path: str) -> bytes | None:  # what a variant's `when` probes read
+        return cat.read(f"{commit}:{path}")
+
     for patch in series.patches:
-        variant = patch.variant_for(version)
+        variant = patch.variant_for(version, upstream_file)
         result = PatchResult(patch.id, variant.diff if variant else None)
         pp = PatchPlan(patch, variant, result)
         plans.append(pp)
@@ -182,6 +223,7 @@ def plan(
             continue
         if variant.skip:
             result.variant = "skip"
+            result.merged = merged_at(patch, variant)
             continue
         for fd in diffio.load(patch.diff_path(variant), patch.id):
             data = current(fd.path)
@@ -206,6 +248,16 @@ def plan(
                     modes[fd.path] = fd.new_mode or "100644"
         pp.modes = {p: modes[p] for p in pp.files if p in modes}
     return Plan(repo, commit, report, plans)
+
+
+def merged_at(patch: Patch, variant: Variant) -> bool:
+    """Whether ``variant`` is the skip that follows upstream's merge of ``patch``: the patch
+    says ``merged`` and no diff variant starts after this range does."""
+    return (
+        variant.skip
+        and patch.upstream.split()[0] == "merged"
+        and all(v.skip or v.since < variant.since for v in patch.variants)
+    )
 
 
 def _commit_env(repo: Path, base: str) -> dict[str, str]:

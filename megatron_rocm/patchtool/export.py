@@ -227,6 +227,10 @@ def export_fork(
     original = Series(series.folder, [copy.deepcopy(p) for p in series.patches])
     with gitcmd.CatFile(repo) as cat:
         version = Version(version_override) if version_override else engine.tree_version(cat, base)
+
+        def upstream_file(path: str) -> bytes | None:  # what a variant's `when` probes read
+            return cat.read(f"{base}:{path}")
+
         seen: set[str] = set()
         for c in commits:
             if c.patch_id in seen:
@@ -239,7 +243,7 @@ def export_fork(
                 continue
             seen.add(c.patch_id)
             patch = series.get(c.patch_id)
-            variant = patch.variant_for(version)
+            variant = patch.variant_for(version, upstream_file)  # probed ones too (dev)
             if variant is not None and not variant.skip:
                 if _unchanged(cat, patch, variant, c, _touched(repo, c), scope):
                     items.append(ExportItem(patch.id, "unchanged", variant.diff))
@@ -269,7 +273,7 @@ def export_fork(
             base_plan = engine.plan(repo, cat, base, original, str(version))
             changes = {pp.patch.id: bool(pp.files) for pp in base_plan.patches}
             for patch in unseen:
-                v = patch.variant_for(version)
+                v = patch.variant_for(version, upstream_file)
                 if v is not None and not v.skip:
                     action = "missing" if changes.get(patch.id) else "no-change"
                     items.append(ExportItem(patch.id, action, v.diff))

@@ -1,4 +1,4 @@
-"""The compatibility matrix: the series checked against every selected upstream tag.
+"""The compatibility matrix: the series checked against every selected upstream ref.
 
 Why a matrix and not a loop over ``check``: maintainers need the *shape* of drift — which
 patch first breaks at which tag (in version order), which patches upstream has absorbed
@@ -21,17 +21,24 @@ from packaging.version import InvalidVersion, Version
 
 from megatron_rocm import __version__
 from megatron_rocm.errors import SourceError, UsageError
-from megatron_rocm.patchtool import diffio, engine, gitcmd, surface
+from megatron_rocm.patchtool import diffio, engine, gitcmd, refnames, results, surface
 from megatron_rocm.patchtool.hunks import FileDiff
 from megatron_rocm.patchtool.results import HunkLabel, PatchResult, RefReport
 from megatron_rocm.patchtool.series import Series
 from megatron_rocm.patchtool.upstream import RELEASE_TAG
 
 MIN_RELEASE = (0, 12, 0)
-DEFAULT_BRANCH = "main"
+# Upstream's branches the default run always watches: main, and dev, where the next release
+# is built (its package_info.py may name an older one; the series picks dev's variants by
+# content, see series.py).
+DEFAULT_BRANCHES = ("main", "dev")
+# Branch patterns watched by default besides them: upstream's copies of open pull requests'
+# heads (``pull-request/<n>``, made by its CI bot and deleted when the PR closes). A missing
+# match is no error here; ``--refs`` replaces this list.
+DEFAULT_WATCH = ("pull-request/*",)
 SCHEMA = 1
 _KIND_RANK = {"release": 0, "tag": 1, "commit": 2, "branch": 3}
-SKIP, NO_VARIANT, ERROR = "skip", "no-variant", "error"
+SKIP, MERGED, NO_VARIANT, ERROR = results.SKIP, results.MERGED, results.NO_VARIANT, "error"
 _QUIET_LABELS = ("clean", "offset", "already-applied", "out-of-scope")
 
 
@@ -40,10 +47,14 @@ class RefSpec:
     name: str
     commit: str
     kind: str  # release | tag | branch | commit
+    watched: bool = False  # selected by a watch pattern (a PR head): reported, never gating
 
 
 def list_refs(repo: Path) -> dict[str, RefSpec]:
-    """Tags, local branches and remote-tracking branches by short name (tags win a clash)."""
+    """Tags, local branches and remote-tracking branches by short name. A name that is a tag
+    and a branch on different commits (upstream's ``core_r0.11.0``) is listed twice under its
+    qualified names (``tags/core_r0.11.0``, ``heads/core_r0.11.0``), never as the bare name:
+    which one it meant is the user's call (``select_refs`` refuses it by its bare name)."""
     out = gitcmd.git_text(
         "for-each-ref",
         "--format=%(refname)%09%(objectname)%09%(*objectname)",
@@ -52,7 +63,7 @@ def list_refs(repo: Path) -> dict[str, RefSpec]:
         "refs/remotes",
         cwd=repo,
     )
-    refs: dict[str, RefSpec] = {}
+    by_name: dict[str, list[tuple[str, RefSpec]]] = {}
     for row in out.splitlines():
         refname, obj, peeled = (row.split("\t") + ["", ""])[:3]
         if refname.startswith("refs/tags/"):
@@ -64,8 +75,33 @@ def list_refs(repo: Path) -> dict[str, RefSpec]:
             name, kind = refname.split("/", 3)[-1], "branch"  # refs/remotes/<remote>/<name>
             if name == "HEAD":
                 continue
-        refs.setdefault(name, RefSpec(name, peeled or obj, kind))
+        by_name.setdefault(name, []).append((refname, RefSpec(name, peeled or obj, kind)))
+    refs: dict[str, RefSpec] = {}
+    for name, found in by_name.items():
+        tags = [s for r, s in found if r.startswith("refs/tags/")]
+        branches = [(r, s) for r, s in found if not r.startswith("refs/tags/")]
+        if tags and branches and any(s.commit != tags[0].commit for _, s in branches):
+            qualified = [("refs/tags/" + name, tags[0]), branches[0]]
+            for refname, spec in qualified:
+                short = refname.removeprefix("refs/")
+                refs[short] = RefSpec(short, spec.commit, spec.kind)
+            continue
+        refs[name] = (tags or [s for _, s in branches])[0]
     return refs
+
+
+_QUALIFIERS = ("tags/", "heads/", "remotes/")
+
+
+def _bare(qualified: str) -> str:
+    """``tags/X``, ``heads/X``, ``remotes/<remote>/X`` -> ``X`` (the name ``list_refs``
+    qualified because it is a tag and a branch)."""
+    return qualified.split("/", 2 if qualified.startswith("remotes/") else 1)[-1]
+
+
+def _ambiguous(refs: dict[str, RefSpec], name: str) -> list[str]:
+    """The qualified names ``list_refs`` split ``name`` into, when it is a tag and a branch."""
+    return [q for q in refs if q.startswith(_QUALIFIERS) and _bare(q) == name]
 
 
 def _release_key(name: str) -> tuple[int, ...]:
@@ -87,41 +123,69 @@ def name_version(name: str) -> Version | None:
         return None
 
 
-def select_refs(repo: Path, patterns: list[str] | None) -> list[RefSpec]:
-    """Default: release tags >= core_v0.12.0 plus ``main``; else glob patterns over names."""
+def select_refs(
+    repo: Path, patterns: list[str] | None, watch: Sequence[str] | None = None
+) -> list[RefSpec]:
+    """Default: release tags >= core_v0.12.0, ``main`` and ``dev``, plus the refs matching
+    ``watch`` (``DEFAULT_WATCH`` when None). ``patterns`` (``--tags``) replace all of that."""
     refs = list_refs(repo)
     if not patterns:
         chosen = [
             r for r in refs.values() if r.kind == "release" and _release_key(r.name) >= MIN_RELEASE
         ]
-        if DEFAULT_BRANCH in refs:
-            chosen.append(refs[DEFAULT_BRANCH])
+        chosen += [refs[b] for b in DEFAULT_BRANCHES if b in refs]
         if not chosen:
             raise UsageError(
-                f"{repo} has no core_vX.Y.Z tags >= core_v0.12.0 and no "
-                f"{DEFAULT_BRANCH!r}; pass --tags"
+                f"{repo} has no core_vX.Y.Z tags >= core_v0.12.0 and none of the branches "
+                f"{', '.join(DEFAULT_BRANCHES)}; pass --tags"
             )
+        names = {r.name for r in chosen}
+        for r in _matching(repo, refs, list(DEFAULT_WATCH if watch is None else watch), False):
+            if r.name not in names:
+                names.add(r.name)
+                chosen.append(RefSpec(r.name, r.commit, r.kind, watched=True))
         return chosen
+    return _matching(repo, refs, patterns, True, option="--tags")
+
+
+def _matching(
+    repo: Path,
+    refs: dict[str, RefSpec],
+    patterns: list[str],
+    strict: bool,
+    option: str = "--refs",
+) -> list[RefSpec]:
+    """Refs whose names match the glob ``patterns``; an exact name that is no listed ref may
+    be any commit git resolves. An exact name that names nothing is an error; so is a glob
+    that matches nothing with ``strict`` (a watched glob, say ``pull-request/*`` while no
+    pull request is open, may match nothing)."""
     chosen_by_name: dict[str, RefSpec] = {}
     for pat in patterns:
-        hits = [r for n, r in refs.items() if fnmatch.fnmatchcase(n, pat)]
+        both = [] if any(c in pat for c in "*?[") else _ambiguous(refs, pat)
+        if both:
+            raise UsageError(
+                f"{option} {pat!r} is ambiguous: both refs/{both[0]} and refs/{both[1]}; "
+                f"pick one with {option} {both[0]} or {option} {both[1]}"
+            )
+        hits = [
+            r
+            for n, r in refs.items()
+            if fnmatch.fnmatchcase(n, pat)
+            or (n.startswith(_QUALIFIERS) and fnmatch.fnmatchcase(_bare(n), pat))
+        ]
         if not hits and not any(c in pat for c in "*?["):
             commit = gitcmd.rev_parse(repo, pat)
             hits = [RefSpec(pat, commit, "commit")] if commit else []
-        if not hits:
-            raise UsageError(f"--tags {pat!r} matches no tag or branch in {repo}")
+        if not hits and (strict or not refnames.is_glob(pat)):
+            raise UsageError(f"{option} {pat!r} matches no tag or branch in {repo}")
         for r in hits:
             chosen_by_name.setdefault(r.name, r)
     return list(chosen_by_name.values())
 
 
 def status_of(p: PatchResult) -> str:
-    """The cell text: a hunk label, ``skip`` (not needed here) or ``no-variant``."""
-    if p.variant == SKIP:
-        return SKIP
-    if p.error:
-        return NO_VARIANT if p.variant is None else "error"
-    return p.label.value
+    """The cell text: ``check``'s word for the patch at that ref (``PatchResult.status``)."""
+    return p.status
 
 
 @dataclass
@@ -179,31 +243,41 @@ class Matrix:
 
     @property
     def broken_rows(self) -> list[Row]:
-        return [r for r in self.rows if r.breaks]
+        """Refs the series must apply to (not watched ones) where it does not."""
+        return [r for r in self.rows if r.breaks and not r.spec.watched]
 
     @property
     def error_rows(self) -> list[Row]:
         """Refs that could not be checked: shown with their reason, never counted as breaks
         (a non-Megatron branch is the source's business, not the series')."""
-        return [r for r in self.rows if r.error]
+        return [r for r in self.rows if r.error and not r.spec.watched]
+
+    @property
+    def watched_trouble(self) -> list[Row]:
+        """Watched refs (open pull requests' heads) that break or could not be checked: what
+        upstream is about to merge, reported so a variant is ready; no failure of the run."""
+        return [r for r in self.rows if r.spec.watched and (r.breaks or r.error)]
 
     def first_break(self, patch_id: str) -> str | None:
-        """The first ref in version order where the patch does not apply."""
+        """The first ref in version order where the patch does not apply (watched refs
+        aside: a pull request is not yet upstream)."""
         for r in self.rows:
+            if r.spec.watched:
+                continue
             c = r.cell(patch_id)
             if c is not None and not c.ok:
                 return r.name
         return None
 
     def droppable(self, patch_id: str) -> list[str]:
-        """Refs where upstream already contains every hunk of the patch."""
+        """Refs where upstream has the patch's change: every hunk of its variant is already
+        there (``already-applied``: its post-image is in the tree), or the patch says upstream
+        merged it and the ref is past the merge (``merged``)."""
         return [
             r.name
             for r in self.rows
             if (c := r.cell(patch_id))
-            and c.variant != SKIP
-            and not c.error
-            and c.label is HunkLabel.ALREADY_APPLIED
+            and (c.status == MERGED or (not c.error and c.label is HunkLabel.ALREADY_APPLIED))
         ]
 
     def label_counts(self) -> Counter[str]:
@@ -212,11 +286,15 @@ class Matrix:
     def summary(self) -> str:
         """One line for terminals, CI logs and report headers."""
         n, bad, errors = len(self.rows), self.broken_rows, self.error_rows
-        parts = [f"{n} refs x {len(self.patch_ids)} patches: {n - len(bad) - len(errors)} apply"]
+        n_ok = n - len(bad) - len(errors) - len(self.watched_trouble)
+        parts = [f"{n} refs x {len(self.patch_ids)} patches: {n_ok} apply"]
         if bad:
             parts[0] += f", {len(bad)} break ({_some_names(bad)})"
         if errors:
             parts[0] += f", {len(errors)} {ERROR} ({_some_names(errors)})"
+        watched = self.watched_trouble
+        if watched:
+            parts[0] += f", {len(watched)} watched fail ({_some_names(watched)})"
         if bad:
             firsts = [f"{p}@{fb}" for p in self.patch_ids if (fb := self.first_break(p))]
             parts.append("first breaks: " + ", ".join(firsts))
@@ -270,6 +348,7 @@ def _some_names(rows: list[Row], limit: int = 4) -> str:
 def _row_dict(r: Row) -> dict:
     d = r.report.to_dict()
     d["ref"], d["kind"], d["error"] = r.name, r.spec.kind, r.error
+    d["watched"] = r.spec.watched
     if r.error:
         d["ok"] = False  # not checked is not "applies"; no patches, so never a broken cell
     for p, pd in zip(r.report.patches, d["patches"]):
@@ -394,7 +473,7 @@ def build_matrix(
 ) -> Matrix:
     """Check every ref (in memory) and, when ``scan``, run the CUDA-surface scan alongside."""
     t0 = time.perf_counter()
-    job = surface.GrepJob(repo, [s.commit for s in specs]) if scan else None
+    job = surface.GrepJob(repo, [s.commit for s in specs if not s.watched]) if scan else None
     patched = patched_commits(repo, [s.commit for s in specs])
     with gitcmd.CatFile(repo) as cat:
         rows = [
@@ -411,8 +490,9 @@ def build_matrix(
     )
     m.timings["check_s"] = t1 - t0
     if job is not None:
-        # error rows are not upstream Megatron trees: their findings would only mislead
-        checked = [r for r in rows if not r.error]
+        # error rows are not upstream Megatron trees: their findings would only mislead;
+        # watched refs (pull requests) are not upstream yet: "new at" must name a tag or branch
+        checked = [r for r in rows if not r.error and not r.spec.watched]
         cache: dict[tuple[str, str], list[FileDiff]] = {}
         cov = {r.name: coverage_for(series, r.report, cache) for r in checked}
         m.surface = surface.scan(repo, [(r.name, r.spec.commit) for r in checked], cov, job)
@@ -426,6 +506,7 @@ def broken_cells(data: dict) -> set[tuple[str, str]]:
     return {
         (r["ref"], p["patch_id"])
         for r in data.get("refs", [])
+        if not r.get("watched", False)  # a pull request's head never gates
         for p in r.get("patches", [])
         if not p.get("ok", False)
     }

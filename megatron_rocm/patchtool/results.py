@@ -54,12 +54,29 @@ class HunkResult:
     text: str = ""  # the hunk itself, for reports
 
 
+# The words a patch's cell can hold besides a hunk label: one vocabulary for check and matrix.
+SKIP = "skip"  # a variant says the change is not needed at this version
+MERGED = "merged"  # skipped because upstream took the change (a merged patch's last range)
+NO_VARIANT = "no-variant"  # no variant covers the tree's version
+
+
 @dataclass
 class PatchResult:
     patch_id: str
     variant: str | None  # diff file used; None when no variant covers the version
     hunks: list[HunkResult] = field(default_factory=list)
     error: str = ""  # e.g. "no variant for 0.11.0"
+    merged: bool = False  # a skip variant of a patch upstream merged, from its merge on
+
+    @property
+    def status(self) -> str:
+        """What ``check`` and ``matrix`` both print for this patch at this ref: ``skip`` or
+        ``merged`` for a skip variant, ``no-variant``, else the worst hunk label."""
+        if self.variant == SKIP:
+            return MERGED if self.merged else SKIP
+        if self.error and self.variant is None:
+            return NO_VARIANT
+        return self.label.value
 
     @property
     def label(self) -> HunkLabel:
@@ -100,6 +117,7 @@ class RefReport:
         d = asdict(self)
         for p, pd in zip(self.patches, d["patches"]):
             pd["label"] = p.label.value
+            pd["status"] = p.status
             pd["ok"] = p.ok
             for hd in pd["hunks"]:
                 hd["label"] = HunkLabel(hd["label"]).value

@@ -2,6 +2,12 @@
 
 Why ranges and not one diff per tag: upstream files drift at most tags but a diff applies with
 offsets across many; a variant covers the half-open range [since, until) of releases.
+
+Why content probes too (``when``): a branch does not always say what it is. Upstream's ``dev``
+reports the version of the release it was branched for (0.19.0, like the 0.19 sdist) while its
+code is a release ahead, so no version range tells the two apart. A variant with ``when`` is
+taken where its range covers the version *and* upstream's tree holds each probe's text; it wins
+over the plain variant of that range, which every other tree keeps.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,20 +43,44 @@ def parse_version(text: str) -> Version:
         raise UsageError(f"not a version: {text!r} (expected e.g. 0.14.0)") from None
 
 
+Reader = Callable[[str], "bytes | None"]  # upstream's file at a path, None when absent
+
+
+@dataclass(frozen=True)
+class Probe:
+    """``path`` exists in upstream's tree and holds ``contains`` (bytes of UTF-8 text)."""
+
+    path: str
+    contains: str
+
+    def holds(self, read: Reader) -> bool:
+        data = read(self.path)
+        return data is not None and self.contains.encode("utf-8") in data
+
+    @property
+    def text(self) -> str:
+        return f"{self.path} has {self.contains!r}"
+
+
 @dataclass(frozen=True)
 class Variant:
     diff: str  # file name inside the patch folder
     since: Version
     until: Version | None = None
     skip: bool = False  # the change is not needed in this range
+    when: tuple[Probe, ...] = ()  # content probes: all must hold (see the module docstring)
 
     def covers(self, version: Version) -> bool:
         v = release_of(version)
         return self.since <= v and (self.until is None or v < self.until)
 
+    def matches(self, read: Reader) -> bool:
+        return all(p.holds(read) for p in self.when)
+
     @property
     def range_text(self) -> str:
-        return f">={self.since}" + (f",<{self.until}" if self.until else "")
+        text = f">={self.since}" + (f",<{self.until}" if self.until else "")
+        return text + "".join(f" when {p.text}" for p in self.when)
 
 
 @dataclass
@@ -60,8 +91,16 @@ class Patch:
     folder: Path
     variants: list[Variant] = field(default_factory=list)
 
-    def variant_for(self, version: Version) -> Variant | None:
-        return next((v for v in self.variants if v.covers(version)), None)
+    def variant_for(self, version: Version, read: Reader | None = None) -> Variant | None:
+        """The variant for a tree of ``version``: the first probed variant whose probes hold
+        in it (``read`` gives its files; without it, probed variants are never taken), else
+        the plain variant whose range covers the version."""
+        covering = [v for v in self.variants if v.covers(version)]
+        if read is not None:
+            probed = next((v for v in covering if v.when and v.matches(read)), None)
+            if probed is not None:
+                return probed
+        return next((v for v in covering if not v.when), None)
 
     def diff_path(self, variant: Variant) -> Path:
         return self.folder / variant.diff
@@ -112,11 +151,35 @@ def _variant(raw: object, folder: Path) -> Variant:
             raise UsageError(f"{where}: variant since {since} names no diff file")
         if not (folder / diff).is_file():
             raise UsageError(f"{where}: diff file {diff!r} does not exist")
-    return Variant(diff=diff, since=since, until=until, skip=skip)
+    return Variant(diff=diff, since=since, until=until, skip=skip, when=_probes(raw, where))
+
+
+def _probes(raw: dict, where: Path) -> tuple[Probe, ...]:
+    """``when = {path = "...", contains = "..."}`` or a list of such tables (all must hold)."""
+    if "when" not in raw:
+        return ()
+    value = raw["when"]
+    tables = value if isinstance(value, list) else [value]
+    probes = []
+    for t in tables:
+        if (
+            not isinstance(t, dict)
+            or set(t) != {"path", "contains"}
+            or not all(isinstance(x, str) and x for x in t.values())
+        ):
+            raise UsageError(
+                f'{where}: \'when\' must be a table {{path = "...", contains = "..."}} or a '
+                f"list of them, both non-empty strings (got {t!r})"
+            )
+        probes.append(Probe(t["path"], t["contains"]))
+    if not probes:
+        raise UsageError(f"{where}: 'when' is an empty list; leave it out for a plain variant")
+    return tuple(probes)
 
 
 def _check_overlaps(patch: Patch) -> None:
-    ordered = sorted(patch.variants, key=lambda v: v.since)
+    """Plain ranges must not overlap; a probed variant lies over them by design."""
+    ordered = sorted((v for v in patch.variants if not v.when), key=lambda v: v.since)
     for a, b in zip(ordered, ordered[1:]):
         if a.until is None or a.until > b.since:
             raise UsageError(

@@ -168,6 +168,8 @@ def fetch_ref(repo: Path, source: Source, ref: str, quiet: bool = False) -> str:
         origin = str(pypi.sdist_repo([ref]))
     else:
         origin = source.location
+    if source.kind == "path" and not ref.startswith(engine.QUALIFIED):
+        engine.refuse_ambiguous(Path(origin), ref)  # git fetch would take the tag silently
     try:
         gitcmd.fetch(repo, origin, [ref], quiet=quiet)
     except gitcmd.GitError as e:

@@ -42,10 +42,10 @@ def test_diff_files_are_parsed_by_diffio_only():
 
 
 def test_cache_folder_comes_from_one_function():
-    # runtime/switches.py names the variable only so that a training run leaves the tool's
+    # runtime/settings.py declares the variable only so that a training run leaves the tool's
     # setting alone (it refuses MEGATRON_ROCM_* names nothing reads); it reads no folder
-    assert _uses(r"MEGATRON_ROCM_CACHE") - {"runtime/switches.py"} == {"cache.py"}
-    assert "environ" not in _line_of("runtime/switches.py", "MEGATRON_ROCM_CACHE")
+    assert _uses(r"MEGATRON_ROCM_CACHE") - {"runtime/settings.py"} == {"cache.py"}
+    assert "environ" not in _line_of("runtime/settings.py", "MEGATRON_ROCM_CACHE")
     assert _uses(r"XDG_CACHE_HOME") <= {"cache.py"}
 
 

@@ -43,7 +43,11 @@ class CudaOnCpu(TorchFunctionMode):
 
 
 class _NullStream:
-    """A stream or event on which every call (wait_stream, record_event, ...) does nothing."""
+    """A stream or event on which every call (wait_stream, record_event, ...) does nothing.
+    A class, not a factory: trees from 0.19's dev on annotate ``torch.cuda.Stream | None``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def __getattr__(self, name: str) -> Any:
         return lambda *a, **k: _NullStream()
@@ -58,11 +62,11 @@ def install() -> CudaOnCpu:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
-    torch.cuda.Stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
-    torch.cuda.Event = lambda *a, **k: _NullStream()
+    torch.cuda.Event = _NullStream
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.manual_seed_all = lambda *a, **k: None
     _cpu_device_meshes()

@@ -392,7 +392,7 @@ def attention(ctx: Context) -> str:
     """sdpa_attention (MHA and GQA, causal and no mask) vs softmax(QK^T)V, forward and backward."""
     k, tally, amt = _kernel("attention"), _Tally(), _mask_types()
     if not k.sdpa_enabled():
-        raise Skip("SDPA attention is turned off (MEGATRON_ROCM_SDPA=0)")
+        raise Skip("SDPA attention is turned off (MEGATRON_ROCM_LOCAL_SDPA=0)")
     for dtype in _dtypes(ctx):
         for heads, groups in ((4, 4), (8, 2)):
             for mtype in (amt.causal, amt.no_mask):

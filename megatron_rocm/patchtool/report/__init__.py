@@ -29,6 +29,7 @@ STATUS: dict[str, tuple[str, str, str]] = {
     "offset": ("drift", "🟢", "applies, moved lines (drift)"),
     "fuzz": ("fuzz", "🟡", "applies only with fuzz: refresh the variant"),
     "already-applied": ("upstream", "🔵", "already upstream: the patch can be dropped"),
+    "merged": ("upstream", "🔵", "upstream merged the change: the patch can be dropped"),
     "skip": ("skip", "⚪", "not needed for this version"),
     "out-of-scope": ("skip", "⚪", "file not in this source"),
     "needs-3-way": ("threeway", "🟠", "applies only with --3way: new variant needed"),
@@ -46,13 +47,15 @@ def status_info(status: str) -> tuple[str, str, str]:
 def verdict(m: Matrix) -> str:
     """The banner text: ``all refs apply`` or what went wrong, breaks first. Refs that could
     not be checked are named apart: they are not the series' failure, but not a pass either."""
-    if m.ok:
-        return "all refs apply"
     n, parts = len(m.rows), []
     if m.broken_rows:
         parts.append(f"{len(m.broken_rows)} of {n} refs break")
     if m.error_rows:
         parts.append(f"{len(m.error_rows)} of {n} refs could not be checked")
+    if m.watched_trouble:
+        parts.append(f"{len(m.watched_trouble)} watched pull-request refs fail (not gating)")
+    if m.ok:
+        parts.insert(0, "all refs apply")
     return ", ".join(parts)
 
 

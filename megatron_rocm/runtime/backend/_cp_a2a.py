@@ -55,12 +55,12 @@ grouped kv heads that are not are expanded (``repeat_interleave``) to the query 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.backend._cp_block_attention import BlockKernel
 from megatron_rocm.runtime.backend._cp_copy_engine import (
     Arrival,
@@ -102,13 +102,7 @@ def parse_stage_count(text: str) -> int | None:
 
 def requested_stages() -> int | None:
     """The head groups ``MEGATRON_ROCM_CP_A2A_STAGES`` asks for (None if it is unset)."""
-    text = os.environ.get(STAGES_ENV, "").strip()
-    if not text:
-        return None
-    count = parse_stage_count(text)
-    if count is None:
-        raise ValueError(f"{STAGES_ENV}={text!r} is not a positive whole number of head groups")
-    return count
+    return settings.get(STAGES_ENV)  # type: ignore[return-value]
 
 
 def stage_count(heads: int, groups: int, cp_size: int, copy_engines: bool) -> int:

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels._runtime import (
     AOTRITON_ARCHS,
     is_hip,
@@ -526,12 +526,7 @@ def auto_order(q: Tensor) -> tuple[str, ...]:
 
 def requested_kernel() -> str:
     """The block kernel ``MEGATRON_ROCM_CP_KERNEL`` names (``auto`` if unset)."""
-    requested = os.environ.get("MEGATRON_ROCM_CP_KERNEL", "auto").strip().lower() or "auto"
-    if requested != "auto" and requested not in KERNELS:
-        raise ValueError(
-            f"MEGATRON_ROCM_CP_KERNEL={requested!r} is not one of auto, {', '.join(KERNELS)}"
-        )
-    return requested
+    return str(settings.get("MEGATRON_ROCM_CP_KERNEL"))
 
 
 def pick_kernel(

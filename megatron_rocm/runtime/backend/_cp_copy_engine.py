@@ -51,7 +51,6 @@ point-to-point otherwise; ROCm keeps RCCL until this is measured on AMD GPUs),
 from __future__ import annotations
 
 import math
-import os
 import socket
 import warnings
 import weakref
@@ -61,13 +60,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
 from megatron_rocm.runtime.platform import capturing
 
 Tensor = torch.Tensor
 
 TRANSPORT_ENV = "MEGATRON_ROCM_CP_A2A_TRANSPORT"
-TRANSPORTS = ("auto", "process-group", "copy-engine")
+TRANSPORTS = settings.choices(TRANSPORT_ENV)
 _ALIGN = 256  # bytes: every view starts on a boundary any dtype's copy kernel is happy with
 _PROBE_BYTES = 1 << 20  # the first window: maps the peers once before any exchange needs it
 
@@ -80,10 +80,7 @@ _mapped_names: dict[str, weakref.ref] = {}
 
 def requested_transport() -> str:
     """The transport ``MEGATRON_ROCM_CP_A2A_TRANSPORT`` asks for (``auto`` if unset)."""
-    text = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
-    if text not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV}={text!r} is not one of {', '.join(TRANSPORTS)}")
-    return text
+    return str(settings.get(TRANSPORT_ENV))
 
 
 def why_not_copy_engines(group: Any, device: torch.device, on_rocm: bool, auto: bool) -> str | None:

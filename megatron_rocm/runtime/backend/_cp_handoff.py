@@ -39,13 +39,13 @@ before the gather would pack the outbox while a peer may still pull from it.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.backend._cp_early_output import land
 
 Tensor = torch.Tensor
@@ -53,24 +53,12 @@ Tensor = torch.Tensor
 HANDOFF_ENV = "MEGATRON_ROCM_CP_A2A_HANDOFF"
 
 
-_DIRECTIONS = {
-    "1": frozenset({"forward", "backward"}),
-    "0": frozenset(),
-    "forward": frozenset({"forward"}),
-    "backward": frozenset({"backward"}),
-}
-
-
 def handoff_directions() -> frozenset[str]:
     """Which of the attention's exchanges ``MEGATRON_ROCM_CP_A2A_HANDOFF`` lets the projection
     overlap: ``backward`` (it starts the backward's first exchange, here), ``forward`` (it
     computes over the rank's own heads while the forward's last exchange lands,
-    ``_cp_early_output``), ``1`` both (the default) or ``0`` neither; anything else is an
-    error."""
-    text = os.environ.get(HANDOFF_ENV, "").strip() or "1"
-    if text not in _DIRECTIONS:
-        raise ValueError(f"{HANDOFF_ENV}={text!r} is not 0, 1, forward or backward")
-    return _DIRECTIONS[text]
+    ``_cp_early_output``), on both (the default) or off neither; anything else is an error."""
+    return settings.get(HANDOFF_ENV)  # type: ignore[return-value]
 
 
 class Exchange(Protocol):

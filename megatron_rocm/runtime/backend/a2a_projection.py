@@ -19,11 +19,11 @@ a2a is in use it logs why once.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.backend.attention import mask_name
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once
 from megatron_rocm.runtime.platform import capturing
@@ -32,11 +32,8 @@ QKV_ENV = "MEGATRON_ROCM_CP_A2A_QKV"
 
 
 def enabled() -> bool:
-    """``MEGATRON_ROCM_CP_A2A_QKV``: ``1`` (the default) or ``0``; anything else is an error."""
-    text = os.environ.get(QKV_ENV, "").strip() or "1"
-    if text not in ("0", "1"):
-        raise ValueError(f"{QKV_ENV}={text!r} is not 0 or 1")
-    return text == "1"
+    """``MEGATRON_ROCM_CP_A2A_QKV``: on (the default) or off; a non-boolean is an error."""
+    return bool(settings.get(QKV_ENV))
 
 
 def _is_identity(module: Any) -> bool:

@@ -33,10 +33,10 @@ disagree with the flag.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.backend.packed_attention import ENV_VAR as PACKED_ENV
 from megatron_rocm.runtime.backend.sdpa import BACKENDS_ENV, sdpa_backends
 
@@ -72,7 +72,7 @@ def resolve(config: Any) -> KernelChoice | None:
             f"spec's attention; use auto, flash, fused or unfused"
         )
     for env in _KERNEL_ENVS:
-        if os.environ.get(env, "").strip().lower() not in ("", "auto"):  # auto: no choice
+        if settings.chooses(env):  # auto: no choice
             raise ValueError(
                 f"TEDotProductAttention: --attention-backend {name} and {env} both choose the "
                 f"attention kernel; unset {env} or leave --attention-backend at auto"

@@ -30,6 +30,7 @@ from megatron_rocm.runtime.backend._linear_function import (
     LinearFunction,
     project_attention_output,
 )
+from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, parallel_forward
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -92,6 +93,13 @@ class TEColumnParallelLinear(ColumnParallelLinear):
                 tp_comm_buffer_name=tp_comm_buffer_name,
                 **extra,
             )
+        self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's forward, or under ``--fp8-format`` the FP8 GEMM (``backend.fp8``)."""
+        if self.fp8_recipe is None or args or any(v is not None for v in kwargs.values()):
+            return super().forward(input_, *args, **kwargs)
+        return parallel_forward(self, input_)
 
 
 class TERowParallelLinear(RowParallelLinear):
@@ -133,13 +141,17 @@ class TERowParallelLinear(RowParallelLinear):
                 tp_comm_buffer_name=tp_comm_buffer_name,
                 **extra,
             )
+        self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Upstream's forward, except where the input is an a2a attention output with
         handoffs for this layer (``_cp_early_output``, ``_cp_handoff``) and nothing but the GEMM
         is in play (one TP rank, a trainable weight, no CPU offloading): then the same GEMM,
         over the rank's own heads while the peers' land, and whose backward starts the
-        attention's exchange ahead of the weight gradient."""
+        attention's exchange ahead of the weight gradient. Under ``--fp8-format``, the FP8
+        GEMM (``backend.fp8``)."""
+        if self.fp8_recipe is not None:
+            return parallel_forward(self, input_)
         fuse = bool(self.gradient_accumulation_fusion)
         output = project_attention_output(input_, self.weight, fuse) if self._gemm_only() else None
         if output is None:
@@ -157,7 +169,7 @@ def gemm_only(linear: Any, whole: bool) -> bool:
     whose weight gradient the native Functions compute alike (``whole``: its weight is not
     split over TP ranks): no TP, expert, remat or offloading path, a trainable weight,
     Megatron's DDP ``main_grad`` where the gradient goes into it (upstream raises without
-    one), not Megatron-FSDP's (whose buffers main writes over)."""
+    one), not Megatron-FSDP's (whose buffers main writes over), no FP8 (its own GEMMs)."""
     weight = linear.weight
     return (
         whole
@@ -168,6 +180,7 @@ def gemm_only(linear: Any, whole: bool) -> bool:
         and weight.requires_grad
         and (hasattr(weight, "main_grad") or not linear.gradient_accumulation_fusion)
         and not hasattr(weight, "__fsdp_param__")
+        and getattr(linear, "fp8_recipe", None) is None
     )
 
 
@@ -233,10 +246,14 @@ class TELinear(torch.nn.Module):
             if parallel_mode == "duplicated":
                 # Sequence-parallel input: each TP rank saw a different slice of tokens.
                 param.sequence_parallel = bool(config.sequence_parallel)
+        self.fp8_recipe = module_recipe(owner, config, self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
-        out = LinearFunction.apply(x, self.weight, fuse)
+        if self.fp8_recipe is not None:
+            out = fp8_linear(x, self.weight, fuse and self.weight.requires_grad, self.fp8_recipe)
+        else:
+            out = LinearFunction.apply(x, self.weight, fuse)
         if self.bias is None:
             return out, None
         if self.te_return_bias:

@@ -1,13 +1,14 @@
 """Options that need TransformerEngine's kernels, refused at argument validation without TE.
 
 Without TE some of upstream's options fail late and obscurely (a MagicMock deep in the model,
-an assertion at the first step) and some are silently ignored: ``--fp8-format`` trains in bf16
-because ``get_fp8_context`` returns a null context. The ``te-spec-backend`` patch calls
+an assertion at the first step) and some would be silently ignored. The ``te-spec-backend`` patch calls
 :func:`reject_te_only_options` in ``validate_args``; when ``transformer_engine`` cannot be
 imported, every option below that is set stops the run before any GPU work, one line per
 option, naming the flag and what to do instead. With TE installed none of them is refused.
+``--fp8-format`` runs on the native linears (``backend.fp8``) with current scaling
+(``--fp8-recipe tensorwise``); :func:`fp8_problems` names what of upstream's FP8 they cannot do.
 The same call stops a run whose ``MEGATRON_ROCM_*`` switches are malformed or unknown
-(``runtime.switches``), TE or not.
+(``runtime.settings``), TE or not.
 
 Every option is read with ``getattr``: each exists only at some Megatron versions.
 """
@@ -38,12 +39,25 @@ def _not_in(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is not None and v not in values
 
 
-_NO_FP8 = "train in bf16 (--bf16) instead; FP8/FP4 recipes need TE's quantized GEMMs"
+_NO_FP4 = "train in bf16 (--bf16) or FP8 (--fp8-format, --fp8-recipe tensorwise) instead"
 
 TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
-    TeOnlyOption("fp8", "--fp8-format", _NO_FP8),
-    TeOnlyOption("fp4", "--fp4-format", _NO_FP8),
-    TeOnlyOption("fp8_param_gather", "--fp8-param-gather", _NO_FP8),
+    TeOnlyOption("fp4", "--fp4-format", _NO_FP4),
+    TeOnlyOption(
+        "fp8_param_gather",
+        "--fp8-param-gather",
+        "remove it; the native FP8 linears keep bf16 weights and quantize them each step",
+    ),
+    TeOnlyOption(
+        "fp8_dot_product_attention",
+        "--fp8-dot-product-attention",
+        "remove it; the native attention runs in bf16 (the linears still run FP8)",
+    ),
+    TeOnlyOption(
+        "fp8_multi_head_attention",
+        "--fp8-multi-head-attention",
+        "remove it; the native attention runs in bf16 (the linears still run FP8)",
+    ),
     TeOnlyOption(
         "tp_comm_overlap",
         "--tp-comm-overlap",
@@ -208,6 +222,66 @@ def _weight_shards_beyond_tp(args: Any) -> list[str]:
     return given
 
 
+_FP8_RECIPE_ADVICE = {
+    "delayed": "its amax history and scaling state live in TE's modules",
+    "mxfp8": "MXFP8 needs TE's block-scaled GEMMs and a GPU with them (Blackwell)",
+    "blockwise": "1x128/128x128 block scaling needs TE's blockwise GEMMs",
+    "custom": "a custom quantizer factory builds TE quantizers",
+}
+
+
+def fp8_problems(args: Any) -> list[str]:
+    """Without TE, one message per part of an ``--fp8-format`` run the native FP8 linears
+    (``backend.fp8``: current per-tensor scaling, no tensor parallelism) cannot do."""
+    fmt = getattr(args, "fp8", None)
+    if not fmt:
+        return []
+    problems = []
+    recipe = str(getattr(args, "fp8_recipe", "delayed"))
+    if recipe != "tensorwise":
+        why = _FP8_RECIPE_ADVICE.get(recipe, "it is not current scaling")
+        problems.append(
+            f"--fp8-recipe {recipe}: needs TransformerEngine, which is not installed ({why}); "
+            "use --fp8-recipe tensorwise (current per-tensor scaling, native)"
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp > 1:
+        problems.append(
+            f"--fp8-format with --tensor-model-parallel-size {tp}: without TransformerEngine "
+            "the FP8 linears run without tensor parallelism; use TP 1 (data or context "
+            "parallelism instead) or train in bf16"
+        )
+    if getattr(args, "num_experts", None):
+        problems.append(
+            "--fp8-format with --num-experts: without TransformerEngine MoE models train in "
+            "bf16 (upstream's MoE FP8 checks TE's version; the native experts have no FP8)"
+        )
+    granularity = getattr(args, "recompute_granularity", None)
+    modules = set(getattr(args, "recompute_modules", None) or ["core_attn"]) - {"core_attn"}
+    if granularity == "full" or (granularity == "selective" and modules):
+        what = (
+            "--recompute-granularity full"
+            if granularity == "full"
+            else ("--recompute-modules " + " ".join(sorted(modules)))
+        )
+        problems.append(
+            f"--fp8-format with {what}: upstream recomputes FP8 layers through TE's "
+            "checkpoint (te_checkpoint), which needs TransformerEngine; recompute core_attn "
+            "only (--recompute-granularity selective) or train in bf16"
+        )
+    if getattr(args, "use_megatron_fsdp", False):
+        problems.append(
+            "--fp8-format with --use-megatron-fsdp: without TransformerEngine the FP8 "
+            "linears need Megatron's DDP; use --use-distributed-optimizer"
+        )
+    from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
+
+    gpu = unsupported_gpu_reason()
+    if gpu is not None:
+        problems.append(f"--fp8-format {fmt}: this GPU ({gpu}); train in bf16")
+    return problems
+
+
 def transformer_engine_installed() -> bool:
     """Whether ``import transformer_engine`` can work (without importing it)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -220,6 +294,7 @@ def te_only_options_in_use(args: Any) -> list[str]:
         for opt in TE_ONLY_OPTIONS
         if hasattr(args, opt.dest) and opt.is_set(getattr(args, opt.dest))
     ]
+    problems.extend(fp8_problems(args))
     if _graphs_over_documents(args):
         problems.append(
             "--reset-attention-mask with --cuda-graph-impl: without TransformerEngine the "
@@ -263,11 +338,11 @@ def te_only_options_in_use(args: Any) -> list[str]:
 
 def reject_te_only_options(args: Any) -> None:
     """Without TE, raise one ``ValueError`` listing each TE-only option in use; with or
-    without TE, each malformed or unknown ``MEGATRON_ROCM_*`` switch too (``switches``: they
+    without TE, each malformed or unknown ``MEGATRON_ROCM_*`` switch too (``settings``: they
     are read where they act, minutes into a run, and a misspelt one never)."""
-    from megatron_rocm.runtime import switches
+    from megatron_rocm.runtime import settings
 
-    problems = switches.problems()
+    problems = settings.problems()
     if not transformer_engine_installed():
         problems += te_only_options_in_use(args)
     if problems:

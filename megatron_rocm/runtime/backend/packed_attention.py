@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.backend.packed_plan import PackedPlan, build_plan, rows_mask
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once, logger
 from megatron_rocm.runtime.kernels.attention import attention_reference, sdpa_attention
 
 ENV_VAR = "MEGATRON_ROCM_PACKED_ATTENTION"
-IMPLEMENTATIONS = ("flash", "flex", "sdpa_loop", "reference")
+IMPLEMENTATIONS = settings.choices(ENV_VAR)[1:]  # after "auto"
 _last_impl: str | None = None
 
 
@@ -117,14 +117,14 @@ def packed_attention_reference(
 
 def requested_implementation(implementation: str | None) -> str:
     """The implementation asked for (argument, else the environment variable), or "auto"."""
-    name = implementation or os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if name != "auto" and name not in IMPLEMENTATIONS:
+    if not implementation:
+        return str(settings.get(ENV_VAR))
+    if implementation != "auto" and implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"unknown packed attention implementation {name!r} (from "
-            f"{'the argument' if implementation else ENV_VAR}); use auto or one of "
-            f"{', '.join(IMPLEMENTATIONS)}"
+            f"unknown packed attention implementation {implementation!r} (from the "
+            f"argument); use auto or one of {', '.join(IMPLEMENTATIONS)}"
         )
-    return name
+    return implementation
 
 
 def _choose(

@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels._runtime import is_hip, log_fallback_once
 from megatron_rocm.runtime.kernels.attention import grouped_kv_for_sdpa
 
@@ -74,8 +74,7 @@ def check_platform(spec: str, source: str = BACKENDS_ENV) -> None:
 def requested_backends() -> str:
     """``MEGATRON_ROCM_SDPA_BACKENDS`` ("" if unset), checked: each name must be a kernel, and
     one this platform has."""
-    spec = os.environ.get(BACKENDS_ENV, "").strip()
-    _backend_priority(spec)
+    spec = ",".join(settings.get(BACKENDS_ENV))  # type: ignore[call-overload]
     check_platform(spec)
     return spec
 
@@ -98,7 +97,7 @@ def _kernels_for(kernels: str | None, masked: bool) -> contextlib.AbstractContex
     and bands a window itself; so masked attention asked to run on flash runs on the
     memory-efficient kernel, logged once, rather than failing where TE would run."""
     if kernels is None:
-        spec = os.environ.get(BACKENDS_ENV, "").strip()
+        spec = requested_backends()
         return sdpa_backends(spec) if spec else contextlib.nullcontext()
     if kernels == "flash" and masked:
         log_fallback_once(

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from megatron_rocm.runtime import settings
+
 logger = logging.getLogger("megatron_rocm.runtime.kernels")
 
 
@@ -33,24 +35,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-KERNELS = ("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu")
+KERNELS = settings.choices("MEGATRON_ROCM_KERNELS")
 
 
 def reference_forced(kernel: str | None = None) -> bool:
     """Whether ``MEGATRON_ROCM_KERNELS`` puts ``kernel`` (None: every kernel) on torch's path."""
-    value = os.environ.get("MEGATRON_ROCM_KERNELS", "auto").strip()
-    if value in ("", "auto"):
-        return False
-    if value == "reference":
-        return True
-    mode, _, names = value.partition(":")
-    chosen = {n.strip() for n in names.split(",") if n.strip()}
-    if mode != "reference" or not chosen or not chosen <= set(KERNELS):
-        raise ValueError(
-            f"MEGATRON_ROCM_KERNELS={value!r}: expected 'auto', 'reference' or "
-            f"'reference:<kernel>[,<kernel>...]' with kernels from {', '.join(KERNELS)}"
-        )
-    return kernel in chosen
+    chosen = settings.get("MEGATRON_ROCM_KERNELS")
+    return chosen >= set(KERNELS) if kernel is None else kernel in chosen
 
 
 def use_triton(*tensors: torch.Tensor, kernel: str | None = None) -> bool:

@@ -25,12 +25,12 @@ callers fork Megatron's CUDA RNG tracker around the call, as the local path does
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels._runtime import is_hip
 
 # Megatron's AttnMaskType values (megatron/core/transformer/enums.py, 0.12 .. main).
@@ -45,16 +45,11 @@ _MASK_TYPE_NAMES = {
 _SUPPORTED = frozenset({"padding", "causal", "no_mask", "arbitrary"})
 
 
-_SDPA_SWITCH = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
-
-
 def sdpa_enabled() -> bool:
-    """``MEGATRON_ROCM_SDPA``: on (1/true/on, the default) or off (0/false/off), read at every
-    call (tests and A/B runs); anything else is an error, not "on"."""
-    text = os.environ.get("MEGATRON_ROCM_SDPA", "").strip().lower() or "1"
-    if text not in _SDPA_SWITCH:
-        raise ValueError(f"MEGATRON_ROCM_SDPA={text!r} is not one of {', '.join(_SDPA_SWITCH)}")
-    return _SDPA_SWITCH[text]
+    """``MEGATRON_ROCM_LOCAL_SDPA`` (the local spec's switch; old name ``MEGATRON_ROCM_SDPA``):
+    on (the default) or off, read at every call (tests and A/B runs); a value that is not a
+    boolean is an error, not "on"."""
+    return bool(settings.get("MEGATRON_ROCM_LOCAL_SDPA"))
 
 
 def _mask_type_name(attn_mask_type: Any) -> str:

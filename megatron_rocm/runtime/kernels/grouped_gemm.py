@@ -24,12 +24,12 @@ read the expert weights (a zero-copy strided view, in place, a stacking copy, pe
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels import _grouped_gemm_ops as ops
 from megatron_rocm.runtime.kernels._runtime import (
     interpreting,
@@ -42,7 +42,7 @@ from megatron_rocm.runtime.kernels._runtime import (
 from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
 ENV = "MEGATRON_ROCM_GROUPED_GEMM"
-IMPLEMENTATIONS = ("torch", "triton", "loop")
+IMPLEMENTATIONS = settings.choices(ENV)[1:]  # after "auto"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -97,15 +97,9 @@ def _triton_problem(x: torch.Tensor) -> str | None:
     return None
 
 
-def _checked(wanted: str) -> str:
-    if wanted not in ("auto", "torch", "triton", "loop"):
-        raise ValueError(f"{ENV}={wanted!r}: expected auto, torch, triton or loop")
-    return wanted
-
-
 def requested_implementation() -> str:
     """What ``MEGATRON_ROCM_GROUPED_GEMM`` asks for: auto (the default), torch, triton or loop."""
-    return _checked(os.environ.get(ENV, "").strip().lower() or "auto")
+    return str(settings.get(ENV))
 
 
 def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = None) -> str:
@@ -113,7 +107,10 @@ def choose(x: torch.Tensor, features: tuple[int, int], requested: str | None = N
 
     ``requested`` (or ``$MEGATRON_ROCM_GROUPED_GEMM``) names one: it runs or this raises.
     """
-    wanted = _checked(requested.strip().lower()) if requested else requested_implementation()
+    # an explicit request is checked by the same grammar as the environment variable
+    wanted = (
+        str(settings.parse(ENV, requested.strip())) if requested else requested_implementation()
+    )
     if wanted == "auto" and reference_forced("grouped_gemm"):
         return "loop"
     checks = {

@@ -23,16 +23,15 @@ cannot build a model with the default flags. ``FusedNorm`` supports all of them:
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rocm.runtime import settings
 from megatron_rocm.runtime.kernels._runtime import log_fallback_once, use_triton
 
-_NORMS = ("LayerNorm", "RMSNorm")
+_NORMS = settings.choices("MEGATRON_ROCM_TRITON_NORMS")  # ("LayerNorm", "RMSNorm")
 # The norms the Triton kernel serves on a GPU by default. Its LayerNorm is correct (tested)
 # and, timed alone without the host (CUDA graphs, H100), faster than torch's at every hidden
 # size measured; but in the GPT 0.85B at micro-batch 2 (4096-row calls) a controlled A/B ran
@@ -60,30 +59,17 @@ def triton_norms() -> tuple[str, ...]:
     subset of LayerNorm, RMSNorm, for A/B runs in a model with nothing else changed) or, unset,
     ``TRITON_NORMS``. A name outside that set raises, so a typo cannot silently benchmark the
     default; ``MEGATRON_ROCM_KERNELS=reference:norm`` still puts every norm on torch's path."""
-    text = os.environ.get(TRITON_NORMS_ENV, "").strip()
-    return _parse_norm_names(text) if text else TRITON_NORMS
+    return settings.get(TRITON_NORMS_ENV) or TRITON_NORMS  # type: ignore[return-value]
 
 
 def triton_serves(normalization: str, elements: int) -> bool:
     """Whether the Triton kernel takes a ``normalization`` call over ``elements`` elements:
     any size for a norm ``MEGATRON_ROCM_TRITON_NORMS`` names, else a norm of ``TRITON_NORMS``
     on calls of ``TRITON_NORM_MIN_ELEMENTS`` or more (the host's cost per call, above)."""
-    text = os.environ.get(TRITON_NORMS_ENV, "").strip()  # read once: every norm call asks
-    if text:
-        return normalization in _parse_norm_names(text)
+    named = settings.get(TRITON_NORMS_ENV)  # every norm call asks: parsed once per text
+    if named:
+        return normalization in named  # type: ignore[operator]
     return normalization in TRITON_NORMS and elements >= TRITON_NORM_MIN_ELEMENTS
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_norm_names(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in _NORMS]
-    if unknown or not names:
-        raise ValueError(
-            f"{TRITON_NORMS_ENV}={text!r}: expected a comma-separated subset of "
-            f"{', '.join(_NORMS)} (got {', '.join(unknown) or 'no names'})"
-        )
-    return names
 
 
 class FusedNorm(torch.nn.Module):

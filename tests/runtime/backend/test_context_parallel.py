@@ -753,7 +753,7 @@ def test_copy_engines_asked_for_where_they_cannot_work_fail_in_one_line(worlds) 
     ) in str(failure.value)
 
 
-@pytest.mark.parametrize("value", ["nccl", "copy", "Auto"])
+@pytest.mark.parametrize("value", ["nccl", "copy", "copy_engine"])
 def test_a2a_transport_must_be_one_of_the_three(monkeypatch: pytest.MonkeyPatch, value) -> None:  # noqa: ANN001
     from megatron_rocm.runtime.backend import _cp_copy_engine
 
@@ -1146,7 +1146,7 @@ def test_a_failing_gemm_still_lands_the_early_output(monkeypatch: pytest.MonkeyP
     assert log == ["landed"] and "failing" not in _cp_early_output._landings
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "true", "both"])
+@pytest.mark.parametrize("value", ["2", "both", "sideways", "y"])
 def test_the_handoff_switch_names_its_directions(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
@@ -1156,6 +1156,8 @@ def test_the_handoff_switch_names_its_directions(
         ("1", {"forward", "backward"}),
         ("0", set()),
         ("", {"forward", "backward"}),
+        ("Yes", {"forward", "backward"}),  # the one boolean grammar (runtime.settings)
+        ("off", set()),
     ):
         monkeypatch.setenv(_cp_handoff.HANDOFF_ENV, text)
         assert _cp_handoff.handoff_directions() == directions
@@ -1165,7 +1167,8 @@ def test_the_handoff_switch_names_its_directions(
     with pytest.raises(ValueError) as failure:
         _cp_handoff.handoff_directions()
     assert str(failure.value) == (
-        f"MEGATRON_ROCM_CP_A2A_HANDOFF={value!r} is not 0, 1, forward or backward"
+        f"MEGATRON_ROCM_CP_A2A_HANDOFF={value!r} is not a boolean (1/true/on/yes or "
+        "0/false/off/no) or one of forward, backward"
     )
 
 

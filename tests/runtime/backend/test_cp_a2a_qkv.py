@@ -172,8 +172,10 @@ def test_the_native_projection_is_on_unless_turned_off(monkeypatch: pytest.Monke
     assert not a2a_projection.enabled()
     monkeypatch.setenv(a2a_projection.QKV_ENV, "1")
     assert a2a_projection.enabled()
-    monkeypatch.setenv(a2a_projection.QKV_ENV, "yes")
-    with pytest.raises(ValueError, match="is not 0 or 1"):
+    monkeypatch.setenv(a2a_projection.QKV_ENV, "off")
+    assert not a2a_projection.enabled()
+    monkeypatch.setenv(a2a_projection.QKV_ENV, "maybe")
+    with pytest.raises(ValueError, match="'maybe' is not a boolean"):
         a2a_projection.enabled()
 
 

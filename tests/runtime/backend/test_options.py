@@ -14,9 +14,10 @@ from megatron_rocm.runtime.backend.options import (
 )
 
 DEFAULTS = {
-    "fp8": None,
     "fp4": None,
     "fp8_param_gather": False,
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
     "tp_comm_overlap": False,
     "cuda_graph_impl": "none",
     "external_cuda_graph": False,
@@ -41,7 +42,6 @@ DEFAULTS = {
 }
 SET = {
     "te_precision_config_file": "precision.yaml",
-    "fp8": "hybrid",
     "fp4": "nvfp4",
     "cuda_graph_impl": "transformer_engine",
     "softmax_type": "learnable",
@@ -82,7 +82,7 @@ def test_local_cuda_graphs_and_vanilla_softmax_are_fine():
 
 
 def test_several_options_one_line_each():
-    args = SimpleNamespace(**{**DEFAULTS, "fp8": "e4m3", "tp_comm_overlap": True})
+    args = SimpleNamespace(**{**DEFAULTS, "fp4": "nvfp4", "tp_comm_overlap": True})
     assert len(te_only_options_in_use(args)) == 2
 
 
@@ -172,3 +172,73 @@ def test_the_nccl_ep_flex_dispatcher_needs_te(dispatcher, backend, refused):
     assert [p.split(":")[0] for p in problems] == (
         ["--moe-flex-dispatcher-backend ncclep"] if refused else []
     )
+
+
+# -- FP8 on the native linears --------------------------------------------------------------
+
+FP8_RUN = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "tensor_model_parallel_size": 1}
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    from megatron_rocm.runtime.kernels import fp8
+
+    monkeypatch.setattr(fp8, "unsupported_gpu_reason", lambda: None)
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_fp8_with_current_scaling_is_accepted(no_gpu, fmt) -> None:
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt}))
+    selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
+
+
+@pytest.mark.parametrize(
+    ("change", "flag", "advice"),
+    [
+        ({"fp8_recipe": "delayed"}, "--fp8-recipe delayed", "amax history"),
+        ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8", "Blackwell"),
+        ({"fp8_recipe": "blockwise"}, "--fp8-recipe blockwise", "blockwise GEMMs"),
+        ({"fp8_recipe": "custom"}, "--fp8-recipe custom", "quantizer"),
+        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2", "use TP 1"),
+        ({"num_experts": 8}, "--num-experts", "bf16"),
+        ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
+        ({"fp8_param_gather": True}, "--fp8-param-gather", "quantize them each step"),
+        ({"fp8_dot_product_attention": True}, "--fp8-dot-product-attention", "bf16"),
+        ({"fp8_multi_head_attention": True}, "--fp8-multi-head-attention", "bf16"),
+        ({"recompute_granularity": "full"}, "--recompute-granularity full", "te_checkpoint"),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+            "--recompute-modules mlp",
+            "core_attn only",
+        ),
+    ],
+)
+def test_what_the_native_fp8_cannot_do_is_one_line_each(no_gpu, change, flag, advice) -> None:
+    (message,) = te_only_options_in_use(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **change}))
+    assert flag in message and advice in message and "TransformerEngine" in message
+    assert "\n" not in message
+
+
+def test_fp8_on_a_gpu_without_fp8_gemms_is_refused(monkeypatch) -> None:
+    from megatron_rocm.runtime.kernels import fp8
+
+    monkeypatch.setattr(fp8, "unsupported_gpu_reason", lambda: "gfx90a has no FP8 GEMMs")
+    (message,) = te_only_options_in_use(SimpleNamespace(**{**DEFAULTS, **FP8_RUN}))
+    assert message == "--fp8-format hybrid: this GPU (gfx90a has no FP8 GEMMs); train in bf16"
+
+
+def test_gpu_fp8_support_by_arch(monkeypatch) -> None:
+    import torch
+
+    from megatron_rocm.runtime.kernels import fp8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    for arch, ok in (("gfx942", True), ("gfx950", True), ("gfx90a", False)):
+        monkeypatch.setattr(fp8, "gpu_arch", lambda arch=arch: arch)
+        assert (fp8.unsupported_gpu_reason() is None) is ok, arch
+    monkeypatch.setattr(torch.version, "hip", None)
+    for cap, ok in (((9, 0), True), ((8, 9), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda cap=cap: cap)
+        assert (fp8.unsupported_gpu_reason() is None) is ok, cap

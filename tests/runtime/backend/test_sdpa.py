@@ -113,7 +113,7 @@ def test_backend_priority_env(monkeypatch):
     monkeypatch.setenv(BACKENDS_ENV, "math")
     check({"mask_type": "causal"})
     monkeypatch.setenv(BACKENDS_ENV, "warp-speed")
-    with pytest.raises(ValueError, match="unknown SDPA backend"):
+    with pytest.raises(ValueError, match="MEGATRON_ROCM_SDPA_BACKENDS='warp-speed'"):
         sdpa_sbhd(*qkv(4, 4, 1, 2, 2, 8, torch.float32), mask_type="causal")
 
 

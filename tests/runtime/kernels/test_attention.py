@@ -187,9 +187,9 @@ def test_unsupported_mask_raises() -> None:
 )
 def test_sdpa_enabled(value: str | None, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if value is None:
-        monkeypatch.delenv("MEGATRON_ROCM_SDPA", raising=False)
+        monkeypatch.delenv("MEGATRON_ROCM_LOCAL_SDPA", raising=False)
     else:
-        monkeypatch.setenv("MEGATRON_ROCM_SDPA", value)
+        monkeypatch.setenv("MEGATRON_ROCM_LOCAL_SDPA", value)
     assert sdpa_enabled() is expected
 
 

@@ -268,8 +268,11 @@ def test_last_run_reports_implementation_and_weight_access(impl, layout, expecte
 
 def test_unknown_request_is_a_usage_error(monkeypatch) -> None:
     monkeypatch.setenv(gg.ENV, "cutlass")
-    with pytest.raises(ValueError, match="expected auto, torch, triton or loop"):
+    with pytest.raises(ValueError, match="'cutlass' is not one of auto, torch, triton, loop"):
         gg.choose(torch.randn(2, 8), (8, 8))
+    monkeypatch.delenv(gg.ENV)
+    with pytest.raises(ValueError, match="'cutlass' is not one of auto, torch, triton, loop"):
+        gg.choose(torch.randn(2, 8), (8, 8), requested="cutlass")
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm")

@@ -323,7 +323,7 @@ def test_triton_norms_setting_parses(
     assert norm_module.triton_norms() == served
 
 
-@pytest.mark.parametrize("setting", ["layernorm", ",", "RMSNorm,ScaleNorm"])
+@pytest.mark.parametrize("setting", ["LayerNrom", ",", "RMSNorm,ScaleNorm"])
 def test_triton_norms_setting_typo_raises(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
     monkeypatch.setenv(norm_module.TRITON_NORMS_ENV, setting)
     with pytest.raises(

@@ -1,0 +1,233 @@
+"""The real-data check: text -> tokenizer -> ``preprocess_data.py`` -> ``pretrain_gpt.py``.
+
+Every other training check uses mock data and the project's own model builder. This one runs
+upstream's own tools as a user does, from a JSONL file: ``tools/preprocess_data.py`` writes
+the ``.bin/.idx``, ``pretrain_gpt.py --data-path`` builds the dataset index (Megatron's C++
+helpers) and trains the TE spec (the native backend without TE), saves, stops half way, and a
+second run resumes. The loss must fall well below the corpus's unigram entropy (what the
+best context-free model reaches), so the model learned from the text, not only its token
+frequencies; the resumed run must continue from the saved loss, not start over.
+
+``real_data_results`` is the machinery; the GPU check launches it with torchrun and NCCL, the
+CPU tests (``tests/envtools/test_realdata_cpu.py``) with gloo.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rocm.envtools.smoke import realdata
+from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
+
+DOCUMENTS = 600  # ~39k tokens: preprocessing takes seconds, 40 iterations see ~8 % of it
+MERGES = 200  # vocabulary 457, padded by Megatron to 512
+ITERS = 40  # the first run stops at ITERS // 2 (saving), the second resumes to ITERS
+BELOW_ENTROPY = 0.85  # the final loss must be under this fraction of the unigram entropy
+MODEL = [
+    "--num-layers=2",
+    "--hidden-size=64",
+    "--ffn-hidden-size=256",
+    "--num-attention-heads=4",
+    "--seq-length=64",
+    "--max-position-embeddings=64",
+    "--micro-batch-size=8",
+    "--global-batch-size=8",
+    "--lr=3e-3",
+    "--min-lr=3e-4",
+    "--lr-decay-style=cosine",
+    "--lr-warmup-iters=4",
+    "--weight-decay=0.01",
+    "--clip-grad=1.0",
+    "--split=98,2,0",
+    "--log-interval=1",
+    "--eval-iters=1",
+    "--eval-interval=1000",
+    "--seed=1234",
+    "--transformer-impl=transformer_engine",
+]
+_LOSS = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEnNaAiIfF]+)")
+
+
+@dataclass
+class Run:
+    """One ``pretrain_gpt.py`` process: its losses by iteration and the tail of its log."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    returncode: int = 0
+    tail: str = ""
+
+
+@dataclass
+class Results:
+    tokens: int
+    expected_tokens: int
+    entropy: float  # nats, of the preprocessed tokens
+    first: Run
+    resumed: Run
+
+
+def losses(log: str) -> dict[int, float]:
+    """``lm loss`` of every logged training iteration (validation lines do not match)."""
+    return {int(m[1]): float(m[2]) for m in _LOSS.finditer(log)}
+
+
+def _tokenizer_args(tree: Path, tok: Path) -> list[str]:
+    """GPT-2 BPE from local files; ``--legacy-tokenizer`` where the tree has the new system
+    (0.16+), whose GPT2BPETokenizer goes through Hugging Face ``transformers``."""
+    args = [
+        "--tokenizer-type=GPT2BPETokenizer",
+        f"--vocab-file={tok / 'vocab.json'}",
+        f"--merge-file={tok / 'merges.txt'}",
+    ]
+    text = (tree / "megatron/training/arguments.py").read_text(encoding="utf-8", errors="replace")
+    return args + (["--legacy-tokenizer"] if "'--legacy-tokenizer'" in text else [])
+
+
+def _env(tree: Path, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    here = Path(__file__).resolve().parents[3]  # this checkout, for megatron_rocm
+    paths = [str(tree), str(here)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.update(extra or {})
+    if extra and "PYTHONPATH" in extra:  # the caller's entries first, then the tree's
+        env["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], *paths])
+    return env
+
+
+def _run(cmd: Sequence[str], tree: Path, env: dict[str, str], log: Path, timeout: int) -> Run:
+    with open(log, "w", encoding="utf-8") as out:
+        try:
+            rc = subprocess.run(
+                list(cmd), cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = log.read_text(encoding="utf-8", errors="replace")
+    return Run(losses(text), rc, "\n".join(text.splitlines()[-15:]))
+
+
+def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, int, int]:
+    """Corpus, tokenizer, ``preprocess_data.py``: (data prefix, entropy, tokens, expected)."""
+    texts = realdata.corpus(DOCUMENTS)
+    vocab, ranks = realdata.train_bpe(texts[:200], MERGES)
+    tok = realdata.save_tokenizer(vocab, ranks, work / "tokenizer")
+    jsonl = realdata.write_jsonl(texts, work / "corpus.jsonl")
+    prefix = work / "corpus"
+    cmd = [
+        sys.executable,
+        str(tree / "tools" / "preprocess_data.py"),
+        f"--input={jsonl}",
+        f"--output-prefix={prefix}",
+        *_tokenizer_args(tree, tok),
+        "--append-eod",
+        "--workers=1",
+    ]
+    res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    data = Path(f"{prefix}_text_document")
+    binary = data.with_suffix(".bin")
+    if res.returncode != 0 or not binary.is_file() or binary.stat().st_size == 0:
+        last = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise CheckFailed(
+            f"preprocess_data.py failed (exit {res.returncode}, {binary.name} "
+            f"{'empty' if binary.is_file() else 'missing'}): {' | '.join(last)}"
+        )
+    import numpy  # Megatron's IndexedDataset stores a vocabulary under 65500 as uint16
+
+    ids = numpy.fromfile(binary, dtype=numpy.uint16).tolist()
+    expected = sum(len(realdata.encode(t, ranks, vocab)) + 1 for t in texts)  # + EOD each
+    return data, realdata.unigram_entropy(ids), len(ids), expected
+
+
+def real_data_results(
+    ctx: Context,
+    launcher: Sequence[str],
+    backend: str,
+    env: dict[str, str] | None = None,
+    timeout: int = 900,
+) -> Results:
+    """Prepare the data and run ``pretrain_gpt.py`` twice: to ITERS // 2 (saving), then on
+    to ITERS from that checkpoint. ``launcher`` runs a script: torchrun, or a CPU harness."""
+    tree = ctx.needs_tree()
+    work = ctx.workdir / "real-data"
+    work.mkdir(parents=True, exist_ok=True)
+    full_env = _env(tree, env)
+    data, entropy, tokens, expected = prepare(tree, work, full_env)
+    ckpt = work / "checkpoint"
+    train = [
+        *launcher,
+        "pretrain_gpt.py",
+        *MODEL,
+        f"--data-path={data}",
+        *_tokenizer_args(tree, work / "tokenizer"),
+        f"--train-iters={ITERS}",
+        f"--save={ckpt}",
+        f"--load={ckpt}",
+        f"--save-interval={ITERS // 2}",
+        f"--distributed-backend={backend}",
+    ]
+    ctx.log(f"      real-data: {tokens} tokens, unigram entropy {entropy:.3f} nats")
+    first = _run([*train, f"--exit-interval={ITERS // 2}"], tree, full_env, work / "1.log", timeout)
+    resumed = (
+        _run(train, tree, full_env, work / "2.log", timeout) if first.returncode == 0 else Run()
+    )
+    return Results(tokens, expected, entropy, first, resumed)
+
+
+def judge(r: Results) -> str:
+    """Pass/fail of one pipeline: the data, the learning, the resume."""
+    if r.tokens != r.expected_tokens:
+        raise CheckFailed(
+            f"preprocess_data.py wrote {r.tokens} tokens, the tokenizer gives {r.expected_tokens}"
+        )
+    half = ITERS // 2
+    for name, run, want in (("first", r.first, range(1, half + 1)), ("resumed", r.resumed, None)):
+        if run.returncode != 0:
+            raise CheckFailed(f"{name} run exited {run.returncode}: {run.tail[-400:]}")
+        if want is not None and sorted(run.losses) != list(want):
+            raise CheckFailed(f"{name} run logged iterations {sorted(run.losses)[:3]}...")
+    got = sorted(r.resumed.losses)
+    if got != list(range(half + 1, ITERS + 1)):
+        raise CheckFailed(f"resumed run logged iterations {got[:3]}..., not {half + 1}..{ITERS}")
+    if not all(math.isfinite(v) for v in [*r.first.losses.values(), *r.resumed.losses.values()]):
+        raise CheckFailed("a loss is not finite")
+    start, saved, cont = r.first.losses[1], r.first.losses[half], r.resumed.losses[half + 1]
+    final = r.resumed.losses[ITERS]
+    if abs(cont - saved) > 0.1 * saved + 0.05 or cont > saved + 0.5 * (start - saved):
+        raise CheckFailed(
+            f"the resumed run starts at loss {cont:.3f}, not near the saved {saved:.3f} "
+            f"(first run began at {start:.3f}): it did not continue from the checkpoint"
+        )
+    if final >= BELOW_ENTROPY * r.entropy:
+        raise CheckFailed(
+            f"loss {start:.3f} -> {final:.3f} after {ITERS} iterations is not below "
+            f"{BELOW_ENTROPY} x the unigram entropy ({r.entropy:.3f} nats): it did not learn"
+        )
+    return (
+        f"loss {start:.2f} -> {saved:.2f} (saved) -> resumed {cont:.2f} -> {final:.2f}; "
+        f"unigram entropy {r.entropy:.2f} nats, {r.tokens} tokens"
+    )
+
+
+@register("real-data.pretrain_gpt")
+def pretrain_gpt_real_data(ctx: Context) -> str:
+    """JSONL -> local BPE -> preprocess_data.py -> pretrain_gpt.py (TE spec), save, resume."""
+    tree = ctx.needs_tree()
+    missing = [
+        p for p in ("pretrain_gpt.py", "tools/preprocess_data.py") if not (tree / p).is_file()
+    ]
+    if missing:
+        raise Skip(
+            f"{', '.join(missing)} not in this tree (a megatron-core sdist ships neither); "
+            "apply from a Megatron-LM clone"
+        )
+    ctx.needs_gpu(1, "training pretrain_gpt.py on real data")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    return judge(real_data_results(ctx, launcher, "nccl"))

@@ -1,0 +1,198 @@
+"""FP8 training in the native TE-spec linears: upstream's FP8 flags without TransformerEngine.
+
+Upstream reads ``--fp8-format`` / ``--fp8-recipe`` into ``TransformerConfig.fp8`` /
+``fp8_recipe`` and enters ``get_fp8_context`` around each layer's construction (``is_init``)
+and forward; without TE that function returns a null context and FP8 flags would train in
+bf16. The ``fp8-without-te`` patch makes it return :func:`layer_context` instead, so the
+native column, row, norm-fused and duplicated linears built inside a layer learn whether the
+layer trains in FP8 (``--first-last-layers-bf16`` keeps its first and last layers in bf16),
+and read the recipe from the config when they are built (:func:`module_recipe`). Deciding at
+construction keeps recomputed forwards (activation checkpointing) on the same path as the
+first one. Only current scaling (``--fp8-recipe tensorwise``) exists here; argument
+validation refuses the rest (``options``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rocm.runtime.kernels.fp8 import (
+    Fp8Formats,
+    check_gemm_dims,
+    formats,
+    fp8_mm,
+    pad_rows,
+    quantize,
+)
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
+
+_bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """What one native linear needs to know about the run's FP8 recipe."""
+
+    formats: Fp8Formats
+    margin: int = 0
+    wgrad_in_fp8: bool = True  # upstream's --fp8-wgrad (default on; --no-fp8-wgrad: bf16)
+
+
+def recipe_name(config: Any) -> str:
+    """``config.fp8_recipe`` as text (an ``Fp8Recipe`` enum or a string, by version)."""
+    recipe = getattr(config, "fp8_recipe", "delayed")
+    return str(getattr(recipe, "value", recipe))
+
+
+def is_first_last_bf16_layer(config: Any, layer_no: int) -> bool:
+    """Upstream's rule: with ``first_last_layers_bf16``, the first ``num_layers_at_start_in_bf16``
+    and the last ``num_layers_at_end_in_bf16`` layers (global numbers from 0) stay in bf16."""
+    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
+        return False
+    start = getattr(config, "num_layers_at_start_in_bf16", 0)
+    end = getattr(config, "num_layers_at_end_in_bf16", 0)
+    return layer_no < start or layer_no >= config.num_layers - end
+
+
+def layer_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
+    """``get_fp8_context`` without TE. Around a layer's construction under ``--fp8-format``
+    it records whether that layer trains in FP8; otherwise (the forward's contexts) it does
+    nothing: the modules decided when they were built."""
+    if not is_init or not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    return _building(is_first_last_bf16_layer(config, layer_no))
+
+
+@contextlib.contextmanager
+def _building(bf16: bool) -> Iterator[None]:
+    _bf16_layer.append(bf16)
+    try:
+        yield
+    finally:
+        _bf16_layer.pop()
+
+
+def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | None:
+    """The recipe a native linear built now with ``weight`` [out, in] trains under, or None
+    (no ``--fp8-format``, or a layer kept in bf16)."""
+    fmt = getattr(config, "fp8", None)
+    if not fmt or (_bf16_layer and _bf16_layer[-1]):
+        return None
+    name = recipe_name(config)
+    if name != "tensorwise":
+        raise ValueError(
+            f"{owner}: --fp8-recipe {name} needs TransformerEngine, which is not installed; "
+            "use --fp8-recipe tensorwise"
+        )
+    check_gemm_dims(owner, weight.shape[1], weight.shape[0])
+    return Fp8Recipe(
+        formats=formats(str(fmt)),
+        margin=int(getattr(config, "fp8_margin", 0) or 0),
+        wgrad_in_fp8=bool(getattr(config, "fp8_wgrad", True)),
+    )
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """``y = x W^T`` with every GEMM in FP8 under current per-tensor scaling.
+
+    Forward: ``x`` and ``W`` in the forward format. Backward: the output gradient in the
+    backward format, ``dx = dy W`` in FP8, ``dW = dy^T x`` in FP8 with an fp32 result (in
+    fp32 from the activations without ``wgrad_in_fp8``). The weight gradient keeps
+    ``LinearFunction``'s contract: with gradient-accumulation fusion it is added into
+    ``weight.main_grad`` and autograd gets Megatron's placeholder.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse_wgrad, recipe):  # noqa: ANN001, ANN205
+        fmt = recipe.formats.forward
+        rows = x.reshape(-1, x.shape[-1])
+        x_fp8, x_inv = quantize(rows, fmt, recipe.margin)
+        w_fp8, w_inv = quantize(weight, fmt, recipe.margin)
+        out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
+        saved_x = x_fp8 if recipe.wgrad_in_fp8 else rows
+        ctx.save_for_backward(saved_x, x_inv, w_fp8, w_inv, weight)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
+        ctx.fuse_wgrad = fuse_wgrad and (
+            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+        )
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
+        saved_x, x_inv, w_fp8, w_inv, weight = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        dy_fp8, dy_inv = quantize(dy, recipe.formats.backward, recipe.margin)
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = fp8_mm(dy_fp8, dy_inv, w_fp8, w_inv, ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if recipe.wgrad_in_fp8:
+                dy_t, x_rows = pad_rows(dy_fp8).t(), pad_rows(saved_x)
+                wgrad = fp8_mm(dy_t, dy_inv, x_rows, x_inv, torch.float32)
+            else:
+                wgrad = dy.t().float() @ saved_x.float()
+            grad_weight = _deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+        return grad_input, grad_weight, None, None
+
+
+def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Tensor) -> Any:
+    """The weight gradient for autograd (in the weight's dtype), or added into ``main_grad``
+    with Megatron's placeholder returned instead (``LinearFunction``'s contract)."""
+    if not fuse:
+        return wgrad.to(weight.dtype)
+    from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
+
+    main_grad = main_grad_for_wgrad(weight)
+    main_grad.add_(wgrad)
+    return added_to_main_grad(weight, main_grad, like)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool, recipe: Fp8Recipe) -> Any:
+    """``x W^T`` on ``Fp8LinearFunction``."""
+    return Fp8LinearFunction.apply(x, weight, fuse_wgrad, recipe)
+
+
+def plain_gemm_problem(linear: Any) -> str | None:
+    """Why upstream's forward of a column or row parallel ``linear`` is more than its GEMM
+    (FP8 here runs the GEMM alone), or None."""
+    weight = linear.weight
+    if tuple(weight.shape) != (linear.output_size, linear.input_size):
+        return "tensor parallelism"
+    if linear.sequence_parallel:
+        return "sequence parallelism"
+    if getattr(linear, "gtp_remat_size", 1) != 1:
+        return "GTP"
+    if getattr(linear.config, "cpu_offloading", False):
+        return "CPU offloading"
+    if hasattr(weight, "__fsdp_param__"):
+        return "Megatron-FSDP"
+    if (
+        linear.gradient_accumulation_fusion
+        and weight.requires_grad
+        and not hasattr(weight, "main_grad")
+    ):
+        return "gradient-accumulation fusion without Megatron's DDP (no main_grad)"
+    return None
+
+
+def parallel_forward(linear: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The FP8 forward of a native column or row parallel linear, upstream's return value."""
+    problem = plain_gemm_problem(linear)
+    if problem is not None:
+        raise ValueError(
+            f"{type(linear).__name__}: FP8 (--fp8-format) without TransformerEngine runs "
+            f"plain GEMMs only, not with {problem}; train in bf16 or drop it"
+        )
+    weight = linear.weight
+    fuse = bool(linear.gradient_accumulation_fusion) and weight.requires_grad
+    out = fp8_linear(x, weight, fuse, linear.fp8_recipe)
+    if linear.skip_bias_add:
+        return out, linear.bias
+    return (out + linear.bias if linear.bias is not None else out), None

@@ -1,0 +1,173 @@
+"""FP8 GEMMs with current (per-tensor) scaling on ``torch._scaled_mm``, without TransformerEngine.
+
+What upstream's ``--fp8-format {e4m3,hybrid} --fp8-recipe tensorwise`` asks of TE's linears:
+each GEMM operand is quantized with the amax of the tensor itself (no history), the forward's
+activations and weights in E4M3, the backward's output gradients in E5M2 (``hybrid``) or E4M3
+(``e4m3``); the product comes out in the activations' dtype. The FP8 dtypes follow the GPU:
+OCP ``float8_e4m3fn``/``float8_e5m2`` on CUDA and gfx950 (MI355), the ``fnuz`` variants on
+gfx942 (MI300), whose E4M3 tops out at 240 instead of 448.
+
+``torch._scaled_mm`` wants its second operand column-major and both of its dimensions (the
+first operand's columns too) divisible by 16; the linears check their feature sizes when they
+are built (``check_gemm_dims``), and the token dimension, which the weight gradient reduces
+over, is zero-padded here. On the CPU the GEMM dequantizes and multiplies in fp32 (what the
+GPU's FP8 tensor cores compute up to their accumulation order); ``scaled_mm`` is the GPU path
+and the tests run it on the CPU where torch's own kernel takes the OCP dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rocm.runtime.kernels._runtime import reference_forced
+
+_ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
+
+
+@dataclass(frozen=True)
+class Fp8Formats:
+    """The FP8 dtypes of one run: forward operands and output gradients."""
+
+    forward: torch.dtype
+    backward: torch.dtype
+
+
+def gpu_arch() -> str | None:
+    """The ROCm GPU's gfx name (``gfx942``), or None off ROCm or without a GPU."""
+    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+
+
+def uses_fnuz(arch: str | None = None) -> bool:
+    """Whether this GPU's FP8 is the ``fnuz`` variant: ROCm on gfx942 (MI300); gfx950 and
+    CUDA use the OCP formats."""
+    if not getattr(torch.version, "hip", None):
+        return False
+    return (arch if arch is not None else gpu_arch()) == "gfx942"
+
+
+def formats(fp8_format: str, arch: str | None = None) -> Fp8Formats:
+    """The dtypes for upstream's ``--fp8-format`` (``e4m3`` or ``hybrid``) on this GPU."""
+    if fp8_format not in ("e4m3", "hybrid"):
+        raise ValueError(f"--fp8-format {fp8_format!r}: expected e4m3 or hybrid")
+    fnuz = uses_fnuz(arch)
+    e4m3 = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+    e5m2 = torch.float8_e5m2fnuz if fnuz else torch.float8_e5m2
+    return Fp8Formats(forward=e4m3, backward=e5m2 if fp8_format == "hybrid" else e4m3)
+
+
+def unsupported_gpu_reason() -> str | None:
+    """Why this machine's GPU has no FP8 GEMM, or None (also None without a GPU: nothing to
+    judge at argument validation on a CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    if getattr(torch.version, "hip", None):
+        arch = gpu_arch()
+        return None if arch in ("gfx942", "gfx950") else f"{arch} has no FP8 GEMMs"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor} has no FP8 GEMMs (8.9 or later)"
+    return None
+
+
+def _quantize(
+    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # one read of x; the largest |x| is one of x's values: exact in x's dtype
+    amax = torch.linalg.vector_norm(x, float("inf")).float()
+    scale = torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
+    x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return x_fp8, scale.reciprocal()
+
+
+@functools.cache
+def _compiled_quantize() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``_quantize`` through Inductor: the amax, then one fused read-scale-clamp-cast pass
+    (eager torch makes five passes over fp32 copies). ``dynamic``: one graph for every shape."""
+    return torch.compile(_quantize, dynamic=True, fullgraph=True)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> tuple[torch.Tensor, Any]:
+    """``(x_fp8, inverse_scale)``: ``x * scale`` cast with saturation, where ``scale =
+    fp8_max / amax(x) / 2**margin`` (1 where ``x`` is all zeros); ``x_fp8 * inverse_scale``
+    is ``x`` again up to FP8 rounding. Both scales stay fp32 tensors on the device (no host
+    sync). On a GPU compiled (``_compiled_quantize``) unless ``MEGATRON_ROCM_KERNELS`` names
+    ``fp8`` for the reference path."""
+    fp8_max = float(torch.finfo(dtype).max)
+    if x.numel() == 0:  # no amax to take
+        return x.to(dtype), torch.ones((), device=x.device)
+    if x.is_cuda and not reference_forced("fp8"):
+        return _compiled_quantize()(x, dtype, fp8_max, margin)
+    return _quantize(x, dtype, fp8_max, margin)
+
+
+def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a quantized tensor."""
+    return x_fp8.float() * inverse_scale
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """``(a * a_inv) @ (b * b_inv)`` for 2-D FP8 ``a`` [M, K] and ``b`` [K, N] on
+    ``torch._scaled_mm``: ``a`` made row-major and ``b`` column-major where they are not.
+    ``fast_accum``: Hopper's faster, less exact FP8 accumulation (TE and torchao use it for
+    the forward's GEMM only; other GPUs ignore it)."""
+    if not a.is_contiguous():
+        a = a.contiguous()
+    if not b.t().is_contiguous():
+        b = b.t().contiguous().t()
+    return torch._scaled_mm(
+        a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
+def _emulated_mm(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    return (dequantize(a, a_inv) @ dequantize(b, b_inv)).to(out_dtype)
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: Any,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The FP8 GEMM of this device: ``scaled_mm`` on a GPU, the fp32 emulation on the CPU."""
+    mm = scaled_mm if a.device.type == "cuda" else _emulated_mm
+    return mm(a, a_inv, b, b_inv, out_dtype, fast_accum)
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] with zero rows up to a multiple of 16 (the weight gradient's inner
+    dimension): zeros add nothing to the product."""
+    extra = -x.shape[0] % _ALIGN
+    return x if extra == 0 else torch.nn.functional.pad(x, (0, 0, 0, extra))
+
+
+def check_gemm_dims(owner: str, in_features: int, out_features: int) -> None:
+    """One line when a linear's GEMM cannot run on ``torch._scaled_mm``."""
+    if in_features % _ALIGN or out_features % _ALIGN:
+        raise ValueError(
+            f"{owner}: FP8 (--fp8-format) needs the GEMM's sizes divisible by {_ALIGN}, got "
+            f"in={in_features}, out={out_features} (per tensor-parallel rank); train in bf16"
+        )

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""bf16 against FP8 (current scaling, ``torch._scaled_mm``) for the linears' GEMMs, one GPU.
+
+    python scripts/bench_fp8_linear.py [--shapes 8b|0.85b|MxNxK,...] [--format hybrid] [--json F]
+    python scripts/bench_fp8_linear.py --smoke   # tiny CPU run, checks it works
+
+A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K input features.
+``8b`` is Llama-3 8B's four linears at 8192 tokens (one sequence of the example's 8k: QKV
+4096 -> 6144, output 4096 -> 4096, fc1 4096 -> 2 x 14336, fc2 14336 -> 4096); ``0.85b`` the
+0.85B Llama of ``train_small.py`` at micro-batch 16 x 2048. For each shape:
+
+* ``gemm``: one GEMM alone, ``torch.mm`` in bf16 against ``torch._scaled_mm`` on operands
+  already in FP8 (the ceiling the FP8 path can reach);
+* ``quantize``: the input's quantization, eager torch against Inductor's (what a GPU runs);
+* ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
+  native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
+  with the weight gradient accumulated into an fp32 ``main_grad``.
+
+TFLOP/s count 2MNK per GEMM. Each time is the median of ``triton.testing.do_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_timing  # noqa: E402
+
+from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8  # noqa: E402
+
+SHAPES = {
+    "8b": [(8192, 6144, 4096), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336)],
+    "0.85b": [(32768, 2560, 1536), (32768, 1536, 1536), (32768, 11008, 1536), (32768, 1536, 5504)],
+}
+SMOKE = [(48, 32, 64)]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes: list[tuple[int, int, int]] = []
+    for item in text.split(","):
+        if item in SHAPES:
+            shapes += SHAPES[item]
+            continue
+        try:
+            m, n, k = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            print(
+                f"bench_fp8_linear: bad shape {item!r}: expected MxNxK, 8b or 0.85b",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+        shapes.append((m, n, k))
+    return shapes
+
+
+def _linear_step(x, w, dy, fp8_recipe):  # noqa: ANN001, ANN202
+    from megatron_rocm.runtime.backend._linear_function import LinearFunction
+
+    def step() -> None:
+        x.grad = None
+        if fp8_recipe is None:
+            out = LinearFunction.apply(x, w, True)
+        else:
+            out = backend_fp8.fp8_linear(x, w, True, fp8_recipe)
+        out.backward(dy)
+
+    return step
+
+
+def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
+    m, n, k = shape
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    formats = fp8.formats(fmt)
+    x8, x_inv = fp8.quantize(x, formats.forward)
+    w8, w_inv = fp8.quantize(w, formats.forward)
+    flop = 2.0 * m * n * k
+
+    def tflops(ms: float, gemms: int = 1) -> float:
+        return gemms * flop / ms / 1e9
+
+    ms = {
+        "gemm_bf16": bench_timing.median_ms(lambda: torch.mm(x, w.t()), device),
+        "gemm_fp8": bench_timing.median_ms(
+            lambda: fp8.fp8_mm(x8, x_inv, w8.t(), w_inv, dtype, fast_accum=True), device
+        ),
+    }
+    top = float(torch.finfo(formats.forward).max)
+    ms["quantize_eager"] = bench_timing.median_ms(
+        lambda: fp8._quantize(x, formats.forward, top, 0), device
+    )
+    if device == "cuda":  # Inductor on the CPU takes minutes to compile: GPU runs only
+        compiled = fp8._compiled_quantize()
+        ms["quantize_compiled"] = bench_timing.median_ms(
+            lambda: compiled(x, formats.forward, top, 0), device
+        )
+    xg = x.clone().requires_grad_()
+    wp = torch.nn.Parameter(w.clone())
+    wp.main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
+    recipe = backend_fp8.Fp8Recipe(formats=formats)
+    ms["linear_bf16"] = bench_timing.median_ms(_linear_step(xg, wp, dy, None), device)
+    ms["linear_fp8"] = bench_timing.median_ms(_linear_step(xg, wp, dy, recipe), device)
+    out = backend_fp8.fp8_linear(x, w, False, recipe)
+    rel = (out.float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm()
+    return {
+        "shape": f"{m}x{n}x{k}",
+        "ms": {key: round(v, 4) for key, v in ms.items()},
+        "tflops": {
+            "gemm_bf16": round(tflops(ms["gemm_bf16"]), 1),
+            "gemm_fp8": round(tflops(ms["gemm_fp8"]), 1),
+            "linear_bf16": round(tflops(ms["linear_bf16"], 3), 1),
+            "linear_fp8": round(tflops(ms["linear_fp8"], 3), 1),
+        },
+        "speedup": {
+            "gemm": round(ms["gemm_bf16"] / ms["gemm_fp8"], 3),
+            "linear": round(ms["linear_bf16"] / ms["linear_fp8"], 3),
+        },
+        "fp8_forward_rel_error": round(rel.item(), 5),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="8b,0.85b", help="8b, 0.85b or MxNxK, comma-separated")
+    p.add_argument("--format", choices=("hybrid", "e4m3"), default="hybrid")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the script works")
+    opts = p.parse_args(argv)
+    shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes)
+    device = "cpu" if opts.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench_fp8_linear: no GPU (use --smoke on a CPU)", file=sys.stderr)
+        return 3
+    if device == "cuda":
+        from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
+
+        reason = unsupported_gpu_reason()
+        if reason is not None:
+            print(f"bench_fp8_linear: this GPU: {reason}", file=sys.stderr)
+            return 3
+    rows = [bench_shape(s, opts.format, device) for s in shapes]
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{gpu}, --fp8-format {opts.format}, TFLOP/s (linear: fwd + dgrad + wgrad)")
+    print(f"{'MxNxK':>18} {'gemm bf16':>10} {'gemm fp8':>9} {'x':>6} "
+          f"{'lin bf16':>9} {'lin fp8':>8} {'x':>6} {'fwd err':>8}")  # fmt: skip
+    for r in rows:
+        t, s = r["tflops"], r["speedup"]
+        print(f"{r['shape']:>18} {t['gemm_bf16']:>10} {t['gemm_fp8']:>9} {s['gemm']:>6} "
+              f"{t['linear_bf16']:>9} {t['linear_fp8']:>8} {s['linear']:>6} "
+              f"{r['fp8_forward_rel_error']:>8}")  # fmt: skip
+    result = {"device": gpu, "format": opts.format, "rows": rows}
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

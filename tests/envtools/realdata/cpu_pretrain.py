@@ -1,0 +1,39 @@
+"""Test-only: run a tree's ``pretrain_gpt.py`` (argv[1]) on a CPU-only torch, one gloo rank.
+
+``cpu_shim`` maps Megatron's CUDA allocations to the CPU; on top of it Megatron's start-up
+asks ``torch.cuda.is_available()`` (asserts it), sets the device and reads memory statistics,
+which are answered here as a one-device CUDA box would; ``torch.compile`` (Megatron's JIT
+fuser, warmed up on "cuda" tensors) runs the functions eagerly. The training code is upstream's own.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "upstream"))
+import cpu_shim  # noqa: E402
+
+cpu_shim.install()
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.set_device = lambda *a, **k: None
+torch.cuda.memory_allocated = lambda *a, **k: 0
+torch.cuda.max_memory_allocated = lambda *a, **k: 0
+torch.cuda.memory_reserved = lambda *a, **k: 0
+torch.cuda.max_memory_reserved = lambda *a, **k: 0
+torch.cuda.empty_cache = lambda: None
+
+
+def _no_compile(func=None, **kwargs):  # noqa: ANN001, ANN202 - torch.compile's two call forms
+    """Megatron's jit_fuser is torch.compile; its warm-up compiles for "cuda" tensors."""
+    return func if func is not None else (lambda f: f)
+
+
+torch.compile = _no_compile
+
+script = Path(sys.argv[1]).resolve()
+sys.argv = [str(script), *sys.argv[2:]]
+sys.path.insert(0, str(script.parent))
+runpy.run_path(str(script), run_name="__main__")

@@ -1,0 +1,98 @@
+"""Which native linears train in FP8: the recipe from the config, the layers kept in bf16."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megatron_rocm.runtime.backend import fp8  # noqa: E402
+
+pytestmark = pytest.mark.torch
+WEIGHT = torch.empty(64, 32)
+
+
+def config(**kw):  # noqa: ANN003, ANN201
+    base = dict(fp8="hybrid", fp8_recipe="tensorwise", num_layers=4, fp8_margin=0,
+                fp8_wgrad=True, first_last_layers_bf16=False)  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_recipe_from_the_config() -> None:
+    recipe = fp8.module_recipe("X", config(fp8="e4m3", fp8_margin=1, fp8_wgrad=False), WEIGHT)
+    assert recipe.formats.backward == torch.float8_e4m3fn
+    assert recipe.margin == 1 and recipe.wgrad_in_fp8 is False
+    assert fp8.module_recipe("X", config(fp8=None), WEIGHT) is None
+
+
+def test_an_enum_recipe_is_read_by_value() -> None:
+    tensorwise = SimpleNamespace(value="tensorwise")
+    assert fp8.module_recipe("X", config(fp8_recipe=tensorwise), WEIGHT) is not None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "blockwise"])
+def test_other_recipes_are_refused_when_the_module_is_built(recipe) -> None:
+    with pytest.raises(ValueError, match=f"{recipe} needs TransformerEngine") as info:
+        fp8.module_recipe("TELinear", config(fp8_recipe=recipe), WEIGHT)
+    assert "\n" not in str(info.value)
+
+
+def test_gemm_sizes_are_checked_when_the_module_is_built() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        fp8.module_recipe("X", config(), torch.empty(64, 24))
+
+
+@pytest.mark.parametrize(("layer", "bf16"), [(0, True), (1, False), (2, True), (3, True)])
+def test_first_last_layers_are_built_bf16(layer, bf16) -> None:
+    cfg = config(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                 num_layers_at_end_in_bf16=2)  # fmt: skip
+    with fp8.layer_context(cfg, layer, is_init=True):
+        assert (fp8.module_recipe("X", cfg, WEIGHT) is None) is bf16
+    assert fp8.module_recipe("X", cfg, WEIGHT) is not None  # outside a layer: the config's
+
+
+def test_forward_contexts_and_bf16_runs_change_nothing() -> None:
+    cfg = config(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                 num_layers_at_end_in_bf16=0)  # fmt: skip
+    with fp8.layer_context(cfg, 0, is_init=False):  # the forward's: modules decided already
+        assert fp8.module_recipe("X", cfg, WEIGHT) is not None
+    with fp8.layer_context(config(fp8=None), 0, is_init=True):
+        assert fp8.module_recipe("X", cfg, WEIGHT) is not None
+
+
+def _linear(**kw):  # noqa: ANN003, ANN201 - what parallel_forward reads of a Megatron linear
+    weight = torch.nn.Parameter(torch.randn(32, 16))
+    base = dict(weight=weight, output_size=32, input_size=16, sequence_parallel=False,
+                gtp_remat_size=1, config=SimpleNamespace(cpu_offloading=False),
+                gradient_accumulation_fusion=False, skip_bias_add=False, bias=None,
+                fp8_recipe=fp8.module_recipe("X", config(), weight))  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_parallel_forward_runs_the_fp8_gemm_and_the_bias() -> None:
+    bias = torch.nn.Parameter(torch.randn(32))
+    x = torch.randn(4, 16)
+    linear = _linear(bias=bias)
+    out, out_bias = fp8.parallel_forward(linear, x)
+    want = fp8.fp8_linear(x, linear.weight, False, linear.fp8_recipe) + bias
+    assert out_bias is None and torch.equal(out, want)
+    out, out_bias = fp8.parallel_forward(_linear(bias=bias, skip_bias_add=True), x)
+    assert out_bias is bias
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"output_size": 64}, "tensor parallelism"),
+        ({"sequence_parallel": True}, "sequence parallelism"),
+        ({"gtp_remat_size": 2}, "GTP"),
+        ({"config": SimpleNamespace(cpu_offloading=True)}, "CPU offloading"),
+        ({"gradient_accumulation_fusion": True}, "no main_grad"),
+    ],
+)
+def test_parallel_forward_refuses_more_than_a_gemm(change, named) -> None:
+    with pytest.raises(ValueError, match=named) as info:
+        fp8.parallel_forward(_linear(**change), torch.randn(4, 16))
+    assert "\n" not in str(info.value)

@@ -1,0 +1,112 @@
+"""Upstream's TE-spec transformer block under ``--fp8-format`` without TE (CPU).
+
+    python fp8_probe.py --tree PATCHED_TREE --out RESULT.json
+
+One gloo rank. Builds upstream's ``TransformerBlock`` from the TE layer spec (the native
+backend's linears) twice from one seed: with ``fp8="hybrid", fp8_recipe="tensorwise"`` and
+``first_last_layers_bf16`` (one layer kept in bf16 at each end), and in bf16. Records which
+linears got an FP8 recipe, how many GEMMs ran through the FP8 function, and the two blocks'
+outputs and gradients for the test to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+SEQ, BATCH, HIDDEN, HEADS, LAYERS = 16, 2, 64, 4, 4
+
+
+def build(fp8: bool):  # noqa: ANN201 - (block, config)
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = (
+        dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
+             num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+        if fp8 else {}
+    )  # fmt: skip
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
+        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **extra,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    block = TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec())
+    return block
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, args.tree)
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+
+    store = Path(args.out).with_name("gloo.store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+
+    parallel_state.initialize_model_parallel()
+    calls = {"n": 0}
+    forward = backend_fp8.Fp8LinearFunction.forward
+
+    def counted(ctx, *a):  # noqa: ANN001, ANN002, ANN202
+        calls["n"] += 1
+        return forward(ctx, *a)
+
+    backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    # a fixed random direction: |out|^2 is constant under the final RMSNorm (a zero gradient)
+    direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
+    result: dict = {}
+    for name in ("fp8", "bf16"):
+        block = build(name == "fp8")
+        recipes = {
+            mod_name: getattr(mod, "fp8_recipe", "absent") is not None
+            for mod_name, mod in block.named_modules()
+            if mod_name.count(".") == 3 and "linear" in mod_name.rsplit(".", 1)[-1]
+        }
+        before = calls["n"]
+        x = hidden.to(torch.bfloat16).requires_grad_()
+        out = block(x, mask)
+        out = out[0] if isinstance(out, tuple) else out
+        (out.float() * direction).sum().backward()
+        result[name] = {
+            "recipes": recipes,
+            "fp8_gemms": calls["n"] - before,
+            "out": out.detach().float().tolist(),
+            "dx": x.grad.float().tolist(),
+            "fc1_grad": block.layers[1].mlp.linear_fc1.weight.grad.float().tolist(),
+        }
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    try:
+        result = run(args)
+    except Exception as exc:  # the test reports it with the trace
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    sys.exit(main())

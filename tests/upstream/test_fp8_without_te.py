@@ -1,0 +1,66 @@
+"""The ``fp8-without-te`` patch on real megatron-core sdists, on CPU.
+
+The series is applied to the 0.12.3 sdist (the ``v0.12.diff`` variant) and the 0.19.2 one
+(``v0.14.diff``), and ``fp8_probe.py`` builds upstream's TE-spec ``TransformerBlock`` (four
+layers, the first and the last kept in bf16 by ``first_last_layers_bf16``) with
+``fp8="hybrid", fp8_recipe="tensorwise"``, and again in bf16 from the same seed. Without the
+patch upstream's ``get_fp8_context`` is a null context and FP8 flags train in bf16; with it the
+two middle layers' linears run their GEMMs in FP8, the outer ones and the bf16 block none, and
+the FP8 block's output and gradients stay within FP8's error of the bf16 block's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cache_paths import DOWNLOAD_CACHE
+
+from megatron_rocm.main import main
+
+pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
+torch = pytest.importorskip("torch")
+PROBE = Path(__file__).with_name("fp8_probe.py")
+REPO = Path(__file__).resolve().parents[2]
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2")  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["0.12.3", "0.19.2"])
+def probed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    dest = tmp_path_factory.mktemp("fp8") / request.param
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
+        argv = ["apply", "--source", "pypi", "--ref", request.param, "--dest", str(dest)]
+        assert main(argv) == 0
+    out = dest.parent / "probe.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
+    cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
+    subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=900)
+    result = json.loads(out.read_text())
+    assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
+    return result
+
+
+def test_middle_layers_run_fp8_and_the_outer_ones_bf16(probed) -> None:  # noqa: ANN001
+    want = {f"layers.{layer}.{linear}": layer in (1, 2) for layer in range(4) for linear in LINEARS}
+    assert probed["fp8"]["recipes"] == want
+    assert probed["fp8"]["fp8_gemms"] == 2 * len(LINEARS)  # each FP8 linear's forward once
+    assert not any(probed["bf16"]["recipes"].values()) and probed["bf16"]["fp8_gemms"] == 0
+
+
+def _rel(a: list, b: list) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm()).item()
+
+
+# E4M3 rounds within 2^-4 of a value, E5M2 (hybrid's gradients) within 2^-3: the weight
+# gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error.
+@pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
+def test_fp8_block_stays_within_fp8_error_of_bf16(probed, what: str, bound: float) -> None:  # noqa: ANN001
+    rel = _rel(probed["fp8"][what], probed["bf16"][what])
+    assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error
