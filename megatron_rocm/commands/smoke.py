@@ -15,6 +15,7 @@ from megatron_rocm.patchtool.refnames import check_text
 from megatron_rocm.runtime.platform import import_torch
 
 NEEDS_TREE = ("imports", "training", "parallel", "collectives.tensor_parallel")
+OPT_IN = ("throughput",)  # groups only --full (or --only) runs
 
 
 def _tree_for(checks: list, tree_dir: str) -> Path | None:
@@ -58,7 +59,13 @@ def smoke(
     junit_file: str | None = None,
     only: list[str] | None = None,
     steps: int = 30,
+    full: bool = False,
+    report_dir: str | None = None,
 ) -> int:
+    """``full``: every check, the throughput probe too (else it runs only when ``only`` names
+    it); ``report_dir``: write the first-run report (report.json, report.md) there."""
+    if full and only:
+        raise UsageError("--full runs every check; give --full or --only, not both")
     if steps < 4:
         raise UsageError(
             f"--steps must be at least 4 (got {steps}): loss is compared between "
@@ -72,6 +79,10 @@ def smoke(
     for option, path in (("--json", json_file), ("--junit", junit_file)):
         if path is not None:  # before the run: an unwritable report must not cost the run
             writable(path, option)
+    if report_dir is not None:
+        check_text(report_dir, "--report")
+        if Path(report_dir).exists() and not Path(report_dir).is_dir():
+            raise UsageError(f"--report {report_dir}: not a folder")
     check_text(tree_dir, "DIR")  # "" would quietly mean the current folder
     if not Path(tree_dir).is_dir():  # bad input is said before what this machine lacks
         megatron_tree(tree_dir)  # raises: not a Megatron-LM tree
@@ -83,6 +94,8 @@ def smoke(
     from megatron_rocm.envtools.smoke import catalog, report, runner
 
     checks = runner.select(catalog.load_checks(), only)
+    if not full and not only:
+        checks = [c for c in checks if c.group not in OPT_IN]
     ctx = runner.make_context(_tree_for(checks, tree_dir), steps)
     device = report.device_description()
     print(
@@ -94,6 +107,12 @@ def smoke(
     result.checks = runner.run_checks(ctx, checks)
     try:
         report.write(result, json_file, junit_file)
+        if report_dir is not None:
+            from megatron_rocm.envtools.smoke import first_run
+
+            figures = ctx.cache.get("figures", {})
+            first_run.write(report_dir, result, first_run.environment(), figures)
+            print(f"smoke: report in {Path(report_dir) / 'report.md'} and report.json")
     except OSError as e:
         raise SourceError(f"cannot write the smoke report: {e.strerror}: {e.filename}") from None
     counts = {
@@ -119,6 +138,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run only these (repeatable)",
     )
     p.add_argument("--steps", type=int, default=30, help="training steps per model (default 30)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every check, with the throughput probe (the first-run report's suite)",
+    )
+    p.add_argument(
+        "--report",
+        dest="report_dir",
+        default=None,
+        metavar="DIR",
+        help="write report.json and report.md (versions, GPUs, every check) into DIR",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,4 +159,6 @@ def run(args: argparse.Namespace) -> int:
         junit_file=args.junit_file,
         only=args.only,
         steps=args.steps,
+        full=args.full,
+        report_dir=args.report_dir,
     )

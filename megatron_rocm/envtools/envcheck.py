@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rocm.envtools import rocm_support
 from megatron_rocm.runtime import settings
 
 # Variables the seed guides (AMD's Megatron docs and the adaptation guides) set or ask about,
@@ -64,7 +65,7 @@ SUPPORTED_ARCHS = frozenset(
     }
 )
 
-ROCM_TORCH_HINT = "pip install torch --index-url https://download.pytorch.org/whl/rocm6.4"
+ROCM_TORCH_HINT = rocm_support.ROCM_TORCH_HINT
 
 
 @dataclass
@@ -246,6 +247,8 @@ def _torch_problems(snap: Snapshot) -> list[Problem]:
                 f"install the ROCm build of PyTorch: {ROCM_TORCH_HINT}",
             )
         )
+    for line in rocm_support.problems(snap.torch, snap.hip, snap.triton):
+        out.append(Problem("older-than-supported", line, "see docs/rocm.md"))
     if not snap.gpus:
         fix = (
             (

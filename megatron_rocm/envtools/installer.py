@@ -27,6 +27,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
+from megatron_rocm.envtools import rocm_support
 from megatron_rocm.errors import FatalError, Interrupted, SourceError, UsageError
 from megatron_rocm.patchtool import interrupts, refnames
 
@@ -39,7 +40,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml in a 
 # Installed packages that must keep their exact version: replacing any of them swaps the
 # user's ROCm PyTorch for a CUDA wheel (or breaks its Triton).
 PINNED = ("torch", "torchvision", "torchaudio", "triton", "pytorch-triton-rocm", "pytorch-triton")
-ROCM_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/rocm6.4"
+ROCM_TORCH = rocm_support.ROCM_TORCH_HINT
 NVIDIA_ONLY = re.compile(r"^(apex|transformer-engine.*|nvidia-.*|nv-.*|cupy-cuda.*|flashinfer.*)$")
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
@@ -284,7 +285,7 @@ def plan(
     if "torch" not in have:
         raise SourceError(
             f"torch is not installed; install the ROCm build of PyTorch first: "
-            f"{ROCM_TORCH} (pick the rocm6.x that matches your driver)"
+            f"{ROCM_TORCH} (torch {rocm_support.VALIDATED_TORCH[0]}+; docs/rocm.md)"
         )
     check_python(tree)
     pins = {n: have[n] for n in PINNED if n in have}

@@ -105,10 +105,19 @@ CASES = {
         dict(tree_dir="T", editable=False, dry_run=True, as_json=True),
     ),
     "smoke": (
-        ["smoke", "T", "--json", "J", "--junit", "U", "--only", "kernels", "--steps", "8"],
+        ["smoke", "T", "--json", "J", "--junit", "U", "--only", "kernels", "--steps", "8"]
+        + ["--full", "--report", "R"],
         "smoke",
         "smoke",
-        dict(tree_dir="T", json_file="J", junit_file="U", only=["kernels"], steps=8),
+        dict(
+            tree_dir="T",
+            json_file="J",
+            junit_file="U",
+            only=["kernels"],
+            steps=8,
+            full=True,
+            report_dir="R",
+        ),
     ),
     "doctor": (["doctor", "--json"], "doctor", "doctor", dict(as_json=True)),
 }

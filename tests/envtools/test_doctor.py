@@ -31,7 +31,7 @@ def fake_torch(hip: str | None = "6.4.43482", cuda: str | None = None, archs=("g
         nccl=SimpleNamespace(version=lambda: (2, 21, 5)),
     )
     return SimpleNamespace(
-        __version__="2.7.1+rocm6.4" if hip else "2.7.1+cu126",
+        __version__="2.13.0+rocm7.2" if hip else "2.13.0+cu130",
         version=SimpleNamespace(hip=hip, cuda=cuda),
         cuda=cuda_ns,
     )
@@ -46,7 +46,7 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def triton_present(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envcheck, "_triton_version", lambda: "3.3.0")
+    monkeypatch.setattr(envcheck, "_triton_version", lambda: "3.6.0")
 
 
 def codes(torch, env: dict[str, str], root: Path) -> list[str]:

@@ -77,7 +77,7 @@ def test_constraints_file_content(tmp_path: Path) -> None:
 
 
 def test_torch_missing_says_how_to_install_rocm_torch(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match=r"--index-url https://download.pytorch.org/whl/rocm6"):
+    with pytest.raises(SourceError, match=r"--index-url https://download.pytorch.org/whl/rocm7"):
         installer.plan(make_tree(tmp_path / "t", []), True, tmp_path, have={"numpy": "2"})
 
 

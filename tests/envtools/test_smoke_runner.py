@@ -95,7 +95,8 @@ def test_a_tree_swallowed_by_only_is_named_as_such(tmp_path, monkeypatch) -> Non
 def test_registry_has_the_whole_suite() -> None:
     pytest.importorskip("torch")  # the check modules import torch
     names = list(catalog.load_checks())
-    assert names[0].startswith("imports.") and names[-1].startswith("parallel.")
+    assert names[0].startswith("imports.") and names[-1].startswith("throughput.")
+    assert names[-2].startswith("parallel.")  # the opt-in throughput probe comes last
     assert {
         "kernels.softmax.causal",
         "kernels.softmax.masked",
@@ -107,6 +108,7 @@ def test_registry_has_the_whole_suite() -> None:
         "collectives.tensor_parallel",
         "parallel.ep2_moe.te",
         "parallel.megatron_fsdp.local",
+        "throughput.mlp",
     } <= set(names)
 
 

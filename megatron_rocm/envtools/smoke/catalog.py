@@ -18,6 +18,7 @@ def load_checks() -> dict[str, Check]:
         checks_parallel,
         checks_realdata,
         checks_resume,
+        checks_throughput,
         checks_training,
     )
 
@@ -29,6 +30,7 @@ def load_checks() -> dict[str, Check]:
         "real-data",
         "collectives",
         "parallel",
+        "throughput",
     )
 
     def rank(name: str) -> int:  # the longest prefix decides: resume after the other trainings

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rocm.runtime import settings
-from megatron_rocm.runtime.kernels.launch import log_fallback_once
+from megatron_rocm.runtime.kernels.launch import is_hip, log_fallback_once
 from megatron_rocm.runtime.kernels.local_sdpa import grouped_kv_for_sdpa
 
 BACKENDS_ENV = "MEGATRON_ROCM_SDPA_BACKENDS"
@@ -61,9 +61,27 @@ def _backend_priority(spec: str) -> tuple[object, ...]:
     return tuple(chosen)
 
 
+def check_platform(spec: str, source: str = BACKENDS_ENV) -> None:
+    """ROCm builds of torch have no cuDNN: a list of nothing but ``cudnn`` there raises in one
+    line (torch would end in "No available kernel"); ``cudnn`` beside others is skipped, logged.
+    """
+    names = {s.strip().lower() for s in spec.split(",") if s.strip()}
+    if "cudnn" not in names or not is_hip():
+        return
+    if names == {"cudnn"}:
+        raise ValueError(
+            f"{source}={spec!r}: ROCm builds of torch have no cuDNN attention; "
+            "use flash, efficient or math"
+        )
+    log_fallback_once("sdpa-cudnn-rocm", f"{source}={spec!r}: no cuDNN on ROCm, skipping it")
+
+
 def requested_backends() -> str:
-    """``MEGATRON_ROCM_SDPA_BACKENDS`` ("" if unset), checked: each name must be a kernel."""
-    return ",".join(settings.get(BACKENDS_ENV))  # type: ignore[call-overload]
+    """``MEGATRON_ROCM_SDPA_BACKENDS`` ("" if unset), checked: each name must be a kernel, and
+    one this platform has."""
+    spec = ",".join(settings.get(BACKENDS_ENV))  # type: ignore[call-overload]
+    check_platform(spec)
+    return spec
 
 
 @contextlib.contextmanager
@@ -71,6 +89,7 @@ def sdpa_backends(spec: str) -> Iterator[None]:
     """torch SDPA limited to ``spec``'s kernels (``"cudnn,efficient"``), tried in that order."""
     from torch.nn.attention import sdpa_kernel
 
+    check_platform(spec)
     with sdpa_kernel(list(_backend_priority(spec)), set_priority=True):
         yield
 

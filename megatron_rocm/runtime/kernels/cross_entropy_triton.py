@@ -17,9 +17,13 @@ kept.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
+
+from megatron_rocm.runtime.kernels import aot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -142,3 +146,33 @@ def row_grad(
             num_warps=8,
         )
     return grad
+
+
+def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
+    """Both launches for every vocabulary shard (``vocab / tp`` columns) and dtype."""
+    out = []
+    rows = max(shapes.seq_lens) * max(shapes.batch)
+    f32 = torch.float32
+    for vocab, tp, dt in itertools.product(shapes.vocabs, shapes.tp_sizes, shapes.dtypes):
+        consts = dict(BLOCK=_block(vocab // tp))
+        stats = dict(row_max=f32, row_sumexp=f32, target_logit=f32)
+        out.append(
+            aot.launch(
+                _row_stats,
+                consts,
+                ptrs=dict(logits=dt, target="i64", **stats),
+                num_warps=8,
+                grid=(rows,),
+            )
+        )
+        grads = dict(row_max=f32, row_logsum=f32, grad_out=f32, grad_in=dt)
+        out.append(
+            aot.launch(
+                _row_grad,
+                consts,
+                ptrs=dict(logits=dt, target="i64", **grads),
+                num_warps=8,
+                grid=(rows,),
+            )
+        )
+    return out

@@ -37,6 +37,7 @@ from megatron_rocm.runtime.kernels.launch import (
     is_hip,
     log_fallback_once,
     reference_forced,
+    rocm_arch,
     triton_available,
 )
 
@@ -60,6 +61,9 @@ def last_run() -> RunInfo | None:
     return _last
 
 
+GROUPED_MM_ROCM_ARCHS = ("gfx942", "gfx950")
+
+
 def _torch_problem(x: torch.Tensor, features: tuple[int, int], automatic: bool) -> str | None:
     """Why ``torch._grouped_mm`` cannot (explicit) or should not (automatic) run; None if fine."""
     if not hasattr(torch, "_grouped_mm"):
@@ -67,6 +71,11 @@ def _torch_problem(x: torch.Tensor, features: tuple[int, int], automatic: bool) 
     if any(f % (16 // x.element_size()) for f in features):
         return f"in/out features {features} are not multiples of 16 bytes"
     if not automatic:
+        if is_hip() and x.is_cuda and rocm_arch(x.device) not in GROUPED_MM_ROCM_ARCHS:
+            return (
+                f"ROCm builds of torch have a grouped kernel only on gfx942/gfx950 (CK); on "
+                f"{rocm_arch(x.device) or 'this GPU'} it is a per-expert loop with a device sync"
+            )
         return None
     if is_hip():
         return "ROCm builds have a grouped kernel only with CK on gfx942/gfx950 (request torch)"

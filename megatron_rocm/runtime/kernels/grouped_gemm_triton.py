@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.launch import interpreting, is_hip
 
 
@@ -53,19 +54,23 @@ class Tiles:
 
 
 @functools.cache
-def _tiles(kind: str, dtype: torch.dtype) -> Tiles:
-    """Fixed launch table (no autotuning: the wgrad kernel accumulates into live buffers).
-
-    128x128 output tiles with 64-deep K steps is the usual sweet spot of Triton GEMMs on
-    Hopper and MI300; fp32 halves the K step to stay within shared memory. AMD gets two
-    pipeline stages (its LDS is smaller). The interpreter only needs the smallest legal dot.
-    """
+def _tiles(kind: str, dtype: torch.dtype, accumulate: bool = False) -> Tiles:
+    """Fixed launch table (no autotuning: the wgrad kernel accumulates into live buffers)."""
     if interpreting():
         return Tiles(16, 16, 16, 1, 1)
+    return _choose_tiles(kind, dtype, is_hip(), accumulate)
+
+
+def _choose_tiles(kind: str, dtype: torch.dtype, hip: bool, accumulate: bool = False) -> Tiles:
+    """128x128 output tiles with 64-deep K steps is the usual sweet spot of Triton GEMMs on
+    Hopper and MI300; fp32 halves the K step to stay within shared memory. AMD gets two
+    pipeline stages (its LDS is smaller), and a 128x64 weight-gradient tile when it adds into
+    the existing gradient: reading C back converts the 128x128 fp32 accumulator's layout
+    through LDS, exactly 64 KiB, the whole of gfx942's (AMD compile gate)."""
     bk = 32 if dtype == torch.float32 else 64
-    stages = 2 if is_hip() else 3
+    stages = 2 if hip else 3
     if kind == "wgrad":
-        return Tiles(bk, 128, 128, 8, stages)  # bm is the reduction step here
+        return Tiles(bk, 128, 64 if hip and accumulate else 128, 8, stages)  # bm: the K step
     return Tiles(128, 128, bk, 8, stages)
 
 
@@ -262,7 +267,7 @@ def gmm_wgrad(
 ) -> None:
     """``C_g (+)= dy[rows of g]^T @ x[rows of g]`` for every group; empty groups give zeros."""
     n, k = dy.shape[1], x.shape[1]
-    t = _tiles("wgrad", dy.dtype)
+    t = _tiles("wgrad", dy.dtype, accumulate)
     grid = groups * triton.cdiv(n, t.bn) * triton.cdiv(k, t.bk)
     if grid == 0:
         return
@@ -290,3 +295,46 @@ def gmm_wgrad(
         num_warps=t.warps,
         num_stages=t.stages,
     )
+
+
+def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
+    """Forward/dgrad and wgrad launches (into a fresh gradient, or added into an fp32 or
+    same-dtype ``main_grad``) for every dtype; the tiles do not depend on the model's sizes."""
+    out = []
+    for dt in shapes.dtypes:
+        t = _choose_tiles("gmm", dt, is_hip())
+        align = 16 // torch.empty((), dtype=dt).element_size()
+        for b_align in (1, align):
+            out.append(
+                aot.launch(
+                    _gmm_kernel,
+                    dict(
+                        BM=t.bm, BN=t.bn, BK=t.bk, PRECISION="ieee", UPCAST=False, B_ALIGN=b_align
+                    ),
+                    ptrs=dict(a_ptr=dt, b_ptr=dt, b_off_ptr="i64", c_ptr=dt, offs_ptr="i32"),
+                    num_warps=t.warps,
+                    num_stages=t.stages,
+                    grid=(max(shapes.experts) * 64,),
+                )
+            )
+        for c_dt, acc in ((dt, False), (torch.float32, True), (dt, True)):
+            t = _choose_tiles("wgrad", dt, is_hip(), acc)
+            out.append(
+                aot.launch(
+                    _wgrad_kernel,
+                    dict(
+                        ACCUMULATE=acc,
+                        BM=t.bm,
+                        BN=t.bn,
+                        BK=t.bk,
+                        PRECISION="ieee",
+                        UPCAST=False,
+                        C_ALIGN=align,
+                    ),
+                    ptrs=dict(dy_ptr=dt, x_ptr=dt, c_ptr=c_dt, c_off_ptr="i64", offs_ptr="i32"),
+                    num_warps=t.warps,
+                    num_stages=t.stages,
+                    grid=(max(shapes.experts) * 64,),
+                )
+            )
+    return out

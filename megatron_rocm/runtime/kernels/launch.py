@@ -71,6 +71,17 @@ def is_hip() -> bool:
     return bool(getattr(torch.version, "hip", None))
 
 
+def rocm_arch(device: torch.device) -> str:
+    """The GPU's ``gfx`` name without feature suffixes (``gfx942:sramecc+:xnack-`` -> gfx942);
+    "" where torch does not say."""
+    name = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
+    return name.split(":")[0]
+
+
+# GPUs AOTriton (ROCm torch's flash and memory-efficient SDPA kernels) ships code for.
+AOTRITON_ARCHS = frozenset({"gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1201"})
+
+
 _logged: set[str] = set()
 
 

@@ -192,8 +192,8 @@ def _triton_unsupported(
         return f"input dtype {x.dtype}"
     if gamma.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return f"params in {gamma.dtype} with input in {x.dtype}"
-    if x.shape[-1] > kernel.MAX_COLUMNS:
-        return f"rows of {x.shape[-1]} > {kernel.MAX_COLUMNS} columns"
+    if x.shape[-1] > kernel.max_columns():
+        return f"rows of {x.shape[-1]} > {kernel.max_columns()} columns"
     return None
 
 

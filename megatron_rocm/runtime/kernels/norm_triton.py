@@ -20,21 +20,32 @@ Math (``xhat = (x - mean) * rstd``, ``g = w * dy``; RMSNorm has ``mean = 0``)::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels.launch import sm_count
+from megatron_rocm.runtime.kernels import aot
+from megatron_rocm.runtime.kernels.launch import is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One row per block: a wider row would spill registers (hidden sizes of real models are far
 # below this); wider rows take torch's kernels.
 MAX_COLUMNS = 32768
+# AMD: at most 16 waves of 64 lanes (1024 threads) hold a row, so the backward's pipelined
+# loop spills to scratch from 16384 columns on gfx942/gfx90a (AMD compile gate, CPU-built).
+HIP_MAX_COLUMNS = 8192
 # Backward programs per SM: enough rows in flight to hide memory latency, few enough that the
 # fp32 partial sums stay small (programs x columns x 4 bytes).
 PROGRAMS_PER_SM = 4
 # Software-pipelining depth of the backward's row loop (``tl.range(num_stages=...)``).
 BACKWARD_STAGES = 3
+
+
+def max_columns() -> int:
+    """The widest row the Triton kernels take on this platform; wider rows take torch's."""
+    return HIP_MAX_COLUMNS if is_hip() else MAX_COLUMNS
 
 
 def _block(columns: int) -> int:
@@ -214,3 +225,40 @@ def norm_backward(
     dw = dw_part.sum(0).to(weight.dtype)
     db = db_part.sum(0).to(weight.dtype) if has_bias else None
     return dx, dw, db
+
+
+def aot_configs(shapes: aot.Shapes, sms: int = 304) -> list[aot.Launch]:
+    """The forward and backward launches for every hidden size the kernels take here."""
+    out = []
+    for columns in shapes.hiddens:
+        if columns > max_columns():
+            continue
+        block = _block(columns)
+        model = columns in shapes.model_hiddens
+        for dt, rms in itertools.product(shapes.dtypes, (True, False)):
+            flags = dict(IS_RMS=rms, HAS_BIAS=not rms, BLOCK=block)
+            rows = max(shapes.seq_lens) * max(shapes.batch)
+            f32 = torch.float32
+            out.append(
+                aot.launch(
+                    _forward,
+                    flags,
+                    ptrs=dict(x=dt, w=dt, b=dt, y=dt, mean_out=f32, rstd_out=f32),
+                    floats=("eps",),
+                    num_warps=_warps(block),
+                    grid=(rows,),
+                    model_shape=model,
+                )
+            )
+            ptrs = dict(dy=dt, x=dt, w=dt, mean_in=f32, rstd_in=f32, dx=dt, dw_part=f32)
+            out.append(
+                aot.launch(
+                    _backward,
+                    dict(flags, STAGES=BACKWARD_STAGES),
+                    ptrs=dict(ptrs, db_part=f32),
+                    num_warps=_warps(block),
+                    grid=(PROGRAMS_PER_SM * sms,),
+                    model_shape=model,
+                )
+            )
+    return out

@@ -25,12 +25,14 @@ contraction is off, so fp32 inputs match torch's separate multiply and add as we
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice  # dispatches to CUDA's libdevice or ROCm's ocml
 
+from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.launch import interpreting, is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -197,7 +199,10 @@ def plan(
     width = 2 * triton.next_power_of_2(max(rot_dim // 2, 1))
     if head_dim > rot_dim:
         width += triton.next_power_of_2(head_dim - rot_dim)
-    block_q = max(1, min(triton.next_power_of_2(rb * heads), t.tile // width))
+    # tl.arange needs a power of two: the largest one that keeps a step within the tile (a
+    # partial rotary dim makes ``width`` a sum of two powers of two, e.g. 128 + 32)
+    fit = max(1, t.tile // width)
+    block_q = min(triton.next_power_of_2(rb * heads), 1 << (fit.bit_length() - 1))
     warp_size = 64 if is_hip() else 32
     warps = (block_q * width) // (warp_size * t.elems_per_thread)
     warps = max(1, min(t.max_warps, 1 << max(warps, 1).bit_length() - 1))
@@ -226,7 +231,6 @@ def rotate(
     sf1 = angles.stride(1) if angles.shape[1] > 1 else 0
     shared = sf1 == 0 and pos is None
     p = plan(r1, r2, heads, head_dim, rot, shared, sm_count(x.device))
-    half, n_pass = rot // 2, head_dim - rot
     grid = (r1, triton.cdiv(r2, p.rows_per_program))
     _rope_kernel[grid](
         x,
@@ -241,6 +245,20 @@ def rotate(
         x.stride(2),
         angles.stride(0),
         sf1,
+        **dict(
+            constexprs(head_dim, rot, p, interleaved, inverse, pos is not None),
+            PRECISE=not interpreting(),
+        ),
+        num_warps=p.num_warps,
+        enable_fp_fusion=False,  # torch rounds a*b and then the sum: no FMA contraction
+    )
+    return y
+
+
+def constexprs(head_dim: int, rot: int, p: Plan, interleaved: bool, inverse: bool, pos: bool):
+    """The kernel's constexprs for a ``rot``-of-``head_dim`` rotation planned as ``p``."""
+    half, n_pass = rot // 2, head_dim - rot
+    return dict(
         HALF=half,
         HALF_P=triton.next_power_of_2(half),
         PASS=n_pass,
@@ -248,9 +266,41 @@ def rotate(
         BLOCK_Q=p.block_q,
         INTERLEAVED=interleaved,
         INVERSE=inverse,
-        HAS_POS=pos is not None,
-        PRECISE=not interpreting(),
-        num_warps=p.num_warps,
-        enable_fp_fusion=False,  # torch rounds a*b and then the sum: no FMA contraction
+        HAS_POS=pos,
+        PRECISE=True,
     )
-    return y
+
+
+def aot_configs(shapes: aot.Shapes, sms: int = 304) -> list[aot.Launch]:
+    """The launches :func:`rotate` makes for ``shapes`` (sbhd with Megatron's shared angle
+    table, and thd with positions; forward and backward, halves and interleaved)."""
+    out = []
+    for head_dim in shapes.head_dims:
+        rots = {max(2, int(head_dim * f) // 2 * 2) for f in shapes.rotary_fractions}
+        for rot, heads, seq, b, dt in itertools.product(
+            sorted(rots), shapes.heads, shapes.seq_lens, shapes.batch, shapes.dtypes
+        ):
+            for thd in (False, True):
+                r1, r2 = (seq * b, 1) if thd else (seq, b)
+                p = plan(r1, r2, heads, head_dim, rot, not thd, sms)
+                grid = (r1, triton.cdiv(r2, p.rows_per_program))
+                model = seq in shapes.model_seq_lens
+                for inter, inv in itertools.product((False, True), (False, True)):
+                    out.append(
+                        aot.launch(
+                            _rope_kernel,
+                            constexprs(head_dim, rot, p, inter, inv, thd),
+                            ptrs=dict(
+                                x_ptr=dt,
+                                f_ptr=torch.float32,
+                                pos_ptr="i64",
+                                y_ptr=dt,
+                            ),
+                            num_warps=p.num_warps,
+                            grid=grid,
+                            model_shape=model,
+                            neutral=("INVERSE", "HAS_POS"),  # a sign; a scalar load
+                            enable_fp_fusion=False,
+                        )
+                    )
+    return out

@@ -22,11 +22,13 @@ stored as zeros without being read, in both directions.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.launch import is_hip, sm_count
 
 PLAIN, CAUSAL, MASKED = 0, 1, 2
@@ -346,3 +348,49 @@ def backward(
     else:
         _bwd_rows[(p.grid,)](*args, MODE=mode, BLOCK=p.block, ROWS=p.rows, num_warps=p.num_warps)
     return dx
+
+
+def aot_configs(shapes: aot.Shapes, sms: int = 304) -> list[aot.Launch]:
+    """The forward (plain, causal, padding mask) and backward launches :func:`plan` picks for
+    attention scores ``[b, heads, sq, sk]`` of every sequence length (sq = sk)."""
+    out = []
+    for seq, heads, b, dt in itertools.product(
+        shapes.seq_lens, shapes.heads, shapes.batch, shapes.dtypes
+    ):
+        n_rows = b * heads * seq
+        model = seq in shapes.model_seq_lens
+        for mode in (PLAIN, CAUSAL, MASKED):
+            p = plan(n_rows, seq, mode, sms)
+            meta = dict(MODE=mode, BLOCK=p.block, HEAD_FASTEST=p.head_fastest)
+            if not p.looped:
+                meta["ROWS"] = p.rows
+            mask = "u8" if mode == MASKED else dt
+            out.append(
+                aot.launch(
+                    _fwd_loop if p.looped else _fwd_rows,
+                    meta,
+                    ptrs=dict(x_ptr=dt, y_ptr=dt, m_ptr=mask),
+                    floats=("scale",),
+                    num_warps=p.num_warps,
+                    grid=(p.grid,),
+                    model_shape=model,
+                )
+            )
+            if mode == MASKED:
+                continue
+            p = plan(n_rows, seq, mode, sms, backward=True)
+            meta = dict(MODE=mode, BLOCK=p.block)
+            if not p.looped:
+                meta["ROWS"] = p.rows
+            out.append(
+                aot.launch(
+                    _bwd_loop if p.looped else _bwd_rows,
+                    meta,
+                    ptrs=dict(dy_ptr=dt, y_ptr=dt, dx_ptr=dt),
+                    floats=("scale",),
+                    num_warps=p.num_warps,
+                    grid=(p.grid,),
+                    model_shape=model,
+                )
+            )
+    return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_rocm.runtime.kernels import aot
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -96,3 +98,20 @@ def swiglu_backward(g2d: torch.Tensor, y2d: torch.Tensor) -> torch.Tensor:
     if g2d.numel():
         _launch(_backward, g2d.numel(), g2d, y2d, dy, g2d.numel(), columns)
     return dy
+
+
+def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
+    """Both launches for every FFN width and dtype, int32 and int64 offsets."""
+    out = []
+    for ffn, dt in ((f, d) for f in shapes.ffn_hiddens for d in shapes.dtypes):
+        n = max(shapes.seq_lens) * max(shapes.batch) * ffn
+        for wide in sorted({needs_int64(n), False}):
+            consts = dict(BLOCK=BLOCK, WIDE=wide)
+            grid = (triton.cdiv(n, BLOCK),)
+            out.append(
+                aot.launch(_forward, consts, ptrs=dict(y=dt, out=dt), num_warps=4, grid=grid)
+            )
+            out.append(
+                aot.launch(_backward, consts, ptrs=dict(g=dt, y=dt, dy=dt), num_warps=4, grid=grid)
+            )
+    return out

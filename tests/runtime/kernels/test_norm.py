@@ -421,6 +421,15 @@ def test_triton_refuses_what_it_cannot_compute(
     assert norm_module._triton_unsupported(x, torch.empty(columns, dtype=w_dtype), None) == reason
 
 
+def test_rocm_rows_past_8192_columns_take_torch(simulate_rocm: None) -> None:
+    """On 64-wide waves the backward spills to scratch from 16384 columns (AMD compile gate)."""
+    pytest.importorskip("triton")
+    w = torch.empty(16384, dtype=torch.bfloat16)
+    x = torch.empty(2, 16384, dtype=torch.bfloat16)
+    assert norm_module._triton_unsupported(x, w, None) == "rows of 16384 > 8192 columns"
+    assert norm_module._triton_unsupported(x[:, :8192], w[:8192], None) is None
+
+
 def test_unsupported_mix_falls_back_to_torch_with_the_reason_logged(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

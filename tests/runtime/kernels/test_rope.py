@@ -326,6 +326,49 @@ def test_triton_sbhd(
     assert torch.equal(dt[..., rot_dim:].cpu(), grad[..., rot_dim:])
 
 
+PARTIAL_ROTARY = [  # (head_dim, rot_dim): one step is 128 + 32 or 64 + 64 + ... channels wide
+    pytest.param(128, 96, id="d128-r96"),
+    pytest.param(128, 32, id="d128-r32"),
+    pytest.param(192, 64, id="d192-r64"),
+]
+
+
+@triton_test
+@pytest.mark.parametrize(("head_dim", "rot_dim"), PARTIAL_ROTARY)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_partial_rotary_of_wide_heads(head_dim: int, rot_dim: int, interleaved: bool):
+    """Enough heads that the planner's head block is capped by the tile, whose width is not a
+    power of two for these rotary dims: the block must still be one (tl.arange)."""
+    shape = (3, 2, 16, head_dim)
+    g = torch.Generator().manual_seed(0)
+    t, grad = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    freqs = _random_freqs(shape[0], rot_dim)
+    t_dev, grad_dev, f_dev = _on(t, grad, freqs)
+    out, dt = _grads(
+        lambda x: fused_apply_rotary_pos_emb(x, f_dev, interleaved=interleaved), t_dev, grad_dev
+    )
+    assert _last_path == "triton"
+    ref, dref = _grads(lambda x: rope_reference(x, freqs, interleaved), t, grad)
+    _assert_rope_close(out, ref, t, rot_dim, interleaved, _k(torch.bfloat16, True))
+    _assert_rope_close(dt, dref, grad, rot_dim, interleaved, _k(torch.bfloat16, True))
+    assert torch.equal(out[..., rot_dim:].cpu(), t[..., rot_dim:])
+
+
+@triton_test
+@pytest.mark.parametrize(("head_dim", "rot_dim"), PARTIAL_ROTARY)
+def test_triton_thd_partial_rotary_of_wide_heads(head_dim: int, rot_dim: int) -> None:
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    t, grad = (torch.randn((5, 16, head_dim), generator=g).to(torch.bfloat16) for _ in range(2))
+    freqs = _random_freqs(3, rot_dim)
+    t_dev, grad_dev, f_dev, cu_dev = _on(t, grad, freqs, cu)
+    out, dt = _grads(lambda x: fused_apply_rotary_pos_emb_thd(x, cu_dev, f_dev), t_dev, grad_dev)
+    assert _last_path == "triton"
+    ref, dref = _grads(lambda x: rope_thd_reference(x, cu, freqs), t, grad)
+    _assert_rope_close(out, ref, t, rot_dim, False, _k(torch.bfloat16, True))
+    _assert_rope_close(dt, dref, grad, rot_dim, False, _k(torch.bfloat16, True))
+
+
 @pytest.mark.full  # the largest views of the file: tens of seconds under the interpreter
 @triton_test
 @pytest.mark.parametrize("interleaved", [False, True])

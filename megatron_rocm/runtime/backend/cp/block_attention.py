@@ -39,13 +39,19 @@ linear, so the merged output is exactly dropout applied to the global softmax.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rocm.runtime import settings
-from megatron_rocm.runtime.kernels.launch import is_hip, log_fallback_once
+from megatron_rocm.runtime.kernels.launch import (
+    AOTRITON_ARCHS,
+    is_hip,
+    log_fallback_once,
+    rocm_arch,
+)
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -111,8 +117,11 @@ class BlockKernel:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropout_p: float
     ) -> tuple[Tensor, Tensor, Any]:
+        """``(out, lse, state)`` with ``lse`` natural (base e), whatever base the kernel uses."""
         k, v = self._heads(q, k, v)
-        return self._fwd(q, k, v, causal, scale, dropout_p)
+        out, lse, state = self._fwd(q, k, v, causal, scale, dropout_p)
+        to_e = lse_to_natural(self, q)
+        return out, (lse if to_e == 1.0 else lse * to_e), state
 
     def backward(
         self,
@@ -130,12 +139,58 @@ class BlockKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of this block given the global ``out`` and ``lse`` of its query rows."""
         ke, ve = self._heads(q, k, v)
+        to_e = lse_to_natural(self, q)  # the kernel's backward takes its own base back
+        lse = lse if to_e == 1.0 else lse / to_e
         dq, dk, dv = self._bwd(dout, q, ke, ve, out, lse, state, causal, scale, dropout_p)
         if ke is not k:  # expanded heads: sum each group's gradient back onto its kv head
             groups = k.shape[1]
             dk = dk.unflatten(1, (groups, -1)).sum(2)
             dv = dv.unflatten(1, (groups, -1)).sum(2)
         return dq, dk, dv
+
+
+_LN2 = math.log(2.0)
+_lse_factors: dict[tuple, float] = {}
+
+
+def lse_to_natural(kernel: BlockKernel, q: Tensor) -> float:
+    """What to multiply ``kernel``'s lse by to get a natural log-sum-exp: 1, or ln 2 for a
+    kernel that returns base 2 (AOTriton <= 0.10, i.e. ROCm builds of torch <= 2.8:
+    pytorch#156012, ROCm/aotriton#108). Found once per kernel, device, dtype and head dim by
+    a probe on tiny inputs against ``logsumexp`` of explicit scores; merging blocks of any
+    other scale would be silently wrong, so that raises, in one line."""
+    if kernel.name == "math":  # ours: natural by construction
+        return 1.0
+    key = (kernel.name, str(q.device), q.dtype, q.shape[-1])
+    if key not in _lse_factors:
+        _lse_factors[key] = _probe_lse_base(kernel, q.device, q.dtype, q.shape[-1])
+    return _lse_factors[key]
+
+
+def _probe_lse_base(kernel: BlockKernel, device: torch.device, dtype: torch.dtype, dim: int):  # noqa: ANN202
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 1, 16, dim, generator=g).to(device, dtype) for _ in range(3))
+    scale = 1.0 / math.sqrt(dim)
+    with torch.no_grad():
+        _, lse, _ = kernel._fwd(q, k, v, False, scale, 0.0)
+        want = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * scale, dim=-1)
+    got = lse.double().reshape(want.shape)
+    tol = 2e-2 * (1.0 + want.abs())
+    if bool(((got - want).abs() <= tol).all()):
+        return 1.0
+    if bool(((got * _LN2 - want).abs() <= tol).all()):
+        log_fallback_once(
+            f"cp-lse-base2:{kernel.name}",
+            f"context-parallel {kernel.name} blocks return their log-sum-exp in base 2 "
+            "(AOTriton <= 0.10); converted to base e before merging",
+        )
+        return _LN2
+    err = float((got - want).abs().max())
+    raise RuntimeError(
+        f"context-parallel {kernel.name} blocks: the kernel's log-sum-exp is neither base e nor "
+        f"base 2 (max error {err:.3g} on a probe); blocks cannot be merged, set "
+        "MEGATRON_ROCM_CP_KERNEL=math or upgrade torch"
+    )
 
 
 def _pad_lse(lse: Tensor, length: int) -> Tensor:
@@ -161,7 +216,7 @@ class FlashKernel(BlockKernel):
             return "this torch build has no flash attention"
         if not is_hip() and torch.cuda.get_device_capability(q.device) < (8, 0):
             return "flash attention needs sm80 or newer"
-        return None
+        return _aotriton_problem(q.device)
 
     def native_gqa(self, q: Tensor, k: Tensor) -> bool:
         # ROCm's flash kernels of several torch releases reject grouped heads.
@@ -183,6 +238,16 @@ class FlashKernel(BlockKernel):
         )  # fmt: skip
 
 
+def _aotriton_problem(device: torch.device) -> str | None:
+    """ROCm's flash and efficient SDPA are AOTriton's, compiled for a few GPUs only."""
+    if not is_hip():
+        return None
+    arch = rocm_arch(device)
+    if arch in AOTRITON_ARCHS:
+        return None
+    return f"has no AOTriton kernels for {arch or 'this GPU'} (ROCm builds ship {', '.join(sorted(AOTRITON_ARCHS))})"
+
+
 class EfficientKernel(BlockKernel):
     name = "efficient"
 
@@ -197,7 +262,7 @@ class EfficientKernel(BlockKernel):
             return (
                 "memory-efficient SDPA is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
             )
-        return None
+        return _aotriton_problem(q.device)
 
     def _fwd(self, q, k, v, causal, scale, p):  # noqa: ANN001, ANN202
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
