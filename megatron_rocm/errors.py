@@ -1,6 +1,6 @@
 """The one error family the CLI turns into a single line and a documented exit code.
 
-Exit codes (README "Commands", ``megatron-rocm --help``), each with one meaning:
+Exit codes (docs/cli.md, ``megatron-rocm --help``), each with one meaning:
 
 - 0 ok
 - 1 patches do not apply / checks failed

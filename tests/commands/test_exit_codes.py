@@ -15,7 +15,7 @@ from toyrepo import apply_argv
 from megatron_rocm.errors import EXIT_BUSY, EXIT_ENVIRONMENT, EXIT_INTERNAL, EXIT_USAGE
 from megatron_rocm.main import EXIT_CODES, main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def one_line(capsys) -> str:
@@ -40,7 +40,7 @@ def closed_stdout(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_documented_codes_agree_everywhere():
-    """README, ``--help`` and errors.py state the same codes (lock contention: 5)."""
+    """docs/cli.md, ``--help`` and errors.py state the same codes (lock contention: 5)."""
     import megatron_rocm.errors as errors
 
     table = {
@@ -51,7 +51,7 @@ def test_documented_codes_agree_everywhere():
         EXIT_INTERNAL: "4 internal error",
         EXIT_BUSY: "5 busy",
     }
-    readme = " ".join(README.read_text(encoding="utf-8").split())  # markdown may rewrap
+    readme = " ".join(CLI_DOC.read_text(encoding="utf-8").split())  # markdown may rewrap
     for code, phrase in table.items():
         assert phrase.startswith(f"{code} ") and phrase in readme, phrase
         assert phrase in EXIT_CODES, phrase

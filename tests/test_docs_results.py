@@ -1,0 +1,54 @@
+"""docs/performance.md's tables are the rendering of benchmarks/results/ (no hand-edited figure)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _renderer():
+    spec = importlib.util.spec_from_file_location(
+        "render_results", REPO / "scripts" / "render_results.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_performance_md_is_the_rendering_of_the_result_files() -> None:
+    render = _renderer()
+    text = render.DOC.read_text(encoding="utf-8")
+    records = render.load()
+    assert len(records) >= 20  # every area has figures; an empty folder would render nothing
+    assert render.render(text, records) == text, "run: python3 scripts/render_results.py"
+
+
+def test_every_record_shows_up_with_its_gpu_command_and_date() -> None:
+    render = _renderer()
+    text = render.DOC.read_text(encoding="utf-8")
+    for record in render.load():
+        row = next(line for line in text.splitlines() if line.startswith(f"| {record['name']} |"))
+        assert record["gpu"] in row and record["date"] in row and "`" in row
+
+
+def test_a_record_without_its_date_is_refused(tmp_path: Path) -> None:
+    render = _renderer()
+    record = {f: "x" for f in render.FIELDS} | {"area": "kernels", "date": ""}
+    (tmp_path / "a.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match="missing date"):
+        render.load(tmp_path)
+
+
+def test_check_mode_fails_on_a_stale_doc(tmp_path: Path, monkeypatch) -> None:
+    render = _renderer()
+    stale = tmp_path / "performance.md"
+    stale.write_text(f"x\n{render.BEGIN}\n| old | 1 |\n{render.END}\n")
+    monkeypatch.setattr(render, "DOC", stale)
+    monkeypatch.setattr(render, "REPO", tmp_path)
+    assert render.main(["--check"]) == 1
+    assert render.main([]) == 0 and render.main(["--check"]) == 0
