@@ -390,7 +390,7 @@ def _mask_types() -> type[enum.Enum]:
 @register("kernels.local_sdpa")
 def attention(ctx: Context) -> str:
     """sdpa_attention (MHA and GQA, causal and no mask) vs softmax(QK^T)V, forward and backward."""
-    k, tally, amt = _kernel("attention"), _Tally(), _mask_types()
+    k, tally, amt = _kernel("local_sdpa"), _Tally(), _mask_types()
     if not k.sdpa_enabled():
         raise Skip("SDPA attention is turned off (MEGATRON_ROCM_LOCAL_SDPA=0)")
     for dtype in _dtypes(ctx):
