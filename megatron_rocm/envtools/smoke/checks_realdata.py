@@ -9,7 +9,9 @@ best context-free model reaches), so the model learned from the text, not only i
 frequencies; the resumed run must continue from the saved loss, not start over.
 
 ``real_data_results`` is the machinery; the GPU check launches it with torchrun and NCCL, the
-CPU tests (``tests/envtools/test_realdata_cpu.py``) with gloo.
+CPU tests (``tests/envtools/test_realdata_cpu.py``, on trees from a Megatron-LM mirror) with
+gloo. ``tests/envtools/test_realdata_sdist.py`` (what CI runs: an sdist has neither script)
+shares the corpus, the tokenizer, ``HPARAMS`` and ``judge``.
 """
 
 from __future__ import annotations
