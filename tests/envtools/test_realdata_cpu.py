@@ -1,5 +1,11 @@
-"""The real-data path on the CPU: upstream's ``preprocess_data.py`` and ``pretrain_gpt.py`` of a
-patched full Megatron-LM tree (applied from a mirror; sdists have neither), one gloo rank.
+"""The real-data path on the CPU, extra (mirror) variant: upstream's ``preprocess_data.py`` and
+``pretrain_gpt.py`` of a patched full Megatron-LM tree applied from a git mirror
+(``MEGATRON_ROCM_TEST_MIRROR``; sdists have neither), one gloo rank.
+
+The tier CI runs everywhere is ``test_realdata_sdist.py`` (a PyPI sdist, megatron.core's own
+dataset and training code); the tests here that need the mirror skip without one and add what
+only a full tree has: upstream's two scripts, the Makefile behind ``compile_helpers``, the
+``tools/checkpoint`` saver, Megatron-Bridge on a full tree.
 
 ``real_data_results`` is what the ``real-data.pretrain_gpt`` smoke check runs on a GPU; here
 ``realdata/cpu_pretrain.py`` launches it with ``cpu_shim``. Also: the two patches this path
@@ -45,7 +51,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 needs_mirror = pytest.mark.skipif(
-    not (MIRROR / "HEAD").exists(), reason="needs a Megatron-LM mirror (MEGATRON_ROCM_TEST_MIRROR)"
+    not (MIRROR / "HEAD").exists(),
+    reason="extra (mirror) variant: needs a Megatron-LM git mirror (MEGATRON_ROCM_TEST_MIRROR); "
+    "test_realdata_sdist.py is the real-data tier without one",
 )
 # Full trees whose requires-python admits 3.11: the oldest and newest by default (0.14.0 and
 # 0.15.3 pass too); MEGATRON_ROCM_TEST_REALDATA_REFS=ref,ref,... picks others
@@ -102,7 +110,7 @@ def cpu_env(tmp: Path) -> dict[str, str]:
 
 @needs_mirror
 @pytest.mark.parametrize("ref", REFS)
-def test_jsonl_to_trained_resumed_checkpoint(trees, tmp_path, ref: str) -> None:
+def test_mirror_pretrain_gpt_jsonl_to_trained_resumed_checkpoint(trees, tmp_path, ref: str) -> None:
     """preprocess, build the index (helpers compiled for this interpreter although python3
     on PATH is another), train the TE spec 20 iterations, save, resume to 40: the loss ends
     well below the unigram entropy and the resumed run continues from the saved loss."""
@@ -167,7 +175,9 @@ COMPILE = "from megatron.core.datasets.utils import compile_helpers; compile_hel
 
 
 @needs_mirror
-def test_compile_helpers_builds_for_this_interpreter_and_needs_the_patch(trees, tmp_path) -> None:
+def test_mirror_compile_helpers_builds_for_this_interpreter_and_needs_the_patch(
+    trees, tmp_path
+) -> None:
     pytest.importorskip("pybind11")
     env = dict(os.environ, PATH=cpu_env(tmp_path)["PATH"])
     tree = trees(NEWEST)
@@ -197,7 +207,7 @@ print("checked")
 
 
 @needs_mirror
-def test_checkpoint_saver_starts_without_te_and_needs_the_patch(trees, tmp_path) -> None:
+def test_mirror_checkpoint_saver_starts_without_te_and_needs_the_patch(trees, tmp_path) -> None:
     pytest.importorskip("packaging")
     tree = trees(NEWEST)
     ok = subprocess.run([sys.executable, "-c", SAVER], cwd=tree, capture_output=True, text=True)
@@ -231,7 +241,7 @@ def bridge_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.upstream
 @needs_mirror
-def test_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel, tmp_path) -> None:
+def test_mirror_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel, tmp_path) -> None:
     """HF Llama (config-made) -> Megatron (the TE spec on the native backend) -> HF: logits
     equal HF's and every exported tensor equals the original, TE never imported."""
     needs_training_imports()

@@ -9,7 +9,9 @@ best context-free model reaches), so the model learned from the text, not only i
 frequencies; the resumed run must continue from the saved loss, not start over.
 
 ``real_data_results`` is the machinery; the GPU check launches it with torchrun and NCCL, the
-CPU tests (``tests/envtools/test_realdata_cpu.py``) with gloo.
+CPU tests (``tests/envtools/test_realdata_cpu.py``, on trees from a Megatron-LM mirror) with
+gloo. ``tests/envtools/test_realdata_sdist.py`` (what CI runs: an sdist has neither script)
+shares the corpus, the tokenizer, ``HPARAMS`` and ``judge``.
 """
 
 from __future__ import annotations
@@ -30,26 +32,30 @@ DOCUMENTS = 600  # ~39k tokens: preprocessing takes seconds, 40 iterations see ~
 MERGES = 200  # vocabulary 457, padded by Megatron to 512
 ITERS = 40  # the first run stops at ITERS // 2 (saving), the second resumes to ITERS
 BELOW_ENTROPY = 0.85  # the final loss must be under this fraction of the unigram entropy
-MODEL = [
-    "--num-layers=2",
-    "--hidden-size=64",
-    "--ffn-hidden-size=256",
-    "--num-attention-heads=4",
-    "--seq-length=64",
-    "--max-position-embeddings=64",
-    "--micro-batch-size=8",
-    "--global-batch-size=8",
-    "--lr=3e-3",
-    "--min-lr=3e-4",
-    "--lr-decay-style=cosine",
-    "--lr-warmup-iters=4",
-    "--weight-decay=0.01",
-    "--clip-grad=1.0",
+# The model and schedule, shared by pretrain_gpt.py's flags here and the CPU test that trains
+# megatron.core directly on a PyPI sdist (tests/envtools/realdata/sdist_pretrain.py)
+HPARAMS: dict[str, int | float | str] = {
+    "num-layers": 2,
+    "hidden-size": 64,
+    "ffn-hidden-size": 256,
+    "num-attention-heads": 4,
+    "seq-length": 64,
+    "max-position-embeddings": 64,
+    "micro-batch-size": 8,
+    "global-batch-size": 8,
+    "lr": 3e-3,
+    "min-lr": 3e-4,
+    "lr-decay-style": "cosine",
+    "lr-warmup-iters": 4,
+    "weight-decay": 0.01,
+    "clip-grad": 1.0,
+    "seed": 1234,
+}
+MODEL = [f"--{k}={v}" for k, v in HPARAMS.items()] + [
     "--split=98,2,0",
     "--log-interval=1",
     "--eval-iters=1",
     "--eval-interval=1000",
-    "--seed=1234",
     "--transformer-impl=transformer_engine",
 ]
 _LOSS = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEnNaAiIfF]+)")
@@ -114,11 +120,23 @@ def _run(cmd: Sequence[str], tree: Path, env: dict[str, str], log: Path, timeout
     return Run(losses(text), rc, "\n".join(text.splitlines()[-15:]))
 
 
-def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, int, int]:
-    """Corpus, tokenizer, ``preprocess_data.py``: (data prefix, entropy, tokens, expected)."""
+def corpus_and_tokenizer(work: Path) -> tuple[list[str], dict[str, int], list[tuple[str, str]]]:
+    """The corpus and the BPE trained on its first documents, saved in ``work/tokenizer``."""
     texts = realdata.corpus(DOCUMENTS)
     vocab, ranks = realdata.train_bpe(texts[:200], MERGES)
-    tok = realdata.save_tokenizer(vocab, ranks, work / "tokenizer")
+    realdata.save_tokenizer(vocab, ranks, work / "tokenizer")
+    return texts, vocab, ranks
+
+
+def expected_tokens(texts: list[str], vocab: dict[str, int], ranks: list[tuple[str, str]]) -> int:
+    """What preprocessing must write: every document's BPE tokens and one EOD after each."""
+    return sum(len(realdata.encode(t, ranks, vocab)) + 1 for t in texts)
+
+
+def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, int, int]:
+    """Corpus, tokenizer, ``preprocess_data.py``: (data prefix, entropy, tokens, expected)."""
+    texts, vocab, ranks = corpus_and_tokenizer(work)
+    tok = work / "tokenizer"
     jsonl = realdata.write_jsonl(texts, work / "corpus.jsonl")
     prefix = work / "corpus"
     cmd = [
@@ -142,8 +160,7 @@ def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, i
     import numpy  # Megatron's IndexedDataset stores a vocabulary under 65500 as uint16
 
     ids = numpy.fromfile(binary, dtype=numpy.uint16).tolist()
-    expected = sum(len(realdata.encode(t, ranks, vocab)) + 1 for t in texts)  # + EOD each
-    return data, realdata.unigram_entropy(ids), len(ids), expected
+    return data, realdata.unigram_entropy(ids), len(ids), expected_tokens(texts, vocab, ranks)
 
 
 def real_data_results(
