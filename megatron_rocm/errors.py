@@ -9,7 +9,8 @@ Exit codes (docs/cli.md, ``megatron-rocm --help``), each with one meaning:
 - 3 source or environment (unreachable source, missing git, unwritable paths, wrong Python, a
   failed install step)
 - 4 internal error (a bug: one line here, the traceback in the log it names)
-- 5 busy: another megatron-rocm process holds the lock on that destination; nothing changed
+- 5 busy: another megatron-rocm process holds the lock on that destination or series folder;
+  nothing changed
 - 130 / 143 interrupted by SIGINT / SIGTERM (128 + the signal number)
 """
 

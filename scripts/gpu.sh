@@ -86,7 +86,7 @@
 #            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
-# Stages by the GPUs they need (what is still owed: docs/results.md, "Owed on a GPU"):
+# Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace kernels smoke mla moebench upx1 series
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
 #   4 GPUs: setup par4 scale4
@@ -379,13 +379,12 @@ stage_cpscale() {
   # 16384) against CP=1 at half of it (the pair) and at CP_LENGTH (the same work on one
   # GPU), the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's
   # (MEGATRON_ROCM_CP_KERNEL=flash), and --cp-comm-type a2a. CP_SIZE picks the Llama preset
-  # (small, or 0.85b: the small model's iteration is host-bound, see docs/results.md); CP_FLAGS
-  # go to pretrain_gpt.py: the
-  # twelfth session's numbers used --no-create-attention-mask-in-dataloader (long-context runs
-  # switch the s x s mask off) and upstream's recipe flags --cross-entropy-loss-fusion
-  # --manual-gc, without which Python's GC and the unfused loss add ~0.6 s per 0.85B iteration;
-  # the nineteenth session's added the rest of upstream's H100 recipe for CP
-  # (examples/llama/train_llama3_8b_h100_fp8.sh): --use-distributed-optimizer
+  # (small, or 0.85b: the small model's iteration is host-bound, docs/performance.md); CP_FLAGS
+  # go to pretrain_gpt.py: docs/performance.md's CP rows use
+  # --no-create-attention-mask-in-dataloader (long-context runs switch the s x s mask off) and
+  # upstream's recipe flags --cross-entropy-loss-fusion --manual-gc, without which Python's GC
+  # and the unfused loss add ~0.6 s per 0.85B iteration, plus the rest of upstream's H100
+  # recipe for CP (examples/llama/train_llama3_8b_h100_fp8.sh): --use-distributed-optimizer
   # --overlap-grad-reduce --overlap-param-gather --grad-reduce-in-bf16.
   local L=${CP_LENGTH:-16384} size=${CP_SIZE:-small}
   local tag="$size-$((L / 1024))k" half=$((L / 2))

@@ -16,7 +16,6 @@
 #                         (setuptools<80, pybind11, packaging) and nltk, which `install` adds,
 #                         with defusedxml (the one dependency of nltk the box lacks)
 # Both folders are made ignored by git (.git/info/exclude) so they travel only when carried.
-# The lead's steps on the box are in docs/results.md ("Reproducing on a lent GPU box").
 set -euo pipefail
 mirror=${1:?usage: make_carry.sh MIRROR [REF ...]}
 shift

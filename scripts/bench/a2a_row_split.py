@@ -27,7 +27,7 @@ Gradients of the split cases are summed in fp32. One JSON line per (kernel, case
 backward ms (medians of ``triton.testing.do_bench``), ``overhead_ms`` against ``whole``, and
 the largest difference from ``whole`` in the output and in each gradient. Splitting pays only
 if ``overhead_ms`` is well below the exchange it would hide (about 0.2 ms per layer on NVLink
-copy engines, docs/results.md).
+copy engines).
 """
 
 from __future__ import annotations

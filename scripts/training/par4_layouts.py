@@ -74,7 +74,7 @@ class Layout:
 
 def _small() -> tuple[Layout, ...]:
     """The small Llama: every micro-batch is ~50 ms of launches on the host, so the layouts
-    that run micro-batches of 1 are host-bound (docs/results.md, eighteenth session)."""
+    that run micro-batches of 1 are host-bound."""
     return (
         Layout("tp2pp2vpp", tp=2, sp=True, pp=2, vpp=2, micro=1, global_batch=8, resume=True),
         Layout("tp2cp2", tp=2, sp=True, cp=2, seq_length=16384, micro=1, global_batch=8),
@@ -85,8 +85,8 @@ def _small() -> tuple[Layout, ...]:
 
 def _large() -> tuple[Layout, ...]:
     """The 0.85B Llama, with micro-batches of 16k tokens each (8 x 2048, or 1 x 16384 under
-    CP): at micro-batch 2 its step is bound by the host on the lent machines (docs/results.md,
-    twenty-third session), at 16 by the GPU, so each rank gets GPU work to hide its host's."""
+    CP): at micro-batch 2 its step is bound by the host on the lent machines, at 16 by the
+    GPU, so each rank gets GPU work to hide its host's."""
     common = {"size": "0.85b", "seq_length": 2048, "micro": 8, "per_replica": 8}
     return (
         Layout(

@@ -1,5 +1,5 @@
 """Turning one run's results into the per-file JSON and markdown, and two runs (unpatched,
-patched) into the before/after table that docs/results.md records.
+patched) into the before/after table that docs/upstream-tests.md shows.
 
 The selection a pass rate is taken over: every collected test of the selected files, less the
 deselected ones (FP8 by name, upstream CI's marker filter) and less the tests that need more

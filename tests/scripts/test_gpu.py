@@ -1,6 +1,6 @@
 """scripts/gpu.sh, the one GPU driver: the stages its header documents are the stages it defines, and
 ``cpscale`` launches the runs its header promises. The GPU work itself runs on lent machines
-(docs/results.md); here a stand-in Python records what each stage would have launched."""
+(docs/performance.md); here a stand-in Python records what each stage would have launched."""
 
 from __future__ import annotations
 

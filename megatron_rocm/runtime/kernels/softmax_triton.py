@@ -39,7 +39,7 @@ class Tuning:
     """Launch heuristics: a small table instead of autotuning every call signature.
 
     The defaults are the per-regime winners of scripts/bench/softmax.py on an H100
-    (docs/softmax.md); AMD uses the same table with 64-wide wavefronts and at most 16 of them.
+    (docs/kernels.md); AMD uses the same table with 64-wide wavefronts and at most 16 of them.
     """
 
     max_block: int = 32768  # rows up to this (power-of-2 padded) length stay in registers,

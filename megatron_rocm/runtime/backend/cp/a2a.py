@@ -22,8 +22,7 @@ dropout as usual), and a second exchange returns each rank's tokens with all hea
   spanning hosts take, over links several times slower than NVLink. On two H100s with
   NVLink's peer-to-peer turned off (``NCCL_P2P_DISABLE=1``, a stand-in for such links) two
   groups took 3.1% off each training iteration of Llama-2-70B's heads at 16k, four no more;
-  on NVLink itself through the process group they cost 0.3% (docs/results.md, twenty-first
-  session).
+  on NVLink itself through the process group they cost 0.3% (docs/backend.md).
 
 * **Copy engines within a host.** Where every rank of the group is on one host (CUDA), the
   exchanges are copies through symmetric memory on the GPUs' copy engines instead of NCCL

@@ -13,7 +13,7 @@ a2a is in use it logs why once.
 
 ``MEGATRON_ROCM_CP_A2A_QKV``: ``1``, the default, lets it run; ``0`` keeps upstream's order
 (to compare the two, or to rule the path out). On two H100s it took 0.4% off each iteration of
-``70b-slice`` at 16k with upstream's loss (docs/results.md, thirtieth session); it runs inside
+``70b-slice`` at 16k with upstream's loss (docs/backend.md); it runs inside
 ``linear_qkv``'s call, so Megatron's parameter hooks (``--overlap-param-gather``) come first.
 """
 

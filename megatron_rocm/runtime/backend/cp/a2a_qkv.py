@@ -6,7 +6,7 @@ it owns, of this rank's tokens), and its backward ends with the reverse one. Thr
 RoPE reads whole before the attention may pack a single head, and the gradients go back
 through torch's split and RoPE's backward, which need every head before the projection's
 backward starts. On ``70b-slice`` at 16k on two H100s those two exchanges were 6.8 ms of each
-iteration's exposed copies on the slower rank (docs/results.md, twenty-first session).
+iteration's exposed copies on the slower rank.
 
 Heads are independent up to the projection, and Megatron's fused QKV weight is laid out by kv
 group (``q1 q2 k1 v1 | q3 q4 k2 v2 | ...``), so the rows that produce the heads a rank owns are

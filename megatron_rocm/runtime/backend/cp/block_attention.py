@@ -21,7 +21,7 @@ Kernels take ``[b, heads, s, d]`` views (key/value may have fewer heads: GQA) an
   log-sum-exp and differentiated with the merged output and lse must give the math kernel's
   output and gradients, or ``auto`` moves on to ``flash`` (an explicit request fails with the
   reason). On 2 x H100, CP=2 training of a 0.85B Llama at 16k takes 1454 ms per iteration on
-  cuDNN blocks against 1783 ms on flash blocks (docs/results.md, twelfth session). ROCm has no
+  cuDNN blocks against 1783 ms on flash blocks (docs/performance.md). ROCm has no
   cuDNN: there ``auto`` starts at ``flash``. Grouped kv heads go in as they are when a second
   probe (``group_size`` > 1) passes, else they are expanded first.
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, no dropout).

@@ -5,7 +5,7 @@ layer and micro-batch for Llama-2-70B's heads at 16k on two GPUs, and nothing ca
 layer's exchange is in flight. NCCL's point-to-point kernels moved 64-80 MB between two H200s
 at 238-246 GiB/s; a copy engine reading the same bytes from the peer's memory moved them at
 307-313 GiB/s, and writing them at 317-324 GiB/s, without taking SMs from the kernels beside
-it (docs/results.md, sixteenth session).
+it.
 
 So every rank of a CP group on one host maps one symmetric allocation (``torch.distributed.
 _symmetric_memory``) with two regions: an *outbox*, which the rank packs the heads bound for
@@ -21,7 +21,7 @@ written again too early, because Ulysses alternates scatter and gather on every 
 * a rank pushes into a peer's inbox only after the scatter before it has sealed, and the peer
   queued its barrier of that scatter after unpacking its inbox the time before.
 
-What a review of this protocol asked for (docs/results.md, sixteenth session), and what the link
+What a review of this protocol asked for, and what the link
 does about it:
 
 * exchanges queued from a second compute stream: a rank packs its outbox only once the

@@ -7,7 +7,7 @@ the heads into ``x[:, own] W[:, own]^T``, which can run while the peers' heads t
 ``x[:, peers] W[:, peers]^T`` after they land. Otherwise the exchange (a quarter of a2a's
 copies) and a slower peer's lag at its barrier are time no compute hides: overlapped, 0.35% of
 each iteration of Llama-2-70B's heads at 16k on two H100s with copy engines, 0.16% through the
-process group (docs/results.md, twentieth session).
+process group (docs/backend.md, the a2a switches).
 
 So the attention returns its output as an ``EarlyOutput`` (a view of it) before the exchange
 has finished, with the ``Landing`` that finishes it recorded per CP group:

@@ -5,9 +5,9 @@ ranks that own its heads. Autograd hands that gradient over only when the output
 backward returns, after both of its GEMMs: the input gradient the exchange needs, and the
 weight gradient nothing here needs. So the exchange ran with no compute beside it, a quarter
 of the 12-13 ms of exposed copies per iteration on Llama-2-70B's heads at 16k on two GPUs
-(docs/results.md, seventeenth session). Queued beside the weight-gradient GEMM from a side
+Queued beside the weight-gradient GEMM from a side
 stream *after* that GEMM, the packing and the barrier waited for the GEMM's persistent blocks
-to retire, and nothing overlapped (the same session, reverted).
+to retire, and nothing overlapped.
 
 A handoff moves the start to where the input gradient is queued:
 
@@ -27,8 +27,7 @@ Every rank of the CP group runs the same modules in the same order, so every ran
 same path and the exchanges stay paired. ``MEGATRON_ROCM_CP_A2A_HANDOFF=0`` turns handoffs off
 (``backward`` keeps this one only, ``forward`` the forward's, ``cp.early_output``).
 
-Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/results.md, nineteenth and twentieth
-sessions): 0.8% off each iteration through the process group (NCCL; RCCL's path on ROCm), 0.2%
+Measured on ``70b-slice`` CP=2 at 16k, 2 x H100 (docs/backend.md): 0.8% off each iteration through the process group (NCCL; RCCL's path on ROCm), 0.2%
 on copy engines.
 
 A started exchange that no attention takes (its backward left out of the graph autograd runs,
