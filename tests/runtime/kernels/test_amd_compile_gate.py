@@ -35,8 +35,8 @@ pytestmark = [
         os.environ.get("TRITON_INTERPRET") == "1",
         reason="TRITON_INTERPRET=1 replaces compiled kernels with interpreted ones",
     ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("triton.backends.amd") is None,
+    pytest.mark.skipif(  # CI's PyPI wheel has it: there the gate must run, not skip
+        importlib.util.find_spec("triton.backends.amd") is None and not os.environ.get("CI"),
         reason="this Triton build has no AMD backend",
     ),
 ]
@@ -102,6 +102,7 @@ def test_nvidia_planners_too() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # minutes of compiling on 2 cores: .ci/run's full tier runs it
 def test_every_kernel_compiles_for_amd_within_lds_and_without_spills(
     hip_launches: tuple[aot.Found, list[aot.Launch]], compiled: dict
 ) -> None:
