@@ -91,14 +91,12 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
             lambda: fp8.fp8_mm(x8, x_inv, w8.t(), w_inv, dtype, fast_accum=True), device
         ),
     }
-    top = float(torch.finfo(formats.forward).max)
     ms["quantize_eager"] = bench_timing.median_ms(
-        lambda: fp8._quantize(x, formats.forward, top, 0), device
+        lambda: fp8.quantize(x, formats.forward, compiled=False), device
     )
     if device == "cuda":  # Inductor on the CPU takes minutes to compile: GPU runs only
-        compiled = fp8._compiled_quantize()
         ms["quantize_compiled"] = bench_timing.median_ms(
-            lambda: compiled(x, formats.forward, top, 0), device
+            lambda: fp8.quantize(x, formats.forward, compiled=True), device
         )
     xg = x.clone().requires_grad_()
     wp = torch.nn.Parameter(w.clone())

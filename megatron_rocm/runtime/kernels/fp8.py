@@ -18,13 +18,14 @@ and the tests run it on the CPU where torch's own kernel takes the OCP dtypes.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.kernels.launch import reference_forced
+from megatron_rocm.runtime.kernels.launch import log_fallback_once, reference_forced
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
 
@@ -87,24 +88,71 @@ def _quantize(
 
 
 @functools.cache
-def _compiled_quantize() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``_quantize`` through Inductor: the amax, then one fused read-scale-clamp-cast pass
-    (eager torch makes five passes over fp32 copies). ``dynamic``: one graph for every shape."""
-    return torch.compile(_quantize, dynamic=True, fullgraph=True)
+def _compiled_quantize(
+    dtype: torch.dtype, source: torch.dtype, device_type: str
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``_quantize`` through Inductor for one (FP8 dtype, input dtype, device type): the amax,
+    then one fused read-scale-clamp-cast pass (eager torch makes five passes over fp32 copies).
+
+    Dynamo guards on the dtypes and counts recompiles per code object (every ``torch.compile``
+    of one function shares them), so each key compiles its own copy of ``_quantize``'s code:
+    a run's few keys never add up to ``recompile_limit``. ``dynamic``: one graph for every
+    length of the flat input ``quantize`` passes."""
+    name = f"_quantize_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
+    code = _quantize.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, _quantize.__globals__, name)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> tuple[torch.Tensor, Any]:
+_eager_keys: set[tuple[torch.dtype, torch.dtype, str]] = set()  # their compilation failed
+
+
+def _quantize_compiled(
+    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_quantize`` compiled, on ``x`` flattened: a plain tensor without autograd (not a
+    ``Parameter``, one rank and layout), so its shape, type and grad mode cost no recompiles.
+    A key whose compilation fails quantizes eagerly from then on, logged once: the training
+    step goes on, slower."""
+    key = (dtype, x.dtype, x.device.type)
+    if key not in _eager_keys:
+        flat = x.detach().reshape(-1)
+        try:
+            with torch.no_grad():
+                x_fp8, inv = _compiled_quantize(*key)(flat, dtype, fp8_max, margin)
+            return x_fp8.view(x.shape), inv
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any compile failure: eager still works
+            _eager_keys.add(key)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            log_fallback_once(
+                f"fp8-compile-{key}",
+                f"FP8 quantize ({key[1]} to {key[0]} on {key[2]}) does not compile "
+                f"({type(exc).__name__}: {reason[:200]}); quantizing with eager torch",
+            )
+    with torch.no_grad():
+        return _quantize(x.detach(), dtype, fp8_max, margin)
+
+
+def quantize(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, *, compiled: bool | None = None
+) -> tuple[torch.Tensor, Any]:
     """``(x_fp8, inverse_scale)``: ``x * scale`` cast with saturation, where ``scale =
     fp8_max / amax(x) / 2**margin`` (1 where ``x`` is all zeros); ``x_fp8 * inverse_scale``
     is ``x`` again up to FP8 rounding. Both scales stay fp32 tensors on the device (no host
-    sync). On a GPU compiled (``_compiled_quantize``) unless ``MEGATRON_ROCM_KERNELS`` names
-    ``fp8`` for the reference path."""
+    sync); neither carries autograd (the FP8 linear's own backward uses them). ``compiled``:
+    through Inductor (``_quantize_compiled``); None (the default) compiles on a GPU unless
+    ``MEGATRON_ROCM_KERNELS`` names ``fp8`` for the reference path."""
     fp8_max = float(torch.finfo(dtype).max)
     if x.numel() == 0:  # no amax to take
-        return x.to(dtype), torch.ones((), device=x.device)
-    if x.is_cuda and not reference_forced("fp8"):
-        return _compiled_quantize()(x, dtype, fp8_max, margin)
-    return _quantize(x, dtype, fp8_max, margin)
+        return x.detach().to(dtype), torch.ones((), device=x.device)
+    if compiled is None:
+        compiled = x.is_cuda and not reference_forced("fp8")
+    if compiled:
+        return _quantize_compiled(x, dtype, fp8_max, margin)
+    with torch.no_grad():
+        return _quantize(x.detach(), dtype, fp8_max, margin)
 
 
 def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
-from megatron_rocm.runtime.kernels import fp8  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8, launch  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -203,18 +203,106 @@ def test_frozen_weight_gets_no_gradient() -> None:
 def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
     """What a GPU runs (Inductor; compiled here on the CPU, about a minute) against the path
     the tests above check."""
-    compiled = fp8._compiled_quantize()
     for shape, dtype in (((64, 48), E4M3), ((100, 32), E5M2)):
         x = torch.randn(*shape, dtype=torch.bfloat16) * 3
-        top = torch.finfo(dtype).max
-        want, got = fp8._quantize(x, dtype, top, 1), compiled(x, dtype, top, 1)
+        want = fp8.quantize(x, dtype, 1, compiled=False)
+        got = fp8.quantize(x, dtype, 1, compiled=True)
+        assert not fp8._eager_keys  # it did compile
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(got[1], want[1])
 
 
+@pytest.fixture
+def fresh_compiled(monkeypatch, caplog):
+    """The compiled quantize with nothing compiled yet and no key fallen back to eager."""
+    compiled = fp8._compiled_quantize
+    compiled.cache_clear()
+    monkeypatch.setattr(fp8, "_eager_keys", set())
+    monkeypatch.setattr(launch, "_logged", set())
+    caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
+    yield caplog
+    compiled.cache_clear()  # graphs of a patched torch.compile: not for later tests
+
+
+# 13 shapes (a transposed one among them), as weights (Parameters) and as activations or
+# gradients (plain tensors, with and without requires_grad)
+_SHAPES = [(16,), (7,), (3, 5), (16, 16), (64, 48), (100, 32), (48, 64), (2, 10, 64),
+           (33, 17), (128, 8), (5, 3, 7), (256,), (2, 16)]  # fmt: skip
+
+
+def _operands(shape: tuple[int, ...], source: torch.dtype) -> list[torch.Tensor]:
+    x = (torch.randn(*shape) * 3).to(source)
+    operands = [x, torch.nn.Parameter(x.clone()), x.clone().requires_grad_()]
+    if x.dim() == 2:
+        operands.append(x.t())  # not contiguous
+    return operands
+
+
+def _quantize_every_kind() -> int:
+    """``quantize`` compiled against eager on every shape, operand kind, format and input
+    dtype, bit for bit; returns how many it checked."""
+    torch.manual_seed(5)
+    checked = 0
+    for source in (torch.bfloat16, torch.float32):
+        for shape in _SHAPES:
+            for x in _operands(shape, source):
+                for dtype, margin in ((E4M3, 0), (E5M2, 0)):
+                    want = fp8.quantize(x, dtype, margin, compiled=False)
+                    got = fp8.quantize(x, dtype, margin, compiled=True)
+                    assert got[0].shape == x.shape and got[0].dtype == dtype
+                    assert not got[0].requires_grad and not got[1].requires_grad
+                    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                    assert torch.equal(got[1], want[1])
+                    checked += 1
+    return checked
+
+
+def test_compiled_quantize_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
+    """The GPU failure this guards: one compiled quantize for every call recompiled for each
+    shape, ``Parameter`` against tensor, grad mode and dtype, and hit Dynamo's
+    ``recompile_limit`` (8) in the first FP8 training step (fullgraph: a hard error). Dynamo
+    alone here (its ``eager`` backend: seconds); Inductor's code in the ``full`` test below."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    assert _quantize_every_kind() > 12 * 2 * 2 * 2
+    assert not fp8._eager_keys and not fresh_compiled.records  # compiled, no fallback
+    assert fp8._compiled_quantize.cache_info().currsize == 4  # 2 formats x 2 input dtypes
+
+
+@pytest.mark.full
+def test_inductor_quantize_takes_every_shape_bitwise_the_eager_one(fresh_compiled) -> None:
+    """The same through Inductor (what a GPU runs; minutes to compile on the CPU)."""
+    assert _quantize_every_kind() > 12 * 2 * 2 * 2
+    assert not fp8._eager_keys and not fresh_compiled.records
+
+
+def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh_compiled):
+    """A compilation failure costs speed, logged once, never the training step."""
+    attempts = []
+
+    def broken(*key):  # noqa: ANN202
+        def run(*args):  # noqa: ANN202
+            attempts.append(key)
+            raise RuntimeError("inductor: no C++ compiler\nsecond line")
+
+        return run
+
+    monkeypatch.setattr(fp8, "_compiled_quantize", broken)
+    x = torch.randn(32, 16, dtype=torch.bfloat16)
+    want = fp8.quantize(x, E4M3, compiled=False)
+    for _ in range(3):
+        got = fp8.quantize(x, E4M3, compiled=True)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1])
+    assert attempts == [(E4M3, torch.bfloat16, "cpu")]  # not retried every step
+    (record,) = fresh_compiled.records
+    assert "does not compile (RuntimeError: inductor: no C++ compiler)" in record.getMessage()
+    assert "eager" in record.getMessage() and "second line" not in record.getMessage()
+
+
 def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(fp8, "_compiled_quantize", lambda: lambda *a: calls.append(a) or a)
+    monkeypatch.setattr(fp8, "_quantize_compiled", lambda *a: calls.append(a) or a)
     cuda_like = torch.ones(4, 4)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is cuda_like))
     fp8.quantize(cuda_like, E4M3)
