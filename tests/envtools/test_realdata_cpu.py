@@ -27,7 +27,7 @@ import pytest
 from megatron_rocm.envtools.smoke import runner
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.torch]
 pytest.importorskip("torch")
 TRAINING_IMPORTS = (
     ("psutil", "Megatron's torch_dist checkpoint writer"),

@@ -28,7 +28,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.upstream]
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.torch, pytest.mark.upstream]
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 RELEASE = "0.16.1"  # the newest megatron-core whose sdist installs on Python 3.11
 WORKER = Path(__file__).resolve().parent / "realdata" / "sdist_pretrain.py"

@@ -22,7 +22,7 @@ from cache_paths import DOWNLOAD_CACHE
 
 from megatron_rocm.main import main
 
-pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("fp8_probe.py")
 REPO = Path(__file__).resolve().parents[2]
