@@ -131,3 +131,17 @@ def test_steps_run_with_the_hub_offline(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     env = checks_realdata._env(_tree(tmp_path, ""), None)
     assert {k: env[k] for k in checks_realdata.OFFLINE} == checks_realdata.OFFLINE
+
+
+def test_a_new_tree_without_transformers_skips_with_the_reason(tmp_path, monkeypatch) -> None:
+    tree = _tree(tmp_path, "")
+    (tree / "megatron/core/tokenizers").mkdir(parents=True)
+    real = checks_realdata.importlib.util.find_spec
+    monkeypatch.setattr(
+        checks_realdata.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    ctx = runner.Context(tree=tree, device="cuda", gpu_count=1)
+    with pytest.raises(runner.Skip, match="through Hugging Face transformers"):
+        checks_realdata.pretrain_gpt_real_data(ctx)

@@ -22,6 +22,7 @@ shares the corpus, the tokenizer, ``HPARAMS`` and ``judge``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -354,6 +355,12 @@ def pretrain_gpt_real_data(ctx: Context) -> str:
             "apply from a Megatron-LM clone"
         )
     ctx.needs_gpu(1, "training pretrain_gpt.py on real data")
+    hf = "--tokenizer-type=HuggingFaceTokenizer" in _tokenizer_args(tree, tree)
+    if hf and importlib.util.find_spec("transformers") is None:
+        raise Skip(
+            "this tree (0.17+) reads the local tokenizer through Hugging Face transformers, "
+            "which is not installed (pip install transformers)"
+        )
     launcher = [
         sys.executable,
         "-m",
