@@ -59,6 +59,7 @@ needs_mirror = pytest.mark.skipif(
 # 0.15.3 pass too); MEGATRON_ROCM_TEST_REALDATA_REFS=ref,ref,... picks others
 NEWEST = "core_v0.16.0"  # the newest full tree for Python 3.11
 _DEFAULT_REFS = f"core_v0.12.0,{NEWEST}"
+CPU_STEP_TIMEOUT = 900  # seconds per step (preprocess, each training run)
 REFS = [
     r for r in os.environ.get("MEGATRON_ROCM_TEST_REALDATA_REFS", _DEFAULT_REFS).split(",") if r
 ]
@@ -118,7 +119,10 @@ def test_mirror_pretrain_gpt_jsonl_to_trained_resumed_checkpoint(trees, tmp_path
     ctx = runner.Context(tree=trees(ref), device="cpu", gpu_count=0, log=print)
     ctx._workdir = str(tmp_path / "work")
     launcher = [sys.executable, str(HERE / "realdata" / "cpu_pretrain.py")]
-    r = checks_realdata.real_data_results(ctx, launcher, "gloo", env=cpu_env(tmp_path))
+    # a shared CPU runner is slower than the GPU the default limits are sized for
+    r = checks_realdata.real_data_results(
+        ctx, launcher, "gloo", env=cpu_env(tmp_path), timeout=CPU_STEP_TIMEOUT
+    )
     detail = checks_realdata.judge(r)
     print(detail)
     assert r.tokens == r.expected_tokens > 30_000

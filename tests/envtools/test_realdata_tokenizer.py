@@ -45,3 +45,20 @@ def test_unigram_entropy() -> None:
     assert realdata.unigram_entropy([7, 7, 7]) == 0
     with pytest.raises(ValueError):
         realdata.unigram_entropy([])
+
+
+def test_saved_folder_is_a_hugging_face_tokenizer_with_the_same_encoding(
+    tmp_path, monkeypatch
+) -> None:
+    """0.17+ trees read the folder through ``AutoTokenizer`` (``--tokenizer-type
+    HuggingFaceTokenizer``): offline, the same ids as the BPE here, EOD the end of text."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = realdata.corpus(80)
+    vocab, merges = realdata.train_bpe(texts, 80)
+    folder = realdata.save_tokenizer(vocab, merges, tmp_path / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tok.eos_token == realdata.EOD and tok.eos_token_id == vocab[realdata.EOD]
+    extra = " Ünïcode, 12 tabs\tand 'quotes're fine.  two  spaces\n\nnext"
+    for text in [*texts, texts[0] + extra]:
+        assert tok(text).input_ids == realdata.encode(text, merges, vocab)

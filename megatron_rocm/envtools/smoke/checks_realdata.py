@@ -8,6 +8,12 @@ second run resumes. The loss must fall well below the corpus's unigram entropy (
 best context-free model reaches), so the model learned from the text, not only its token
 frequencies; the resumed run must continue from the saved loss, not start over.
 
+Each step is a subprocess with its own time limit (``TIMEOUTS``; ``TIMEOUT_ENV`` sets one for
+all), logged as it starts and ends; one that runs past it is killed with its children and the
+check fails with the step's name and the last lines of its log. The steps run with Hugging Face
+offline (``OFFLINE``): a hub lookup on a box without network fails at once instead of waiting
+on sockets.
+
 ``real_data_results`` is the machinery; the GPU check launches it with torchrun and NCCL, the
 CPU tests (``tests/envtools/test_realdata_cpu.py``, on trees from a Megatron-LM mirror) with
 gloo. ``tests/envtools/test_realdata_sdist.py`` (what CI runs: an sdist has neither script)
@@ -16,17 +22,28 @@ shares the corpus, the tokenizer, ``HPARAMS`` and ``judge``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rocm.envtools.smoke import realdata
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
+
+# Seconds each step may run: on one GPU preprocessing takes seconds and a training run well
+# under a minute, so a step past its limit is stuck, not slow. TIMEOUT_ENV overrides both.
+TIMEOUTS = {"preprocess": 120, "train": 240}
+TIMEOUT_ENV = "MEGATRON_ROCM_SMOKE_REALDATA_TIMEOUT"
+# No step downloads anything; without a network a hub lookup could otherwise wait on sockets.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+TAIL_LINES = 12  # of a failed step's log, in the check's message
 
 DOCUMENTS = 600  # ~39k tokens: preprocessing takes seconds, 40 iterations see ~8 % of it
 MERGES = 200  # vocabulary 457, padded by Megatron to 512
@@ -85,14 +102,22 @@ def losses(log: str) -> dict[int, float]:
 
 
 def _tokenizer_args(tree: Path, tok: Path) -> list[str]:
-    """GPT-2 BPE from local files; ``--legacy-tokenizer`` where the tree has the new system
-    (0.16+), whose GPT2BPETokenizer goes through Hugging Face ``transformers``."""
+    """The same GPT-2 BPE from local files at every tag, never a download.
+
+    0.12-0.15: GPT2BPETokenizer, Megatron's own. 0.16: the same through ``--legacy-tokenizer``.
+    0.17+ dropped that flag, and GPT2BPETokenizer became ``AutoTokenizer.from_pretrained("gpt2",
+    vocab_file=..., merges_file=...)``: a hub lookup of "gpt2" that fails offline, and then
+    ``preprocess_data.py`` hangs (its parent waits on a queue for the child that died). There
+    the folder is read as the Hugging Face tokenizer it also is (``save_tokenizer``)."""
+    text = (tree / "megatron/training/arguments.py").read_text(encoding="utf-8", errors="replace")
+    new_system = (tree / "megatron/core/tokenizers").is_dir()
+    if new_system and "'--legacy-tokenizer'" not in text:
+        return ["--tokenizer-type=HuggingFaceTokenizer", f"--tokenizer-model={tok}"]
     args = [
         "--tokenizer-type=GPT2BPETokenizer",
         f"--vocab-file={tok / 'vocab.json'}",
         f"--merge-file={tok / 'merges.txt'}",
     ]
-    text = (tree / "megatron/training/arguments.py").read_text(encoding="utf-8", errors="replace")
     return args + (["--legacy-tokenizer"] if "'--legacy-tokenizer'" in text else [])
 
 
@@ -102,20 +127,91 @@ def _env(tree: Path, extra: dict[str, str] | None) -> dict[str, str]:
     paths = [str(tree), str(here)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for key, value in OFFLINE.items():
+        env.setdefault(key, value)
     env.update(extra or {})
     if extra and "PYTHONPATH" in extra:  # the caller's entries first, then the tree's
         env["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], *paths])
     return env
 
 
-def _run(cmd: Sequence[str], tree: Path, env: dict[str, str], log: Path, timeout: int) -> Run:
-    with open(log, "w", encoding="utf-8") as out:
+def timeouts(timeout: int | None = None) -> dict[str, int]:
+    """Each step's limit: ``timeout`` for all, else ``TIMEOUT_ENV``, else ``TIMEOUTS``."""
+    if timeout is None and os.environ.get(TIMEOUT_ENV):
+        raw = os.environ[TIMEOUT_ENV]
+        if not raw.isdigit() or int(raw) <= 0:
+            raise CheckFailed(f"{TIMEOUT_ENV}={raw!r}: give a whole number of seconds")
+        timeout = int(raw)
+    return {step: timeout or limit for step, limit in TIMEOUTS.items()}
+
+
+def _tail(log: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """The step and every process it started (torchrun's workers, preprocessing's pool)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _step(
+    ctx: Context,
+    name: str,
+    cmd: Sequence[str],
+    tree: Path,
+    env: dict[str, str],
+    log: Path,
+    timeout: int,
+) -> int:
+    """Run one step in its own process group, output to ``log``; its exit status. Past
+    ``timeout`` seconds the group is killed and the check fails, naming the step."""
+    ctx.log(f"      real-data: {name} started (limit {timeout} s)")
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=tree,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            rc = subprocess.run(
-                list(cmd), cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            rc = 124
+            rc = None
+        finally:
+            _kill_group(proc)  # also what a finished step left behind (pool workers)
+            proc.wait()
+    seconds = time.monotonic() - start
+    if rc is None:
+        ctx.log(f"      real-data: {name} TIMED OUT after {seconds:.0f} s")
+        raise CheckFailed(
+            f"{name} did not finish in {timeout} s ({TIMEOUT_ENV} sets the limit); "
+            f"last lines of its log:\n{_tail(log)}"
+        )
+    ctx.log(f"      real-data: {name} exited {rc} after {seconds:.1f} s")
+    return rc
+
+
+def _run(
+    ctx: Context,
+    name: str,
+    cmd: Sequence[str],
+    tree: Path,
+    env: dict[str, str],
+    log: Path,
+    timeout: int,
+) -> Run:
+    rc = _step(ctx, name, cmd, tree, env, log, timeout)
     text = log.read_text(encoding="utf-8", errors="replace")
     return Run(losses(text), rc, "\n".join(text.splitlines()[-15:]))
 
@@ -133,7 +229,9 @@ def expected_tokens(texts: list[str], vocab: dict[str, int], ranks: list[tuple[s
     return sum(len(realdata.encode(t, ranks, vocab)) + 1 for t in texts)
 
 
-def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, int, int]:
+def prepare(
+    ctx: Context, tree: Path, work: Path, env: dict[str, str], timeout: int
+) -> tuple[Path, float, int, int]:
     """Corpus, tokenizer, ``preprocess_data.py``: (data prefix, entropy, tokens, expected)."""
     texts, vocab, ranks = corpus_and_tokenizer(work)
     tok = work / "tokenizer"
@@ -148,14 +246,14 @@ def prepare(tree: Path, work: Path, env: dict[str, str]) -> tuple[Path, float, i
         "--append-eod",
         "--workers=1",
     ]
-    res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    log = work / "preprocess.log"
+    rc = _step(ctx, "preprocess_data.py", cmd, tree, env, log, timeout)
     data = Path(f"{prefix}_text_document")
     binary = data.with_suffix(".bin")
-    if res.returncode != 0 or not binary.is_file() or binary.stat().st_size == 0:
-        last = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    if rc != 0 or not binary.is_file() or binary.stat().st_size == 0:
         raise CheckFailed(
-            f"preprocess_data.py failed (exit {res.returncode}, {binary.name} "
-            f"{'empty' if binary.is_file() else 'missing'}): {' | '.join(last)}"
+            f"preprocess_data.py failed (exit {rc}, {binary.name} "
+            f"{'empty' if binary.is_file() else 'missing'}): {_tail(log, 3)}"
         )
     import numpy  # Megatron's IndexedDataset stores a vocabulary under 65500 as uint16
 
@@ -168,15 +266,17 @@ def real_data_results(
     launcher: Sequence[str],
     backend: str,
     env: dict[str, str] | None = None,
-    timeout: int = 900,
+    timeout: int | None = None,
 ) -> Results:
     """Prepare the data and run ``pretrain_gpt.py`` twice: to ITERS // 2 (saving), then on
-    to ITERS from that checkpoint. ``launcher`` runs a script: torchrun, or a CPU harness."""
+    to ITERS from that checkpoint. ``launcher`` runs a script: torchrun, or a CPU harness.
+    ``timeout``: seconds each step may take (default ``timeouts()``)."""
     tree = ctx.needs_tree()
+    limits = timeouts(timeout)
     work = ctx.workdir / "real-data"
     work.mkdir(parents=True, exist_ok=True)
     full_env = _env(tree, env)
-    data, entropy, tokens, expected = prepare(tree, work, full_env)
+    data, entropy, tokens, expected = prepare(ctx, tree, work, full_env, limits["preprocess"])
     ckpt = work / "checkpoint"
     train = [
         *launcher,
@@ -191,10 +291,19 @@ def real_data_results(
         f"--distributed-backend={backend}",
     ]
     ctx.log(f"      real-data: {tokens} tokens, unigram entropy {entropy:.3f} nats")
-    first = _run([*train, f"--exit-interval={ITERS // 2}"], tree, full_env, work / "1.log", timeout)
-    resumed = (
-        _run(train, tree, full_env, work / "2.log", timeout) if first.returncode == 0 else Run()
+    first = _run(
+        ctx,
+        f"pretrain_gpt.py to iteration {ITERS // 2}",
+        [*train, f"--exit-interval={ITERS // 2}"],
+        tree,
+        full_env,
+        work / "1.log",
+        limits["train"],
     )
+    resumed = Run()
+    if first.returncode == 0:
+        name = f"pretrain_gpt.py resumed to iteration {ITERS}"
+        resumed = _run(ctx, name, train, tree, full_env, work / "2.log", limits["train"])
     return Results(tokens, expected, entropy, first, resumed)
 
 
@@ -246,5 +355,18 @@ def pretrain_gpt_real_data(ctx: Context) -> str:
             "apply from a Megatron-LM clone"
         )
     ctx.needs_gpu(1, "training pretrain_gpt.py on real data")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    hf = "--tokenizer-type=HuggingFaceTokenizer" in _tokenizer_args(tree, tree)
+    if hf and importlib.util.find_spec("transformers") is None:
+        raise Skip(
+            "this tree (0.17+) reads the local tokenizer through Hugging Face transformers, "
+            "which is not installed (pip install transformers)"
+        )
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "--max-restarts=0",
+    ]
     return judge(real_data_results(ctx, launcher, "nccl"))

@@ -120,11 +120,23 @@ def train_bpe(texts: Iterable[str], merges: int) -> tuple[dict[str, int], list[t
 
 
 def save_tokenizer(vocab: dict[str, int], ranks: list[tuple[str, str]], folder: Path) -> Path:
-    """``vocab.json`` and ``merges.txt`` as GPT-2 ships them (merges after a version line)."""
+    """``vocab.json`` and ``merges.txt`` as GPT-2 ships them (merges after a version line),
+    and a ``tokenizer_config.json`` naming the class, so that the folder is also a Hugging Face
+    tokenizer that ``AutoTokenizer.from_pretrained(folder)`` loads offline (0.17+ trees)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in ranks]
     (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": EOD,
+        "eos_token": EOD,
+        "unk_token": EOD,
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "model_max_length": 1_000_000,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder
 
 
