@@ -290,6 +290,16 @@ SETTINGS: dict[str, Setting] = {
             doc="corrupt one result after the real computation, to prove the suite can fail",
         ),
         Setting(
+            "MEGATRON_ROCM_SMOKE_REALDATA_TIMEOUT",
+            "count",
+            None,
+            area="smoke suite",
+            runtime=False,
+            default_text="120 preprocessing, 240 each training run",
+            values_text="seconds, a positive whole number",
+            doc="one time limit for every step of the `real-data` check",
+        ),
+        Setting(
             "MEGATRON_ROCM_FAULT",
             "text",
             None,

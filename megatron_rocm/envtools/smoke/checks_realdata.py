@@ -36,6 +36,7 @@ from pathlib import Path
 
 from megatron_rocm.envtools.smoke import realdata
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
+from megatron_rocm.runtime import settings
 
 # Seconds each step may run: on one GPU preprocessing takes seconds and a training run well
 # under a minute, so a step past its limit is stuck, not slow. TIMEOUT_ENV overrides both.
@@ -137,11 +138,12 @@ def _env(tree: Path, extra: dict[str, str] | None) -> dict[str, str]:
 
 def timeouts(timeout: int | None = None) -> dict[str, int]:
     """Each step's limit: ``timeout`` for all, else ``TIMEOUT_ENV``, else ``TIMEOUTS``."""
-    if timeout is None and os.environ.get(TIMEOUT_ENV):
-        raw = os.environ[TIMEOUT_ENV]
-        if not raw.isdigit() or int(raw) <= 0:
-            raise CheckFailed(f"{TIMEOUT_ENV}={raw!r}: give a whole number of seconds")
-        timeout = int(raw)
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if timeout is None and raw:
+        try:  # the registry's grammar and its one line: name, value, what it takes
+            timeout = int(settings.parse(TIMEOUT_ENV, raw))  # type: ignore[call-overload]
+        except ValueError as e:
+            raise CheckFailed(f"{e} of seconds") from e
     return {step: timeout or limit for step, limit in TIMEOUTS.items()}
 
 
