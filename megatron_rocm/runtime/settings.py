@@ -15,7 +15,8 @@ training run does not call them unknown, but the runtime does not read them: the
 the smoke suite and the tests read them where they live.
 
 ``python -m megatron_rocm.runtime.settings --markdown`` prints the table docs/backend.md
-carries between its generated markers. This module imports only the standard library.
+carries between its generated markers; ``--write docs/backend.md`` replaces it there. This
+module imports only the standard library.
 """
 
 from __future__ import annotations
@@ -144,8 +145,6 @@ SETTINGS: dict[str, Setting] = {
             area="Triton kernels (both specs)",
             choices=("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu", "fp8"),
             default_text="auto",
-            values_text="`auto`, `reference`, `reference:<kernel>[,...]` (kernels: `softmax`, "
-            "`rope`, `cross_entropy`, `norm`, `grouped_gemm`, `swiglu`, `fp8`)",
             doc="put every kernel, or the named ones, on torch's reference path (A/B runs, "
             "debugging)",
         ),
@@ -414,6 +413,8 @@ def _values(s: Setting) -> str:
     if s.kind == "bool":
         return BOOL_WORDS
     listed = ", ".join(f"`{c}`" for c in s.choices)
+    if s.kind == "kernels":  # the kernel names come from ``choices``: one edit adds a kernel
+        return f"`auto`, `reference`, `reference:<kernel>[,...]` (kernels: {listed})"
     return f"comma list of {listed}" if s.kind == "list" else listed
 
 
@@ -429,17 +430,50 @@ def markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+BEGIN_MARK = "<!-- BEGIN settings table"  # the line that opens the table in docs/backend.md
+END_MARK = "<!-- END settings table -->"
+
+
+def write_table(path: str) -> str | None:
+    """Replace the table between the markers of ``path`` (docs/backend.md) with
+    :func:`markdown`; the text outside them is kept. None when done, else why not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror}"
+    start, end = text.find(BEGIN_MARK), text.find(END_MARK)
+    if start < 0 or end < start:
+        return f"{path} has no '{BEGIN_MARK} ...' and '{END_MARK}' lines"
+    body_start = text.index("\n", start) + 1
+    new = text[:body_start] + markdown() + text[end:]
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m megatron_rocm.runtime.settings --markdown (the docs table)"
+    usage = (
+        "usage: python -m megatron_rocm.runtime.settings --markdown (print the docs table)\n"
+        "       python -m megatron_rocm.runtime.settings --write docs/backend.md (replace the "
+        "table between its markers)"
+    )
     if args in (["-h"], ["--help"]):
         print(usage)
         return 0
-    if args != ["--markdown"]:
-        print(usage, file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown())
-    return 0
+    if args == ["--markdown"]:
+        sys.stdout.write(markdown())
+        return 0
+    if len(args) == 2 and args[0] == "--write":
+        problem = write_table(args[1])
+        if problem:
+            print(f"settings: {problem}", file=sys.stderr)
+            return 2
+        return 0
+    print(usage, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

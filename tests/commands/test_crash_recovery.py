@@ -32,9 +32,8 @@ from toyrepo import apply_argv, leftovers, make_series, make_upstream, run
 from megatron_rocm.main import main
 from megatron_rocm.patchtool import gitcmd, switch
 
-pytestmark = (
-    pytest.mark.full
-)  # fault injection: many killed applies (the CLI's other fault files too)
+# fault injection: many killed applies (the CLI's other fault files too)
+pytestmark = pytest.mark.full
 
 MANY = 40  # regular files changed between the refs, so the filter has points to stop at
 

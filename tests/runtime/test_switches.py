@@ -18,8 +18,9 @@ from megatron_rocm.runtime import settings
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME = REPO / "megatron_rocm" / "runtime"
 BEGIN, END = "<!-- BEGIN settings table", "<!-- END settings table -->"
-# switch -> (a value it takes, a value it refuses)
-VALUES = {
+# switch -> (a value it takes, a value it refuses), written here for the kinds `derived` cannot
+# guess (and where a hand-picked value tests more); a bool, choice or list switch needs no line
+EXPLICIT = {
     "MEGATRON_ROCM_KERNELS": ("reference:norm,rope", "reference:nrom"),
     "MEGATRON_ROCM_LOCAL_SDPA": ("off", "nope"),
     "MEGATRON_ROCM_SDPA_BACKENDS": ("cudnn,efficient", "cudnn,fast"),
@@ -31,6 +32,22 @@ VALUES = {
     "MEGATRON_ROCM_PACKED_ATTENTION": ("flex", "flexy"),
     "MEGATRON_ROCM_GROUPED_GEMM": ("triton", "cutlass"),
     "MEGATRON_ROCM_TRITON_NORMS": ("RMSNorm", "RMSNorm,GroupNorm"),
+}
+
+
+def derived(s: settings.Setting) -> tuple[str, str] | None:
+    """A value a bool, choice or list switch takes (not its default) and one it refuses."""
+    if s.kind == "bool":
+        return ("off" if s.default else "on"), "maybe"
+    if s.kind in ("choice", "list"):
+        good = next((c for c in s.choices if c != s.default and (c,) != s.default), None)
+        return None if good is None else (good, "no-such-value")
+    return None
+
+
+VALUES = {
+    **{s.name: v for s in settings.SETTINGS.values() if s.runtime and (v := derived(s))},
+    **EXPLICIT,
 }
 BOOLS = [s.name for s in settings.SETTINGS.values() if s.kind == "bool"]
 
@@ -45,7 +62,17 @@ def no_switches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_runtime_switch_is_declared_and_has_values_here() -> None:
+    """A switch of another kind (count, kernels, handoff, path, text) needs a line in EXPLICIT."""
     assert set(settings.runtime_names()) == set(VALUES)
+
+
+def test_derived_values_cover_bools_choices_and_lists() -> None:
+    flag = settings.Setting("MEGATRON_ROCM_X", "bool", True, doc="", area="")
+    pick = settings.Setting(
+        "MEGATRON_ROCM_Y", "choice", "auto", doc="", area="", choices=("auto", "b")
+    )
+    assert derived(flag) == ("off", "maybe") and derived(pick) == ("b", "no-such-value")
+    assert derived(settings.Setting("MEGATRON_ROCM_Z", "count", 1, doc="", area="")) is None
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
@@ -352,7 +379,7 @@ def _docs_table() -> str:
 
 
 def test_the_docs_table_is_the_registry() -> None:
-    """Regenerate with ``python -m megatron_rocm.runtime.settings --markdown``."""
+    """Regenerate with ``python -m megatron_rocm.runtime.settings --write docs/backend.md``."""
     assert _docs_table() == settings.markdown()
 
 
@@ -372,6 +399,36 @@ def test_the_markdown_command() -> None:
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("usage:")
+
+
+def test_the_kernels_values_name_every_kernel_in_choices() -> None:
+    """One edit adds a kernel: the docs text is derived from ``choices``, not kept beside it."""
+    import dataclasses
+
+    s = settings.SETTINGS["MEGATRON_ROCM_KERNELS"]
+    grown = dataclasses.replace(s, choices=(*s.choices, "newop"))
+    listed = settings.markdown().split(f"| `{s.name}` |")[1].split("\n")[0]
+    assert all(f"`{k}`" in listed for k in s.choices)
+    assert "`newop`" in settings._values(grown) and "`newop`" not in settings._values(s)
+
+
+def test_the_write_command_rewrites_only_the_table(tmp_path: Path) -> None:
+    doc = tmp_path / "backend.md"
+    marker_line = "<!-- BEGIN settings table (generated) -->\n"
+    doc.write_text(f"# intro\n\n{marker_line}| stale | row |\n{END}\n\nafter\n")
+    cmd = [sys.executable, "-m", "megatron_rocm.runtime.settings", "--write", str(doc)]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert doc.read_text() == f"# intro\n\n{marker_line}{settings.markdown()}{END}\n\nafter\n"
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers here\n")
+    cmd[-1] = str(plain)
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and plain.read_text() == "no markers here\n"
+    assert bad.stderr.count("\n") == 1 and "no '<!-- BEGIN settings table" in bad.stderr
+    cmd[-1] = str(tmp_path / "missing.md")
+    missing = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert missing.returncode == 2 and missing.stderr.startswith("settings: cannot read")
 
 
 def test_the_registry_imports_no_torch() -> None:
