@@ -7,9 +7,9 @@ import argparse
 from megatron_rocm.commands import options
 from megatron_rocm.errors import EXIT_OK, UsageError
 from megatron_rocm.output import print_json
-from megatron_rocm.patchtool import gitcmd, lock, refnames
+from megatron_rocm.patchtool import gitcmd, refnames, series_journal
 from megatron_rocm.patchtool.export import export_fork
-from megatron_rocm.patchtool.series import load_series, parse_version, series_lock
+from megatron_rocm.patchtool.series import load_series, parse_version
 
 
 def export(
@@ -30,7 +30,7 @@ def export(
     folder = load_series(series_dir).folder
     # one writer per series folder, as per fork: two exports that each read `series` and
     # wrote it back would drop one's new line (its folder orphaned); the second refuses (5)
-    with lock.hold(series_lock(folder), what=f"the series {folder}"):
+    with series_journal.writer(folder):
         series = load_series(folder)  # as it is now that no other export writes it
         version, items = export_fork(repo, series, version_override, new_variant)
     missing = [i for i in items if i.action == "missing"]

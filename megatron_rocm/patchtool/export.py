@@ -10,14 +10,13 @@ Nothing is written until every commit has been mapped, its diff read back by the
 ``apply`` uses, and the series as it would be written shown to rebuild the fork (applied to
 the fork's base, it makes the same patch at each position with each commit's tree): a refusal
 leaves the series as it was. The writes are all or nothing
-(``Writes.commit``: a failed rename puts back what had moved) and are not interrupted by Ctrl-C.
+(``Writes.commit``: a failed rename puts back what had moved, and a run killed half way is
+finished or undone by the next command that loads the series) and are not interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import re
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ from typing import NoReturn
 from packaging.version import Version
 
 from megatron_rocm.errors import PatchFailed, UsageError
-from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts
+from megatron_rocm.patchtool import diffio, engine, gitcmd, interrupts, series_journal
 from megatron_rocm.patchtool.forkscan import (
     ForkCommit,
     fork_commits,
@@ -67,64 +66,10 @@ class Writes:
     folders: list[Path] = field(default_factory=list)
     removals: list[Path] = field(default_factory=list)
 
-    def commit(self) -> None:
-        """All or nothing: every file is staged beside its target first, the targets it
-        replaces are kept, and a failure at any step (a full disk, a file that cannot be
-        replaced) puts back what had moved, so the series is never left half written."""
-        tag = str(os.getpid())
-        created = [f for f in dict.fromkeys(self.folders) if not f.exists()]
-        staged: dict[Path, Path] = {}
-        kept: dict[Path, Path | None] = {}  # replaced target -> what it held (None: it was new)
-        try:
-            for folder in created:
-                folder.mkdir(parents=True)
-            # the `series` listing last: a run killed half way leaves at worst a patch
-            # folder no line names yet, never a line naming a folder not written
-            for path, data in sorted(self.files.items(), key=lambda kv: kv[0].name == "series"):
-                staged[path] = path.with_name(f".{path.name}.{tag}.tmp")
-                staged[path].write_bytes(data)
-            for path, tmp in staged.items():
-                saved = _keep(path, tag)
-                try:
-                    os.replace(tmp, path)
-                except BaseException:
-                    if saved is not None:
-                        saved.unlink(missing_ok=True)
-                    raise
-                kept[path] = saved
-        except BaseException:
-            _put_back(kept, staged, created)
-            raise
-        for saved in kept.values():
-            if saved is not None:
-                saved.unlink(missing_ok=True)
-        for path in self.removals:
-            path.unlink(missing_ok=True)
-
-
-def _keep(path: Path, tag: str) -> Path | None:
-    """A copy of ``path`` to put back if a later write fails (None when it does not exist)."""
-    if not path.exists():
-        return None
-    saved = path.with_name(f".{path.name}.{tag}.orig")
-    shutil.copy2(path, saved)
-    return saved
-
-
-def _put_back(kept: dict[Path, Path | None], staged: dict[Path, Path], created: list[Path]) -> None:
-    """Undo a partial ``Writes.commit``: restore replaced files, drop new ones and scratch."""
-    for path, saved in reversed(list(kept.items())):
-        with contextlib.suppress(OSError):
-            if saved is None:
-                path.unlink(missing_ok=True)
-            else:
-                os.replace(saved, path)
-    for tmp in staged.values():
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    for folder in reversed(created):
-        with contextlib.suppress(OSError):
-            folder.rmdir()
+    def commit(self, folder: Path) -> None:
+        """All or nothing, even against SIGKILL (``series_journal``): staged beside the
+        targets, journaled, then renamed, the ``series`` listing last."""
+        series_journal.write(folder, self.files, self.folders, self.removals)
 
 
 def _slug(subject: str) -> str:
@@ -287,7 +232,7 @@ def export_fork(
     _prove_round_trip(repo, series.folder, base, commits, items, writes, str(version))
     interrupts.step("export-mapped")  # everything read, nothing written yet
     with interrupts.Guard() as guard, guard.deferred():
-        writes.commit()
+        writes.commit(series.folder)
     return version, items
 
 

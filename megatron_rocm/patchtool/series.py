@@ -22,6 +22,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from megatron_rocm.errors import UsageError
+from megatron_rocm.patchtool import series_journal
 
 SERIES_ENV = "MEGATRON_ROCM_SERIES"
 UPSTREAM_STATES = ("not-submitted", "submitted", "merged", "rocm-only")
@@ -130,12 +131,6 @@ def default_series_dir() -> Path:
     return package / "_patches"
 
 
-def series_lock(folder: Path) -> Path:
-    """The one-writer lock of a series folder, beside it as a fresh destination's is (inside,
-    a lock left by a killed run would read as a stray file of the series)."""
-    return folder.parent / f".{folder.name}.megatron-rocm.lock"
-
-
 def _version_in(text: str, where: Path, key: str) -> Version:
     try:
         return Version(text)
@@ -238,6 +233,7 @@ def load_series(folder: str | Path | None = None) -> Series:
     if folder is not None and not str(folder).strip():
         raise UsageError("--series is empty; give the series folder (or leave it out)")
     root = Path(folder) if folder is not None else default_series_dir()
+    series_journal.settle(root)  # an export killed half way: finish or undo it first
     listing = root / "series"
     if not listing.is_file():
         raise UsageError(f"no patch series at {root} (missing {listing.name} file)")
