@@ -162,20 +162,31 @@ def _roll_back(folder: Path, j: Journal) -> None:
     """Before the commit point no target was touched: drop the scratch. After it (a failed
     rename), put each original back and remove each new file first."""
     for e in reversed(j.entries):
+        target, original = folder / e.target, folder / e.original if e.original else None
+        if j.state != PREPARED:
+            with contextlib.suppress(OSError):
+                if original is None:
+                    target.unlink(missing_ok=True)
+                elif original.exists():
+                    os.replace(original, target)
         with contextlib.suppress(OSError):
-            if j.state != PREPARED:
-                if e.original is None:
-                    (folder / e.target).unlink(missing_ok=True)
-                elif (folder / e.original).exists():
-                    os.replace(folder / e.original, folder / e.target)
             (folder / e.staged).unlink(missing_ok=True)
-            if e.original is not None:
-                (folder / e.original).unlink(missing_ok=True)
+        if original is not None and original.exists() and _same(original, target):
+            with contextlib.suppress(OSError):  # the target holds it (never replaced, or
+                original.unlink()  # put back by a rename that failed after all)
     for f in reversed(j.folders):
         with contextlib.suppress(OSError):
             (folder / f).rmdir()
     _sync_dirs(folder, j)
     _drop(folder)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether ``b`` holds ``a``'s bytes (so ``a``, the kept original, may go)."""
+    try:
+        return a.read_bytes() == b.read_bytes()
+    except OSError:
+        return False
 
 
 def _link(target: Path, original: Path) -> None:

@@ -19,7 +19,6 @@ import pytest
 from toyrepo import apply_argv, make_series, make_upstream, run, snapshot
 
 from megatron_rocm.main import main
-from megatron_rocm.patchtool import export as export_module
 
 pytestmark = pytest.mark.full
 
@@ -154,7 +153,7 @@ def test_a_write_that_fails_half_way_leaves_the_series_as_it_was(fork, capsys, m
             raise PermissionError(1, "Operation not permitted", str(dst))
         return real(src, dst)
 
-    monkeypatch.setattr(export_module.os, "replace", failing)
+    monkeypatch.setattr(os, "replace", failing)  # the series journal renames through os
     assert _export(dest, series) == 3
     _one_line(capsys)
     assert _series_files(series) == before
