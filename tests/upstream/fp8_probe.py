@@ -12,12 +12,12 @@ outputs and gradients for the test to compare.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
+
+import probe_cli  # beside this script (sys.path[0])
 
 SEQ, BATCH, HIDDEN, HEADS, LAYERS = 16, 2, 64, 4, 4
 
@@ -94,19 +94,6 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tree", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    try:
-        result = run(args)
-    except Exception as exc:  # the test reports it with the trace
-        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(args.out).write_text(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    sys.exit(main())
+    sys.exit(probe_cli.main(run))
