@@ -77,30 +77,43 @@ def unsupported_gpu_reason() -> str | None:
     return None
 
 
-def _quantize(
-    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
+def _cast(
+    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # one read of x; the largest |x| is one of x's values: exact in x's dtype
-    amax = torch.linalg.vector_norm(x, float("inf")).float()
+    """``x`` scaled by ``amax``, clamped and cast; the inverse scale. Pointwise only."""
     scale = torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
     x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale.reciprocal()
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest ``|x|`` in fp32, one read of ``x`` (exact: it is one of ``x``'s values)."""
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def _quantize(
+    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cast(x, _amax(x), dtype, fp8_max, margin)
+
+
 @functools.cache
-def _compiled_quantize(
+def _compiled_cast(
     dtype: torch.dtype, source: torch.dtype, device_type: str
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``_quantize`` through Inductor for one (FP8 dtype, input dtype, device type): the amax,
-    then one fused read-scale-clamp-cast pass (eager torch makes five passes over fp32 copies).
+    """``_cast`` through Inductor for one (FP8 dtype, input dtype, device type): one fused
+    read-scale-clamp-cast pass (eager torch makes four passes over fp32 copies).
 
+    Only the pointwise part: with ``dynamic`` shapes Inductor does not split a reduction over
+    a symbolic length, so a compiled amax ran as one program (14.7 ms for an 8192 x 4096 bf16
+    input on an H200, against 0.35 ms for all of eager's quantize); the amax stays eager.
     Dynamo guards on the dtypes and counts recompiles per code object (every ``torch.compile``
-    of one function shares them), so each key compiles its own copy of ``_quantize``'s code:
-    a run's few keys never add up to ``recompile_limit``. ``dynamic``: one graph for every
+    of one function shares them), so each key compiles its own copy of ``_cast``'s code: a
+    run's few keys never add up to ``recompile_limit``. ``dynamic``: one graph for every
     length of the flat input ``quantize`` passes."""
-    name = f"_quantize_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
-    code = _quantize.__code__.replace(co_name=name, co_qualname=name)
-    fn = types.FunctionType(code, _quantize.__globals__, name)
+    name = f"_cast_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
+    code = _cast.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, _cast.__globals__, name)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
@@ -110,8 +123,9 @@ _eager_keys: set[tuple[torch.dtype, torch.dtype, str]] = set()  # their compilat
 def _quantize_compiled(
     x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_quantize`` compiled, on ``x`` flattened: a plain tensor without autograd (not a
-    ``Parameter``, one rank and layout), so its shape, type and grad mode cost no recompiles.
+    """``_quantize`` with its cast compiled, on ``x`` flattened: a plain tensor without
+    autograd (not a ``Parameter``, one rank and layout), so its shape, type and grad mode cost
+    no recompiles.
     A key whose compilation fails quantizes eagerly from then on, logged once: the training
     step goes on, slower."""
     key = (dtype, x.dtype, x.device.type)
@@ -119,7 +133,7 @@ def _quantize_compiled(
         flat = x.detach().reshape(-1)
         try:
             with torch.no_grad():
-                x_fp8, inv = _compiled_quantize(*key)(flat, dtype, fp8_max, margin)
+                x_fp8, inv = _compiled_cast(*key)(flat, _amax(flat), dtype, fp8_max, margin)
             return x_fp8.view(x.shape), inv
         except torch.OutOfMemoryError:
             raise

@@ -200,7 +200,7 @@ def test_frozen_weight_gets_no_gradient() -> None:
 
 
 @pytest.mark.slow
-def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
+def test_the_compiled_cast_is_bitwise_the_eager_one() -> None:
     """What a GPU runs (Inductor; compiled here on the CPU, about a minute) against the path
     the tests above check."""
     for shape, dtype in (((64, 48), E4M3), ((100, 32), E5M2)):
@@ -215,7 +215,7 @@ def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
 @pytest.fixture
 def fresh_compiled(monkeypatch, caplog):
     """The compiled quantize with nothing compiled yet and no key fallen back to eager."""
-    compiled = fp8._compiled_quantize
+    compiled = fp8._compiled_cast
     compiled.cache_clear()
     monkeypatch.setattr(fp8, "_eager_keys", set())
     monkeypatch.setattr(launch, "_logged", set())
@@ -257,7 +257,7 @@ def _quantize_every_kind() -> int:
     return checked
 
 
-def test_compiled_quantize_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
+def test_compiled_cast_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
     """The GPU failure this guards: one compiled quantize for every call recompiled for each
     shape, ``Parameter`` against tensor, grad mode and dtype, and hit Dynamo's
     ``recompile_limit`` (8) in the first FP8 training step (fullgraph: a hard error). Dynamo
@@ -266,7 +266,7 @@ def test_compiled_quantize_takes_every_shape_and_operand_kind(monkeypatch, fresh
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
     assert _quantize_every_kind() > 12 * 2 * 2 * 2
     assert not fp8._eager_keys and not fresh_compiled.records  # compiled, no fallback
-    assert fp8._compiled_quantize.cache_info().currsize == 4  # 2 formats x 2 input dtypes
+    assert fp8._compiled_cast.cache_info().currsize == 4  # 2 formats x 2 input dtypes
 
 
 @pytest.mark.full
@@ -287,7 +287,7 @@ def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh
 
         return run
 
-    monkeypatch.setattr(fp8, "_compiled_quantize", broken)
+    monkeypatch.setattr(fp8, "_compiled_cast", broken)
     x = torch.randn(32, 16, dtype=torch.bfloat16)
     want = fp8.quantize(x, E4M3, compiled=False)
     for _ in range(3):
@@ -300,7 +300,7 @@ def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh
     assert "eager" in record.getMessage() and "second line" not in record.getMessage()
 
 
-def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) -> None:
+def test_gpu_tensors_take_the_compiled_cast_unless_reference(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(fp8, "_quantize_compiled", lambda *a: calls.append(a) or a)
     cuda_like = torch.ones(4, 4)
@@ -318,12 +318,9 @@ def test_an_empty_tensor_quantizes_with_scale_one() -> None:
     assert x_fp8.shape == (0, 16) and x_fp8.dtype == E4M3 and inv.item() == 1.0
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-
-
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_gpu_fp8_linear_matches_the_cpu_emulation(fmt) -> None:
+def test_gpu_fp8_linear_matches_the_cpu_emulation(cuda_device: torch.device, fmt: str) -> None:
     """The GPU path (Inductor's quantize, ``torch._scaled_mm`` with its layouts) against the
     CPU's (eager quantize, fp32 GEMM of the dequantized operands), forward and backward,
     on the dtypes this GPU uses; 20 tokens exercise the weight gradient's padding."""
