@@ -26,8 +26,8 @@ from megatron_rocm.runtime.kernels.fp8 import (
     check_gemm_dims,
     formats,
     fp8_mm,
-    pad_rows,
     quantize,
+    quantize_transposed,
 )
 from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
@@ -105,17 +105,29 @@ class Fp8LinearFunction(torch.autograd.Function):
     fp32 from the activations without ``wgrad_in_fp8``). The weight gradient keeps
     ``LinearFunction``'s contract: with gradient-accumulation fusion it is added into
     ``weight.main_grad`` and autograd gets Megatron's placeholder.
+
+    The backward's GEMMs want ``W``, ``x`` and ``dy`` transposed (``torch._scaled_mm``: the
+    second operand column-major); each is quantized together with its transpose
+    (``quantize_transposed``), and the forward saves only the transposes it will need.
     """
 
     @staticmethod
     def forward(ctx, x, weight, fuse_wgrad, recipe):  # noqa: ANN001, ANN205
         fmt = recipe.formats.forward
         rows = x.reshape(-1, x.shape[-1])
-        x_fp8, x_inv = quantize(rows, fmt, recipe.margin)
-        w_fp8, w_inv = quantize(weight, fmt, recipe.margin)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_fp8_t = saved_x = None
+        if need_wgrad and recipe.wgrad_in_fp8:
+            x_fp8, x_fp8_t, x_inv = quantize_transposed(rows, fmt, recipe.margin)
+        else:
+            x_fp8, x_inv = quantize(rows, fmt, recipe.margin)
+            saved_x = rows if need_wgrad else None
+        if need_dgrad:
+            w_fp8, w_fp8_t, w_inv = quantize_transposed(weight, fmt, recipe.margin)
+        else:
+            (w_fp8, w_inv), w_fp8_t = quantize(weight, fmt, recipe.margin), None
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
-        saved_x = x_fp8 if recipe.wgrad_in_fp8 else rows
-        ctx.save_for_backward(saved_x, x_inv, w_fp8, w_inv, weight)
+        ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
         # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
         ctx.fuse_wgrad = fuse_wgrad and (
@@ -125,17 +137,22 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
-        saved_x, x_inv, w_fp8, w_inv, weight = ctx.saved_tensors
+        x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
+        fmt = recipe.formats.backward
         dy = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_fp8, dy_inv = quantize(dy, recipe.formats.backward, recipe.margin)
+        wgrad_fp8 = ctx.needs_input_grad[1] and recipe.wgrad_in_fp8
+        if wgrad_fp8:
+            dy_fp8, dy_fp8_t, dy_inv = quantize_transposed(dy, fmt, recipe.margin)
+        else:
+            dy_fp8, dy_inv = quantize(dy, fmt, recipe.margin)
         grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_input = fp8_mm(dy_fp8, dy_inv, w_fp8, w_inv, ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[0]:  # [M, N] x [N, K]: W^T's transpose is W, column-major
+            grad_input = fp8_mm(dy_fp8, dy_inv, w_fp8_t.t(), w_inv, ctx.x_dtype)
+            grad_input = grad_input.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if recipe.wgrad_in_fp8:
-                dy_t, x_rows = pad_rows(dy_fp8).t(), pad_rows(saved_x)
-                wgrad = fp8_mm(dy_t, dy_inv, x_rows, x_inv, torch.float32)
+            if wgrad_fp8:  # [N, M'] x [M', K], M' the tokens padded to 16 with zeros
+                wgrad = fp8_mm(dy_fp8_t, dy_inv, x_fp8_t.t(), x_inv, torch.float32)
             else:
                 wgrad = dy.t().float() @ saved_x.float()
             grad_weight = _deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)

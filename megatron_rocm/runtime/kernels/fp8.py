@@ -25,9 +25,15 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.kernels.launch import log_fallback_once, reference_forced
+from megatron_rocm.runtime.kernels.launch import (
+    log_fallback_once,
+    reference_forced,
+    use_triton,
+)
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
+# what fp8_triton.cast_transpose reads (kept here: that module imports Triton)
+_CAST_TRANSPOSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,14 @@ def _cast(
     x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` scaled by ``amax``, clamped and cast; the inverse scale. Pointwise only."""
-    scale = torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
+    scale = _scale(amax, fp8_max, margin)
     x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale.reciprocal()
+
+
+def _scale(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin``, 1 where ``x`` is all zeros."""
+    return torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +178,29 @@ def quantize(
         return _quantize_compiled(x, dtype, fp8_max, margin)
     with torch.no_grad():
         return _quantize(x.detach(), dtype, fp8_max, margin)
+
+
+def quantize_transposed(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_fp8, x_fp8_t, inverse_scale)`` of a 2-D ``x`` [R, C]: ``quantize``'s result and its
+    transpose [C, R'] (R rounded up to a multiple of 16, zeros past R) -- the layouts
+    ``torch._scaled_mm`` takes for the weight gradient's operands and the input gradient's
+    weight, with no copy left for it to make. On a GPU one Triton pass writes both
+    (``fp8_triton.cast_transpose``, bitwise ``quantize``); elsewhere, or with
+    ``MEGATRON_ROCM_KERNELS=reference:fp8``, torch quantizes and copies."""
+    fp8_max = float(torch.finfo(dtype).max)
+    rows = x.shape[0]
+    ld_t = rows + (-rows % _ALIGN)
+    if x.numel() and x.dtype in _CAST_TRANSPOSE_DTYPES and use_triton(x, kernel="fp8"):
+        from megatron_rocm.runtime.kernels import fp8_triton
+
+        x = x.detach().contiguous()
+        scale = _scale(_amax(x), fp8_max, margin)
+        x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
+        return x_fp8, x_fp8_t, scale.reciprocal()
+    x_fp8, inverse_scale = quantize(x, dtype, margin)
+    return x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
 
 
 def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
