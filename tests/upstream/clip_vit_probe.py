@@ -1,0 +1,83 @@
+"""Upstream's CLIP ViT without TE: built from its own defaults and run forward (CPU).
+
+    python clip_vit_probe.py --tree PATCHED_TREE --out RESULT.json
+
+One gloo rank. ``CLIPViTModel``'s ``ln_pre``/``ln_post`` default to TE's norm, and without TE
+to ``torch.nn.LayerNorm``, which ``build_module`` cannot construct (it passes ``config=``):
+LLaVA and every CLIP test of upstream's stopped there. The probe builds the model with the
+norms it defaults to, for LayerNorm and RMSNorm configs, and records the norm's class, whether
+it normalises as the config says (against the formula written out here) and the forward's
+output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import probe_cli  # beside this script (sys.path[0])
+
+HIDDEN, HEADS, IMG, PATCH = 64, 4, 32, 16
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, args.tree)
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cpu_shim
+
+    cpu_shim.install()
+    store = Path(args.out).with_name("gloo.store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel()
+    out: dict = {}
+    for kind in ("LayerNorm", "RMSNorm"):
+        torch.manual_seed(0)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, normalization=kind,
+            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+            bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+            gradient_accumulation_fusion=False, layernorm_epsilon=1e-5,
+        )  # fmt: skip
+        model = CLIPViTModel(
+            config, get_vit_layer_with_local_spec(), img_h=IMG, img_w=IMG, patch_dim=PATCH
+        )
+        norm = model.ln_pre
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.uniform_(-0.5, 0.5)
+        x = torch.randn(5, HIDDEN, dtype=torch.float64).float()
+        xd = x.double()
+        if kind == "LayerNorm":
+            want = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(
+                xd.var(-1, unbiased=False, keepdim=True) + 1e-5
+            )
+        else:
+            want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+        want = want * norm.weight.double() + (
+            norm.bias.double() if getattr(norm, "bias", None) is not None else 0
+        )
+        images = torch.randn(2, 3, IMG, IMG)
+        y = model(images)
+        out[kind] = {
+            "norm": type(norm).__name__,
+            "norm_error": float((norm(x).double() - want).abs().max()),
+            "shape": list(y.shape),
+            "finite": bool(torch.isfinite(y).all()),
+        }
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(probe_cli.main(run))
