@@ -269,3 +269,76 @@ def test_mirror_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel,
     assert got["qkv_module"].startswith("megatron_rocm.runtime.backend")
     assert got["max_logit_diff"] < 1e-4
     assert got["same_names"] and got["exact"]
+
+
+def _bridge_stage(stage: str, out: Path, env: dict[str, str]) -> dict:
+    script = HERE / "realdata" / "bridge_finetune.py"
+    res = subprocess.run(
+        [sys.executable, str(script), stage, str(out)], env=env, capture_output=True, text=True
+    )
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, res.stderr[-2000:]
+    import json
+
+    return json.loads(line[0][len("RESULT ") :])
+
+
+@pytest.mark.upstream
+@needs_mirror
+def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
+    trees, bridge_wheel, tmp_path
+) -> None:
+    """The whole user path of docs/real-data.md: a Hugging Face Llama -> a Megatron checkpoint
+    (Megatron-Bridge converts, dist_checkpointing writes) -> upstream's preprocess_data.py on a
+    JSONL corpus -> pretrain_gpt.py --load --finetune on it (TE spec, native backend) -> back to
+    Hugging Face, whose logits equal Megatron's. TE is never imported."""
+    import math
+
+    needs_training_imports()
+    for mod in ("transformers", "rich", "omegaconf"):
+        pytest.importorskip(mod, reason=f"Megatron-Bridge imports {mod} (pip install it)")
+    sys.path.insert(0, str(HERE / "realdata"))
+    from tiny_llama import MEGATRON_ARGS, VOCAB
+
+    tree = trees(NEWEST)  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
+    env = dict(os.environ, **cpu_env(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
+    )
+    imported = _bridge_stage("import", tmp_path, env)
+    assert imported["have_te"] is False
+    assert imported["hf_loss_on_random_tokens"] > math.log(VOCAB) + 2  # the scaled-up head
+
+    ctx = runner.Context(tree=tree, device="cpu", gpu_count=0, log=print)
+    ctx._workdir = str(tmp_path / "work")
+    work = tmp_path / "work" / "real-data"
+    work.mkdir(parents=True)
+    full_env = checks_realdata._env(tree, cpu_env(tmp_path))
+    data, entropy, _, _ = checks_realdata.prepare(ctx, tree, work, full_env, CPU_STEP_TIMEOUT)
+    iters = 30
+    log = tmp_path / "finetune.log"
+    cmd = [
+        sys.executable, str(HERE / "realdata" / "cpu_pretrain.py"), "pretrain_gpt.py",
+        *MEGATRON_ARGS, *checks_realdata._tokenizer_args(tree, work / "tokenizer"),
+        f"--data-path={data}", "--split=98,2,0", "--micro-batch-size=8", "--global-batch-size=8",
+        "--lr=3e-3", "--min-lr=3e-4", "--lr-decay-style=cosine", "--lr-warmup-iters=2",
+        f"--train-iters={iters}", "--log-interval=1", "--eval-iters=1", "--eval-interval=1000",
+        "--transformer-impl=transformer_engine", "--distributed-backend=gloo",
+        f"--load={tmp_path / 'megatron'}", "--finetune", "--no-load-optim", "--no-load-rng",
+        f"--save={tmp_path / 'trained'}", f"--save-interval={iters}",
+    ]  # fmt: skip
+    with log.open("w") as f:
+        rc = subprocess.run(
+            cmd, cwd=tree, env=full_env, stdout=f, stderr=subprocess.STDOUT
+        ).returncode
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    losses = checks_realdata.losses(text)
+    print(f"finetune: loss {losses[1]:.2f} -> {losses[iters]:.2f}, unigram entropy {entropy:.2f}")
+    assert losses[1] > math.log(VOCAB) + 2, losses  # it started from the HF weights
+    assert losses[iters] < entropy, losses  # and learned the text
+
+    exported = _bridge_stage("export", tmp_path, env)
+    assert exported["have_te"] is False
+    assert exported["changed"] == exported["tensors"]  # every tensor trained
+    assert exported["max_logit_diff"] < 1e-4 * exported["logit_scale"]
