@@ -18,6 +18,8 @@
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py)
+#   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
+#            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16), losses compared
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention)
@@ -87,7 +89,7 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need:
-#   1 GPU:  setup train units profile bench trace kernels smoke mla moebench upx1 series
+#   1 GPU:  setup train units profile bench trace fp8 kernels smoke mla moebench upx1 series
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
 #   4 GPUs: setup par4 scale4
 set -u
@@ -197,6 +199,27 @@ stage_bench() {
       --micro-batch-size "${UNFUSED_MBS:-8}" --unfused
     log "bench unfused (unpatched tree) mbs ${UNFUSED_MBS:-8}: $(cat "$OUT/bench-unfused-$NEWEST.json")"
   fi
+}
+
+stage_fp8() {
+  # FP8 (tensorwise) on one GPU: the GPU cases of the FP8 tests, scripts/bench/fp8_linear.py with
+  # Dynamo's recompiles logged, then the 0.85B Llama in bf16 and in FP8 one after the other
+  # (FP8_MBS, FP8_ITERS) and their losses compared (scripts/training/compare_losses.py)
+  (cd "$HERE" && timeout 120 $PY -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/runtime/kernels/test_fp8.py \
+     tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/backend/test_fp8_recipe.py \
+     > "$OUT/fp8-gpu-tests.txt" 2>&1)
+  log "fp8 gpu tests: $(tail -1 "$OUT/fp8-gpu-tests.txt")"
+  (cd "$HERE" && TORCH_LOGS=recompiles timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
+     --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
+  log "fp8 bench: exit $? (recompile lines: $(grep -ci recompil "$OUT/bench-fp8.txt"))"
+  local m="--preset llama --preset-size 0.85b --iters ${FP8_ITERS:-300} --micro-batch-size ${FP8_MBS:-16}"
+  m="$m --global-batch-size ${FP8_MBS:-16}"
+  train "fp8-bf16-$NEWEST" "$W/p-$NEWEST" $m
+  train "fp8-hybrid-$NEWEST" "$W/p-$NEWEST" $m -- --fp8-format hybrid --fp8-recipe tensorwise
+  for n in bf16 hybrid; do log "0.85B $n: $(cat "$OUT/fp8-$n-$NEWEST.json")"; done
+  (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
+     "$OUT/fp8-hybrid-$NEWEST.log" > "$OUT/fp8-compare.txt" 2>&1)
+  log "fp8 vs bf16 losses: $(tail -c 400 "$OUT/fp8-compare.txt")"
 }
 
 stage_trace() {
