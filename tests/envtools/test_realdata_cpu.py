@@ -274,10 +274,14 @@ def test_mirror_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel,
 def _bridge_stage(stage: str, out: Path, env: dict[str, str]) -> dict:
     script = HERE / "realdata" / "bridge_finetune.py"
     res = subprocess.run(
-        [sys.executable, str(script), stage, str(out)], env=env, capture_output=True, text=True
+        [sys.executable, str(script), stage, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CPU_STEP_TIMEOUT,
     )
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, res.stderr[-2000:]
+    assert res.returncode == 0 and line, res.stderr[-2000:]
     import json
 
     return json.loads(line[0][len("RESULT ") :])
@@ -286,7 +290,7 @@ def _bridge_stage(stage: str, out: Path, env: dict[str, str]) -> dict:
 @pytest.mark.upstream
 @needs_mirror
 def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
-    trees, bridge_wheel, tmp_path
+    trees, bridge_wheel, tmp_path, monkeypatch
 ) -> None:
     """The whole user path of docs/real-data.md: a Hugging Face Llama -> a Megatron checkpoint
     (Megatron-Bridge converts, dist_checkpointing writes) -> upstream's preprocess_data.py on a
@@ -297,7 +301,7 @@ def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
     needs_training_imports()
     for mod in ("transformers", "rich", "omegaconf"):
         pytest.importorskip(mod, reason=f"Megatron-Bridge imports {mod} (pip install it)")
-    sys.path.insert(0, str(HERE / "realdata"))
+    monkeypatch.syspath_prepend(str(HERE / "realdata"))
     from tiny_llama import MEGATRON_ARGS, VOCAB
 
     tree = trees(NEWEST)  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
@@ -341,4 +345,8 @@ def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
     exported = _bridge_stage("export", tmp_path, env)
     assert exported["have_te"] is False
     assert exported["changed"] == exported["tensors"]  # every tensor trained
+    print(
+        f"decoder cosine to HF's: {exported['decoder_cosine']:.2f} (fresh {exported['fresh_cosine']:.2f})"
+    )
+    assert exported["decoder_cosine"] > 0.3 > abs(exported["fresh_cosine"])  # from HF's weights
     assert exported["max_logit_diff"] < 1e-4 * exported["logit_scale"]

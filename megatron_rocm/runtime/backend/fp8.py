@@ -107,15 +107,19 @@ class Fp8LinearFunction(torch.autograd.Function):
     ``weight.main_grad`` and autograd gets Megatron's placeholder.
 
     The backward's GEMMs want ``W``, ``x`` and ``dy`` transposed (``torch._scaled_mm``: the
-    second operand column-major); each is quantized together with its transpose
-    (``quantize_transposed``), and the forward saves only the transposes it will need.
+    second operand column-major); each operand a backward GEMM needs is quantized together with
+    its transpose (``quantize_transposed``), and the forward saves only the transposes it will
+    need (none without grad mode).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, fuse_wgrad, recipe):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, fuse_wgrad, recipe, grad_enabled):  # noqa: ANN001, ANN205
         fmt = recipe.formats.forward
         rows = x.reshape(-1, x.shape[-1])
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad follows requires_grad even under no_grad (evaluation, a reentrant
+        # recompute's first pass): the caller's grad mode says whether a backward can come
+        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+        need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         x_fp8_t = saved_x = None
         if need_wgrad and recipe.wgrad_in_fp8:
             x_fp8, x_fp8_t, x_inv = quantize_transposed(rows, fmt, recipe.margin)
@@ -156,7 +160,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 wgrad = dy.t().float() @ saved_x.float()
             grad_weight = _deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None, None, None
 
 
 def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Tensor) -> Any:
@@ -173,7 +177,7 @@ def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Ten
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool, recipe: Fp8Recipe) -> Any:
     """``x W^T`` on ``Fp8LinearFunction``."""
-    return Fp8LinearFunction.apply(x, weight, fuse_wgrad, recipe)
+    return Fp8LinearFunction.apply(x, weight, fuse_wgrad, recipe, torch.is_grad_enabled())
 
 
 def plain_gemm_problem(linear: Any) -> str | None:

@@ -32,7 +32,7 @@ from megatron_rocm.runtime.kernels.launch import (
 )
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
-# what fp8_triton.cast_transpose reads (kept here: that module imports Triton)
+# what fp8_triton.cast_transpose reads (here: that module imports Triton at import time)
 _CAST_TRANSPOSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,18 +83,20 @@ def unsupported_gpu_reason() -> str | None:
     return None
 
 
-def _cast(
-    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` scaled by ``amax``, clamped and cast; the inverse scale. Pointwise only."""
-    scale = _scale(amax, fp8_max, margin)
-    x_fp8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-    return x_fp8, scale.reciprocal()
-
-
 def _scale(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin``, 1 where ``x`` is all zeros."""
-    return torch.where(amax > 0, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
+    """``fp8_max / amax / 2**margin`` in fp32, eager (exact division; Inductor's on a GPU is
+    approximate): 1 where ``x`` is all zeros or its amax is not finite (TE's rule), at most
+    fp32's largest value (an amax under ``fp8_max / FLT_MAX`` would make it inf, and zeros NaN)."""
+    usable = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(usable, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
+    return scale.clamp(max=torch.finfo(torch.float32).max)
+
+
+def _apply(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8_max: float
+) -> torch.Tensor:
+    """``x * scale`` in fp32, clamped and cast: pointwise only (what ``_compiled_apply`` fuses)."""
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -105,30 +107,44 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 def _quantize(
     x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _cast(x, _amax(x), dtype, fp8_max, margin)
+    scale = _scale(_amax(x), fp8_max, margin)
+    return _apply(x, scale, dtype, fp8_max), scale.reciprocal()
 
 
 @functools.cache
-def _compiled_cast(
+def _compiled_apply(
     dtype: torch.dtype, source: torch.dtype, device_type: str
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``_cast`` through Inductor for one (FP8 dtype, input dtype, device type): one fused
+) -> Callable[..., torch.Tensor]:
+    """``_apply`` through Inductor for one (FP8 dtype, input dtype, device type): one fused
     read-scale-clamp-cast pass (eager torch makes four passes over fp32 copies).
 
-    Only the pointwise part: with ``dynamic`` shapes Inductor does not split a reduction over
-    a symbolic length, so a compiled amax ran as one program (14.7 ms for an 8192 x 4096 bf16
-    input on an H200, against 0.35 ms for all of eager's quantize); the amax stays eager.
+    Only the pointwise part. With ``dynamic`` shapes Inductor does not split a reduction over a
+    symbolic length, so a compiled amax ran as one program (14.7 ms for an 8192 x 4096 bf16
+    input on an H200, against 0.35 ms for all of eager's quantize); and its fp32 division and
+    reciprocal are approximate on a GPU. The amax and both scales stay eager, so every path
+    (eager, compiled, ``fp8_triton``) quantizes with the same scale bits.
     Dynamo guards on the dtypes and counts recompiles per code object (every ``torch.compile``
-    of one function shares them), so each key compiles its own copy of ``_cast``'s code: a
+    of one function shares them), so each key compiles its own copy of ``_apply``'s code: a
     run's few keys never add up to ``recompile_limit``. ``dynamic``: one graph for every
     length of the flat input ``quantize`` passes."""
-    name = f"_cast_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
-    code = _cast.__code__.replace(co_name=name, co_qualname=name)
-    fn = types.FunctionType(code, _cast.__globals__, name)
+    name = f"_apply_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
+    code = _apply.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, _apply.__globals__, name)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 _eager_keys: set[tuple[torch.dtype, torch.dtype, str]] = set()  # their compilation failed
+
+
+def _fall_back_once(key: tuple, what: str, exc: Exception) -> None:
+    """Remember ``key`` as failed and say so once: the training step goes on, slower."""
+    _eager_keys.add(key)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    log_fallback_once(
+        f"fp8-{what}-{key}",
+        f"FP8 {what} ({key[1]} to {key[0]} on {key[2]}) failed "
+        f"({type(exc).__name__}: {reason[:200]}); quantizing with eager torch",
+    )
 
 
 def _quantize_compiled(
@@ -136,27 +152,19 @@ def _quantize_compiled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_quantize`` with its cast compiled, on ``x`` flattened: a plain tensor without
     autograd (not a ``Parameter``, one rank and layout), so its shape, type and grad mode cost
-    no recompiles.
-    A key whose compilation fails quantizes eagerly from then on, logged once: the training
-    step goes on, slower."""
+    no recompiles. A key whose compilation fails quantizes eagerly from then on, logged once."""
     key = (dtype, x.dtype, x.device.type)
-    if key not in _eager_keys:
-        flat = x.detach().reshape(-1)
-        try:
-            with torch.no_grad():
-                x_fp8, inv = _compiled_cast(*key)(flat, _amax(flat), dtype, fp8_max, margin)
-            return x_fp8.view(x.shape), inv
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any compile failure: eager still works
-            _eager_keys.add(key)
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            log_fallback_once(
-                f"fp8-compile-{key}",
-                f"FP8 quantize ({key[1]} to {key[0]} on {key[2]}) does not compile "
-                f"({type(exc).__name__}: {reason[:200]}); quantizing with eager torch",
-            )
     with torch.no_grad():
+        if key not in _eager_keys:
+            flat = x.detach().reshape(-1)
+            scale = _scale(_amax(flat), fp8_max, margin)
+            try:
+                x_fp8 = _compiled_apply(*key)(flat, scale, dtype, fp8_max)
+                return x_fp8.view(x.shape), scale.reciprocal()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any compile failure: eager still works
+                _fall_back_once(key, "quantize compile", exc)
         return _quantize(x.detach(), dtype, fp8_max, margin)
 
 
@@ -164,7 +172,8 @@ def quantize(
     x: torch.Tensor, dtype: torch.dtype, margin: int = 0, *, compiled: bool | None = None
 ) -> tuple[torch.Tensor, Any]:
     """``(x_fp8, inverse_scale)``: ``x * scale`` cast with saturation, where ``scale =
-    fp8_max / amax(x) / 2**margin`` (1 where ``x`` is all zeros); ``x_fp8 * inverse_scale``
+    fp8_max / amax(x) / 2**margin`` (``_scale``: 1 where ``x`` is all zeros or not finite, at
+    most fp32's largest value); ``x_fp8 * inverse_scale``
     is ``x`` again up to FP8 rounding. Both scales stay fp32 tensors on the device (no host
     sync); neither carries autograd (the FP8 linear's own backward uses them). ``compiled``:
     through Inductor (``_quantize_compiled``); None (the default) compiles on a GPU unless
@@ -187,18 +196,31 @@ def quantize_transposed(
     transpose [C, R'] (R rounded up to a multiple of 16, zeros past R) -- the layouts
     ``torch._scaled_mm`` takes for the weight gradient's operands and the input gradient's
     weight, with no copy left for it to make. On a GPU one Triton pass writes both
-    (``fp8_triton.cast_transpose``, bitwise ``quantize``); elsewhere, or with
-    ``MEGATRON_ROCM_KERNELS=reference:fp8``, torch quantizes and copies."""
+    (``fp8_triton.cast_transpose``, bitwise ``quantize``); elsewhere, with
+    ``MEGATRON_ROCM_KERNELS=reference:fp8``, or once the kernel failed (logged once), torch
+    quantizes and copies."""
     fp8_max = float(torch.finfo(dtype).max)
     rows = x.shape[0]
     ld_t = rows + (-rows % _ALIGN)
-    if x.numel() and x.dtype in _CAST_TRANSPOSE_DTYPES and use_triton(x, kernel="fp8"):
+    key = (dtype, x.dtype, "cast_transpose")
+    if (
+        x.numel()
+        and x.dtype in _CAST_TRANSPOSE_DTYPES
+        and key not in _eager_keys
+        and use_triton(x, kernel="fp8")
+    ):
         from megatron_rocm.runtime.kernels import fp8_triton
 
-        x = x.detach().contiguous()
-        scale = _scale(_amax(x), fp8_max, margin)
-        x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
-        return x_fp8, x_fp8_t, scale.reciprocal()
+        with torch.no_grad():
+            x = x.detach().contiguous()
+            scale = _scale(_amax(x), fp8_max, margin)
+            try:
+                x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
+                return x_fp8, x_fp8_t, scale.reciprocal()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a kernel failure: torch still works
+                _fall_back_once(key, "cast-transpose kernel", exc)
     x_fp8, inverse_scale = quantize(x, dtype, margin)
     return x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
 

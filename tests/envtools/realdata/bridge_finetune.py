@@ -112,7 +112,19 @@ def do_export(out: Path) -> dict:
         for name, tensor in trained.state_dict().items()
         if not torch.equal(tensor, original.state_dict()[name])
     ]
+    # a decoder weight (not only the scaled-up head) started from HF's: after training it still
+    # points along HF's original (cosine), where a freshly initialised one is unrelated to it
+    name = "model.layers.0.mlp.gate_proj.weight"
+    torch.manual_seed(1)
+    fresh = LlamaForCausalLM(original.config).state_dict()[name]
+    ref = original.state_dict()[name].flatten()
+
+    def cosine(t: torch.Tensor) -> float:
+        return torch.nn.functional.cosine_similarity(t.flatten(), ref, dim=0).item()
+
     return {
+        "decoder_cosine": cosine(trained.state_dict()[name]),
+        "fresh_cosine": cosine(fresh),
         "max_logit_diff": diff,
         "logit_scale": megatron_logits.abs().max().item(),
         "changed": len(changed),

@@ -109,6 +109,27 @@ def test_all_zeros_scale_is_one() -> None:
     assert inv.item() == 1.0 and not x_fp8.float().any()
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E4M3_FNUZ])
+def test_a_tiny_amax_caps_the_scale_instead_of_overflowing(dtype) -> None:
+    """448 / 1e-37 overflows fp32: uncapped, zeros became NaN (0 * inf) and the inverse scale
+    0. Capped at fp32's largest value, zeros stay zero and the values stay finite."""
+    x = torch.tensor([0.0, 1e-37, -1e-37, 5e-38, 0.0, 0.0, 0.0, 0.0] * 2)
+    x_fp8, inv = fp8.quantize(x, dtype, compiled=False)
+    cap = torch.tensor(torch.finfo(torch.float32).max)
+    assert inv.item() == cap.reciprocal().item() > 0
+    values = x_fp8.float()
+    assert torch.isfinite(values).all() and (values[x == 0] == 0).all()
+    assert (values[x != 0].sign() == x[x != 0].sign()).all()
+
+
+def test_an_infinite_amax_scales_by_one_and_saturates() -> None:
+    """TE's rule: a scale from a non-finite amax is not used (1 instead); inf saturates."""
+    x = torch.tensor([1.0, float("inf"), -float("inf"), 1000.0])
+    x_fp8, inv = fp8.quantize(x, E4M3, compiled=False)
+    assert inv.item() == 1.0
+    assert x_fp8.float().tolist() == [1.0, 448.0, -448.0, 448.0]
+
+
 # -- the GEMM --------------------------------------------------------------------------------
 
 
@@ -200,7 +221,7 @@ def test_frozen_weight_gets_no_gradient() -> None:
 
 
 @pytest.mark.slow
-def test_the_compiled_cast_is_bitwise_the_eager_one() -> None:
+def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
     """What a GPU runs (Inductor; compiled here on the CPU, about a minute) against the path
     the tests above check."""
     for shape, dtype in (((64, 48), E4M3), ((100, 32), E5M2)):
@@ -215,7 +236,7 @@ def test_the_compiled_cast_is_bitwise_the_eager_one() -> None:
 @pytest.fixture
 def fresh_compiled(monkeypatch, caplog):
     """The compiled quantize with nothing compiled yet and no key fallen back to eager."""
-    compiled = fp8._compiled_cast
+    compiled = fp8._compiled_apply
     compiled.cache_clear()
     monkeypatch.setattr(fp8, "_eager_keys", set())
     monkeypatch.setattr(launch, "_logged", set())
@@ -257,7 +278,7 @@ def _quantize_every_kind() -> int:
     return checked
 
 
-def test_compiled_cast_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
+def test_compiled_quantize_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
     """The GPU failure this guards: one compiled quantize for every call recompiled for each
     shape, ``Parameter`` against tensor, grad mode and dtype, and hit Dynamo's
     ``recompile_limit`` (8) in the first FP8 training step (fullgraph: a hard error). Dynamo
@@ -266,7 +287,7 @@ def test_compiled_cast_takes_every_shape_and_operand_kind(monkeypatch, fresh_com
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
     assert _quantize_every_kind() > 12 * 2 * 2 * 2
     assert not fp8._eager_keys and not fresh_compiled.records  # compiled, no fallback
-    assert fp8._compiled_cast.cache_info().currsize == 4  # 2 formats x 2 input dtypes
+    assert fp8._compiled_apply.cache_info().currsize == 4  # 2 formats x 2 input dtypes
 
 
 @pytest.mark.full
@@ -287,7 +308,7 @@ def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh
 
         return run
 
-    monkeypatch.setattr(fp8, "_compiled_cast", broken)
+    monkeypatch.setattr(fp8, "_compiled_apply", broken)
     x = torch.randn(32, 16, dtype=torch.bfloat16)
     want = fp8.quantize(x, E4M3, compiled=False)
     for _ in range(3):
@@ -296,11 +317,11 @@ def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh
         assert torch.equal(got[1], want[1])
     assert attempts == [(E4M3, torch.bfloat16, "cpu")]  # not retried every step
     (record,) = fresh_compiled.records
-    assert "does not compile (RuntimeError: inductor: no C++ compiler)" in record.getMessage()
+    assert "failed (RuntimeError: inductor: no C++ compiler)" in record.getMessage()
     assert "eager" in record.getMessage() and "second line" not in record.getMessage()
 
 
-def test_gpu_tensors_take_the_compiled_cast_unless_reference(monkeypatch) -> None:
+def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(fp8, "_quantize_compiled", lambda *a: calls.append(a) or a)
     cuda_like = torch.ones(4, 4)

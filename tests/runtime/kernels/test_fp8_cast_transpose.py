@@ -28,11 +28,12 @@ def _every_value_and_tie(dtype: torch.dtype) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     codes = codes[torch.isfinite(codes)]
     mids = ((codes[:, None] + codes[None, :]) / 2).flatten()
-    specials = [float("nan"), -0.0, 0.0, 1e-30, -1e-30, 1e-45, -1e-45, fp8_max, -fp8_max]
+    nan, inf = float("nan"), float("inf")
+    specials = [nan, -nan, -0.0, 0.0, 1e-30, -1e-30, 1e-45, -1e-45, fp8_max, -fp8_max]
     base = torch.cat([codes, mids, torch.tensor(specials)])
-    up, down = (torch.nextafter(base, torch.tensor(v)) for v in (float("inf"), -float("inf")))
-    values = torch.cat([base, up, down])
-    return values[(values.abs() <= fp8_max) | values.isnan()]
+    up, down = (torch.nextafter(base, torch.tensor(v)) for v in (inf, -inf))
+    beyond = torch.tensor([inf, -inf, 2 * fp8_max, -1e30])  # saturate at the clamp
+    return torch.cat([base, up, down, beyond])
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -63,7 +64,7 @@ def test_every_value_and_tie_is_torchs_byte(dtype: torch.dtype) -> None:
     x[: values.numel()] = values
     x = x.view(rows, cols)
     fp8_max = float(torch.finfo(dtype).max)
-    want = x.to(dtype).view(torch.uint8)
+    want = x.clamp(-fp8_max, fp8_max).to(dtype).view(torch.uint8)  # clamp keeps NaN
     y, yt = fp8_triton.cast_transpose(
         x.to(DEVICE), torch.ones((), device=DEVICE), dtype, fp8_max, rows + 5
     )
@@ -82,7 +83,7 @@ def test_quantize_transposed_is_quantize_and_its_padded_transpose(
     calls = _spy(monkeypatch)
     torch.manual_seed(rows)
     x = (torch.randn(rows, cols) * 3).to(source)
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz):
+    for dtype in FORMATS:
         want, want_inv = fp8.quantize(x, dtype, margin, compiled=False)
         got, got_t, inv = fp8.quantize_transposed(x.to(DEVICE), dtype, margin)
         padded = -(-rows // 16) * 16
@@ -91,7 +92,24 @@ def test_quantize_transposed_is_quantize_and_its_padded_transpose(
         assert torch.equal(got_t.cpu()[:, :rows].view(torch.uint8), want.t().view(torch.uint8))
         assert not got_t.cpu()[:, rows:].view(torch.uint8).any()
         assert torch.equal(inv.cpu(), want_inv)
-    assert calls == [(rows, cols)] * 3
+    assert calls == [(rows, cols)] * len(FORMATS)
+
+
+@triton_test
+def test_int64_offsets_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's WIDE branch (offsets past int32), forced on a small tensor."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    x = torch.randn(40, 48) * 4
+    narrow = fp8_triton.cast_transpose(
+        x.to(DEVICE), torch.ones((), device=DEVICE), FORMATS[0], 448.0, 48
+    )
+    monkeypatch.setattr(fp8_triton, "needs_int64", lambda *a: True)
+    wide = fp8_triton.cast_transpose(
+        x.to(DEVICE), torch.ones((), device=DEVICE), FORMATS[0], 448.0, 48
+    )
+    for a, b in zip(narrow, wide, strict=True):
+        assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 @triton_test
@@ -134,8 +152,9 @@ def test_the_linear_on_the_kernel_is_the_linear_on_torch(
         assert torch.equal(got, want)
 
 
-def test_torchs_path_pads_and_transposes() -> None:
-    """Off the kernel (a CPU tensor, no interpreter): the same layouts from torch."""
+def test_torchs_path_pads_and_transposes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the kernel (``reference:fp8``): the same layouts from torch."""
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
     x = torch.randn(20, 32, dtype=torch.bfloat16)
     got, got_t, inv = fp8.quantize_transposed(x, torch.float8_e5m2, 1)
     want, want_inv = fp8.quantize(x, torch.float8_e5m2, 1, compiled=False)
@@ -143,6 +162,38 @@ def test_torchs_path_pads_and_transposes() -> None:
     assert got_t.shape == (32, 32) and torch.equal(inv, want_inv)
     assert torch.equal(got_t[:, :20].view(torch.uint8), want.t().view(torch.uint8))
     assert not got_t[:, 20:].view(torch.uint8).any()
+
+
+def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
+    """A kernel failure costs speed, logged once, never the training step."""
+    pytest.importorskip("triton")
+    from megatron_rocm.runtime.kernels import fp8_triton, launch
+
+    monkeypatch.setattr(fp8, "_eager_keys", set())
+    monkeypatch.setattr(launch, "_logged", set())
+    monkeypatch.setattr(fp8, "use_triton", lambda *a, **k: True)
+    attempts = []
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        attempts.append(args[0].shape)
+        raise RuntimeError("no HIP device code for this arch\nsecond line")
+
+    monkeypatch.setattr(fp8_triton, "cast_transpose", broken)
+    caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
+    x = torch.randn(20, 32, dtype=torch.bfloat16)
+    want, want_inv = fp8.quantize(x, torch.float8_e4m3fn, compiled=False)
+    for _ in range(3):
+        got, got_t, inv = fp8.quantize_transposed(x, torch.float8_e4m3fn)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got_t[:, :20].view(torch.uint8), want.t().view(torch.uint8))
+        assert torch.equal(inv, want_inv)
+    assert len(attempts) == 1  # not retried every step
+    (record,) = caplog.records
+    assert (
+        "cast-transpose kernel" in record.getMessage()
+        and "no HIP device code" in record.getMessage()
+    )
+    assert "second line" not in record.getMessage()
 
 
 def test_offsets_widen_to_int64_past_int32() -> None:
