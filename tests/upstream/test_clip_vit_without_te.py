@@ -11,36 +11,19 @@ import TE's extension unconditionally, so a ViT without TE is out of reach there
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cache_paths import DOWNLOAD_CACHE
-
-from megatron_rocm.main import main
+from probe_cli import applied_and_probed
 
 pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("clip_vit_probe.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    dest = tmp_path_factory.mktemp("clip") / "0.19.2"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
-        assert main(["apply", "--source", "pypi", "--ref", "0.19.2", "--dest", str(dest)]) == 0
-    out = dest.parent / "probe.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
-    cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
-    subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=600)
-    result = json.loads(out.read_text())
-    assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
-    return result
+    return applied_and_probed(PROBE, "0.19.2", tmp_path_factory.mktemp("clip") / "0.19.2")
 
 
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])

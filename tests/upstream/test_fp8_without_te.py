@@ -11,21 +11,14 @@ the FP8 block's output and gradients stay within FP8's error of the bf16 block's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cache_paths import DOWNLOAD_CACHE
-
-from megatron_rocm.main import main
+from probe_cli import applied_and_probed
 
 pytestmark = [pytest.mark.full, pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("fp8_probe.py")
-REPO = Path(__file__).resolve().parents[2]
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
            "mlp.linear_fc2")  # fmt: skip
 
@@ -33,17 +26,7 @@ LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linea
 @pytest.fixture(scope="module", params=["0.12.3", "0.19.2"])
 def probed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     dest = tmp_path_factory.mktemp("fp8") / request.param
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
-        argv = ["apply", "--source", "pypi", "--ref", request.param, "--dest", str(dest)]
-        assert main(argv) == 0
-    out = dest.parent / "probe.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
-    cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
-    subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=900)
-    result = json.loads(out.read_text())
-    assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
-    return result
+    return applied_and_probed(PROBE, request.param, dest)
 
 
 def test_middle_layers_run_fp8_and_the_outer_ones_bf16(probed) -> None:  # noqa: ANN001

@@ -13,21 +13,14 @@ every step (the next step's in-place cache write no longer changes what the firs
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cache_paths import DOWNLOAD_CACHE
-
-from megatron_rocm.main import main
+from probe_cli import applied_and_probed
 
 pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 torch = pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("modelopt_probe.py")
-REPO = Path(__file__).resolve().parents[2]
 MASKED = ["0.16.1", "0.19.2"]  # v0.16.diff, v0.17.diff: the norm and the mask past the prompt
 SEQ, STEPS = 6, 3  # modelopt_probe's
 
@@ -40,18 +33,8 @@ def probed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     def get(release: str) -> dict:
         if release not in found:
             dest = tmp_path_factory.mktemp("modelopt") / release
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
-                argv = ["apply", "--source", "pypi", "--ref", release, "--dest", str(dest)]
-                assert main(argv) == 0
-            out = dest.parent / "probe.json"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(REPO)])}
-            cmd = [sys.executable, str(PROBE), "--tree", str(dest), "--out", str(out)]
-            subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=900)
-            found[release] = json.loads(out.read_text())
-        result = found[release]
-        assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
-        return result
+            found[release] = applied_and_probed(PROBE, release, dest)
+        return found[release]
 
     return get
 

@@ -41,6 +41,14 @@ def _start() -> None:
     model_parallel_cuda_manual_seed(1)
 
 
+def megatron_model(bridge, load_weights: bool) -> list:  # noqa: ANN001 - an AutoBridge
+    """The bridge's Megatron model of the HF model, in fp32 on the CPU (HF's weights or none)."""
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.params_dtype = torch.float32
+    provider.finalize()
+    return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+
+
 def save_release(model: torch.nn.Module, folder: Path) -> None:
     """``model`` as a Megatron-LM checkpoint that ``pretrain_gpt.py --load`` reads: a
     ``torch_dist`` checkpoint in ``release/`` and the tracker file naming it."""
@@ -78,10 +86,7 @@ def do_import(out: Path) -> dict:
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(str(out / "hf"))
-    provider = bridge.to_megatron_provider(load_weights=True)
-    provider.params_dtype = torch.float32
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    model = megatron_model(bridge, load_weights=True)
     save_release(model[0], out / "megatron")
     return {"hf_loss_on_random_tokens": hf_loss, "have_te": "transformer_engine" in sys.modules}
 
@@ -93,10 +98,7 @@ def do_export(out: Path) -> dict:
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(str(out / "hf"))
-    provider = bridge.to_megatron_provider(load_weights=False)
-    provider.params_dtype = torch.float32
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    model = megatron_model(bridge, load_weights=False)
     load_latest(model[0], out / "trained")
     bridge.save_hf_weights(model, str(out / "hf-out"))  # the weights alone: the config is HF's
     shutil.copy(out / "hf" / "config.json", out / "hf-out" / "config.json")
