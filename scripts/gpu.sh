@@ -86,12 +86,15 @@
 #            docs/smoke.md (scripts/smoke_table.py). Switches: WHEELS="DIR ..." (pip find-links;
 #            from scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"), SKIP_INSTALL=1,
 #            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
+#   pack     everything under OUT into OUT/all.tgz (last: the device tool brings back only a
+#            few files of a call, and one archive holds them all)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace fp8 kernels smoke mla moebench upx1 series
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
 #   4 GPUs: setup par4 scale4
+#   none:   pack
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -220,6 +223,11 @@ stage_fp8() {
   (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
      "$OUT/fp8-hybrid-$NEWEST.log" > "$OUT/fp8-compare.txt" 2>&1)
   log "fp8 vs bf16 losses: $(tail -c 400 "$OUT/fp8-compare.txt")"
+}
+
+stage_pack() {
+  tar czf "$OUT/../all.tgz.part" -C "$OUT" --exclude all.tgz . && mv "$OUT/../all.tgz.part" "$OUT/all.tgz"
+  log "packed: $OUT/all.tgz ($(du -h "$OUT/all.tgz" | cut -f1))"
 }
 
 stage_trace() {
