@@ -91,10 +91,9 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need:
-#   1 GPU:  setup train units profile bench trace fp8 kernels smoke mla moebench upx1 series
+#   1 GPU:  setup train units profile bench trace fp8 kernels smoke mla moebench upx1 series pack
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
 #   4 GPUs: setup par4 scale4
-#   none:   pack
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
