@@ -252,29 +252,29 @@ def test_mirror_megatron_bridge_llama_round_trip_without_te(trees, bridge_wheel,
     for mod in ("transformers", "rich", "omegaconf"):
         pytest.importorskip(mod, reason=f"Megatron-Bridge imports {mod} (pip install it)")
     tree = trees(NEWEST)  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
-    )
-    script = HERE / "realdata" / "bridge_roundtrip.py"
-    res = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True
-    )
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, res.stderr[-1500:]
-    import json
-
-    got = json.loads(line[0][len("RESULT ") :])
+    env = _bridge_env(bridge_wheel, tree, MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    got = _result_of("bridge_roundtrip.py", [str(tmp_path)], env)
     assert got["have_te"] is False
     assert got["qkv_module"].startswith("megatron_rocm.runtime.backend")
     assert got["max_logit_diff"] < 1e-4
     assert got["same_names"] and got["exact"]
 
 
-def _bridge_stage(stage: str, out: Path, env: dict[str, str]) -> dict:
-    script = HERE / "realdata" / "bridge_finetune.py"
+def _bridge_env(bridge_wheel: Path, tree: Path, **extra: str) -> dict[str, str]:
+    """This environment with ``extra``, and the unpacked bridge and the tree importable."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
+    )
+    return env
+
+
+def _result_of(script: str, args: list[str], env: dict[str, str]) -> dict:
+    """The ``RESULT {json}`` line of ``realdata/<script>``, which must exit 0 in time."""
+    import json
+
     res = subprocess.run(
-        [sys.executable, str(script), stage, str(out)],
+        [sys.executable, str(HERE / "realdata" / script), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -282,8 +282,6 @@ def _bridge_stage(stage: str, out: Path, env: dict[str, str]) -> dict:
     )
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stderr[-2000:]
-    import json
-
     return json.loads(line[0][len("RESULT ") :])
 
 
@@ -305,11 +303,8 @@ def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
     from tiny_llama import MEGATRON_ARGS, VOCAB
 
     tree = trees(NEWEST)  # the bridge 0.3 requires megatron-core >= 0.15, < 0.17
-    env = dict(os.environ, **cpu_env(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(bridge_wheel), str(tree), str(REPO), env.get("PYTHONPATH", "")]
-    )
-    imported = _bridge_stage("import", tmp_path, env)
+    env = _bridge_env(bridge_wheel, tree, **cpu_env(tmp_path))
+    imported = _result_of("bridge_finetune.py", ["import", str(tmp_path)], env)
     assert imported["have_te"] is False
     assert imported["hf_loss_on_random_tokens"] > math.log(VOCAB) + 2  # the scaled-up head
 
@@ -342,7 +337,7 @@ def test_mirror_hf_llama_trained_on_jsonl_by_pretrain_gpt_and_back_to_hf(
     assert losses[1] > math.log(VOCAB) + 2, losses  # it started from the HF weights
     assert losses[iters] < entropy, losses  # and learned the text
 
-    exported = _bridge_stage("export", tmp_path, env)
+    exported = _result_of("bridge_finetune.py", ["export", str(tmp_path)], env)
     assert exported["have_te"] is False
     assert exported["changed"] == exported["tensors"]  # every tensor trained
     print(
