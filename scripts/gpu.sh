@@ -19,7 +19,8 @@
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py)
 #   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
-#            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16), losses compared
+#            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
+#            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention)
@@ -206,7 +207,9 @@ stage_bench() {
 stage_fp8() {
   # FP8 (tensorwise) on one GPU: the GPU cases of the FP8 tests, scripts/bench/fp8_linear.py with
   # Dynamo's recompiles logged, then the 0.85B Llama in bf16 and in FP8 one after the other
-  # (FP8_MBS, FP8_ITERS) and their losses compared (scripts/training/compare_losses.py)
+  # (FP8_MBS, FP8_ITERS) on a corpus it cannot memorise (scripts/training/markov_corpus.py, every
+  # sample fresh; FP8_DATA=mock for mock data) and their losses compared, the end on the mean
+  # of the last 20 iterations (scripts/training/compare_losses.py)
   (cd "$HERE" && timeout 120 $PY -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/runtime/kernels/test_fp8.py \
      tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/backend/test_fp8_recipe.py \
      > "$OUT/fp8-gpu-tests.txt" 2>&1)
@@ -214,14 +217,21 @@ stage_fp8() {
   (cd "$HERE" && TORCH_LOGS=recompiles timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
      --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
   log "fp8 bench: exit $? (recompile lines: $(grep -ci recompil "$OUT/bench-fp8.txt"))"
-  local m="--preset llama --preset-size 0.85b --iters ${FP8_ITERS:-300} --micro-batch-size ${FP8_MBS:-16}"
-  m="$m --global-batch-size ${FP8_MBS:-16}"
+  local iters=${FP8_ITERS:-300} mbs=${FP8_MBS:-16}
+  local m="--preset llama --preset-size 0.85b --iters $iters --micro-batch-size $mbs --global-batch-size $mbs"
+  if [ "${FP8_DATA:-markov}" = markov ]; then
+    # the run reads iters x mbs x 2048 tokens of the 94.9% training split: 25% to spare
+    (cd "$HERE" && $PY -m scripts.training.markov_corpus "$W/p-$NEWEST" "$W/markov/corpus" \
+       --tokens $(( iters * mbs * 2048 * 5 / 4 + 100000 )) > "$OUT/fp8-corpus.json" 2> "$OUT/fp8-corpus.err")
+    log "fp8 corpus: $(cat "$OUT/fp8-corpus.json") $(tail -1 "$OUT/fp8-corpus.err")"
+    m="$m --data-path $W/markov/corpus"
+  fi
   train "fp8-bf16-$NEWEST" "$W/p-$NEWEST" $m
   train "fp8-hybrid-$NEWEST" "$W/p-$NEWEST" $m -- --fp8-format hybrid --fp8-recipe tensorwise
   for n in bf16 hybrid; do log "0.85B $n: $(cat "$OUT/fp8-$n-$NEWEST.json")"; done
   (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
-     "$OUT/fp8-hybrid-$NEWEST.log" > "$OUT/fp8-compare.txt" 2>&1)
-  log "fp8 vs bf16 losses: $(tail -c 400 "$OUT/fp8-compare.txt")"
+     "$OUT/fp8-hybrid-$NEWEST.log" --last 20 > "$OUT/fp8-compare.txt" 2>&1)
+  log "fp8 vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare.txt")"
 }
 
 stage_pack() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far apart two training runs' losses are, iteration by iteration (same seed, same data).
 
-Usage: python3 -m scripts.training.compare_losses REFERENCE.log OTHER.log [--first 10]
+Usage: python3 -m scripts.training.compare_losses REFERENCE.log OTHER.log [--first 10] [--last 10]
 
 Reads the ``lm loss`` of every logged iteration from two ``pretrain_gpt.py`` logs (the format
 ``train_small.py`` parses) and reports, over the iterations both logged, the largest relative
@@ -9,7 +9,9 @@ difference in the first ``--first`` iterations and over all of them. Parallel la
 model (CP=1 against TP2 x CP2, say) start from the same weights and see the same batches, so
 their first iterations agree to bf16 rounding; later ones drift as rounding differences grow,
 which is why the two spans are reported apart; a non-finite loss counts as an infinite
-difference. Prints one JSON object. Exit 0 when both logs hold the same iterations, 1 when
+difference. Where a run ends is compared on the mean of the last ``--last`` shared iterations
+(one iteration's loss moves with its batch): ``rel_diff_last_mean``, what "within 1% of bf16
+after 300 iterations" reads. Prints one JSON object. Exit 0 when both logs hold the same iterations, 1 when
 one logged iterations the other did not (a run that stopped early: the JSON says which), 2
 when a log is missing or the two share no iteration with a loss.
 """
@@ -41,10 +43,15 @@ def _relative(reference: float, other: float) -> float:
     return abs(other - reference) / abs(reference) if reference else abs(other)
 
 
-def compare(reference: dict[int, float], other: dict[int, float], first: int) -> dict:
+def compare(
+    reference: dict[int, float], other: dict[int, float], first: int, last: int = 10
+) -> dict:
     common = sorted(set(reference) & set(other))
     rel = {i: _relative(reference[i], other[i]) for i in common}
     head = [rel[i] for i in common[:first]]
+    tail = common[-last:]
+    reference_tail = sum(reference[i] for i in tail) / len(tail)
+    other_tail = sum(other[i] for i in tail) / len(tail)
     return {
         "iterations": len(common),
         "only_in_reference": sorted(set(reference) - set(other)),
@@ -52,6 +59,11 @@ def compare(reference: dict[int, float], other: dict[int, float], first: int) ->
         "first": len(head),
         "max_rel_diff_first": _json_number(max(head)),
         "max_rel_diff_all": _json_number(max(rel.values())),
+        "last": len(tail),
+        "last_iterations": [tail[0], tail[-1]],
+        "reference_last_mean": _json_number(reference_tail),
+        "other_last_mean": _json_number(other_tail),
+        "rel_diff_last_mean": _json_number(_relative(reference_tail, other_tail)),
         "reference_losses": [_json_number(reference[i]) for i in common[:first]],
         "other_losses": [_json_number(other[i]) for i in common[:first]],
     }
@@ -69,6 +81,9 @@ def main() -> int:
     parser.add_argument("reference", type=Path)
     parser.add_argument("other", type=Path)
     parser.add_argument("--first", type=_positive, default=10, help="the early span (default 10)")
+    parser.add_argument(
+        "--last", type=_positive, default=10, help="the final span, compared on means (default 10)"
+    )
     args = parser.parse_args()
     found = {}
     for path in (args.reference, args.other):
@@ -80,7 +95,7 @@ def main() -> int:
     if not set(a) & set(b):
         print("compare_losses: the two logs share no iteration with a loss", file=sys.stderr)
         return 2
-    result = compare(a, b, args.first)
+    result = compare(a, b, args.first, args.last)
     print(json.dumps(result, allow_nan=False))
     return 1 if result["only_in_reference"] or result["only_in_other"] else 0
 

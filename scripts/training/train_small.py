@@ -2,7 +2,7 @@
 """Train a small GPT or Llama-style model with a patched Megatron tree and summarise the run.
 
 Runs ``pretrain_gpt.py`` of TREE (a checkout with the megatron-rocm series applied) under
-torchrun with mock data and bf16. The transformer implementation is upstream's default
+torchrun with mock data (or ``--data-path``) and bf16. The transformer implementation is upstream's default
 (``transformer_engine``: on a machine without TE, the native backend) unless
 ``--transformer-impl local`` asks for the local spec. Every fusion keeps upstream's default
 (on), which is what the series makes work without Apex; ``--unfused`` adds every
@@ -141,7 +141,7 @@ def megatron_args(shape: Shape, preset: str, opts: argparse.Namespace) -> list[s
         "--clip-grad=1.0",
         "--init-method-std=0.02",
         "--bf16",
-        "--mock-data",
+        *(["--mock-data"] if opts.data_path is None else [f"--data-path={opts.data_path}"]),
         "--tokenizer-type=NullTokenizer",
         f"--vocab-size={shape.vocab}",
         "--split=949,50,1",
@@ -365,6 +365,12 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--unfused", action="store_true", help="every --no-*-fusion flag, no SDPA, local spec"
     )
+    p.add_argument(
+        "--data-path",
+        type=Path,
+        help="an indexed dataset prefix of NullTokenizer ids below the preset's vocab "
+        "(scripts/training/markov_corpus.py writes one) instead of --mock-data",
+    )
     p.add_argument("--micro-batch-size", type=int, help="override the preset's micro-batch")
     p.add_argument("--global-batch-size", type=int, help="override the preset's global batch")
     p.add_argument(
@@ -391,6 +397,10 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
         )
     if opts.sp and opts.tp < 2:
         p.error("--sp needs --tp 2 or more")
+    if opts.data_path is not None:
+        opts.data_path = opts.data_path.resolve()  # pretrain_gpt.py runs in the tree
+        if not opts.data_path.with_name(opts.data_path.name + ".idx").is_file():
+            p.error(f"--data-path {opts.data_path}: no {opts.data_path.name}.idx there")
     if opts.vpp > 1:
         layers = SHAPES[(opts.preset, opts.preset_size)].num_layers
         if opts.pp < 2:

@@ -47,6 +47,19 @@ def test_the_early_span_and_the_whole_run_are_reported_apart(tmp_path: Path) -> 
     assert got["reference_losses"] == [10.0, 9.0] and got["other_losses"] == [10.001, 9.0]
 
 
+def test_where_the_runs_end_is_compared_on_means_of_the_last_span(tmp_path: Path) -> None:
+    # the last two: 4 and 6 against 5 and 5, means equal although each iteration differs by 25%
+    ref = write_log(tmp_path / "a.log", {1: "10.0", 2: "8.0", 3: "4.0", 4: "6.0"})
+    other = write_log(tmp_path / "b.log", {1: "10.0", 2: "9.0", 3: "5.0", 4: "5.0"})
+    got = json.loads(run(ref, other, "--last", "2").stdout)
+    assert got["last"] == 2 and got["last_iterations"] == [3, 4]
+    assert got["reference_last_mean"] == 5.0 and got["other_last_mean"] == 5.0
+    assert got["rel_diff_last_mean"] == 0.0
+    # over the last three, 6.0 against 6.333...: 5.6%
+    got = json.loads(run(ref, other, "--last", "3").stdout)
+    assert got["rel_diff_last_mean"] == pytest.approx(1 / 18, abs=1e-6)
+
+
 @pytest.mark.parametrize("second", ["missing", "empty", "disjoint"])
 def test_logs_without_shared_losses_are_refused_in_one_line(tmp_path: Path, second: str) -> None:
     ref = write_log(tmp_path / "a.log", {1: "10.0", 2: "9.0"})

@@ -107,6 +107,19 @@ def test_without_pp_nothing_changes(ts, capsys, tmp_path: Path) -> None:
     assert "--global-batch-size=16" in args  # DP 2 x 8
 
 
+def test_data_path_replaces_mock_data(ts, capsys, tmp_path: Path) -> None:
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    args = dry_run(ts, capsys, tmp_path, "--data-path", str(tmp_path / "corpus"))
+    assert f"--data-path={tmp_path / 'corpus'}" in args and "--mock-data" not in args
+    assert "--mock-data" in dry_run(ts, capsys, tmp_path)
+
+
+def test_a_data_path_without_its_index_is_refused(ts, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        ts.main([str(tmp_path), "--dry-run", "--data-path", str(tmp_path / "missing")])
+    assert e.value.code == 2 and "no missing.idx there" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
