@@ -11,7 +11,8 @@ A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K i
 
 * ``gemm``: one GEMM alone, ``torch.mm`` in bf16 against ``torch._scaled_mm`` on operands
   already in FP8 (the ceiling the FP8 path can reach);
-* ``quantize``: the input's quantization, eager torch against Inductor's (what a GPU runs);
+* ``quantize``: the input's quantization, eager torch against ``fp8_triton``'s three launches
+  (what a GPU runs), and with the transpose the weight gradient needs (``quantize_transposed``);
 * ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
   native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
   with the weight gradient accumulated into an fp32 ``main_grad``.
@@ -92,11 +93,14 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
         ),
     }
     ms["quantize_eager"] = bench_timing.median_ms(
-        lambda: fp8.quantize(x, formats.forward, compiled=False), device
+        lambda: fp8.quantize(x, formats.forward, triton=False), device
     )
-    if device == "cuda":  # Inductor on the CPU takes minutes to compile: GPU runs only
-        ms["quantize_compiled"] = bench_timing.median_ms(
-            lambda: fp8.quantize(x, formats.forward, compiled=True), device
+    if device == "cuda":  # the interpreter's speed means nothing: GPU runs only
+        ms["quantize_triton"] = bench_timing.median_ms(
+            lambda: fp8.quantize(x, formats.forward, triton=True), device
+        )
+        ms["quantize_transposed"] = bench_timing.median_ms(
+            lambda: fp8.quantize_transposed(x, formats.forward), device
         )
     xg = x.clone().requires_grad_()
     wp = torch.nn.Parameter(w.clone())

@@ -17,9 +17,6 @@ and the tests run it on the CPU where torch's own kernel takes the OCP dtypes.
 
 from __future__ import annotations
 
-import functools
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +24,11 @@ import torch
 
 from megatron_rocm.runtime.kernels.launch import (
     log_fallback_once,
-    reference_forced,
     use_triton,
 )
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
-# what fp8_triton.cast_transpose reads (here: that module imports Triton at import time)
+# what fp8_triton's kernels read (here: that module imports Triton at import time)
 _CAST_TRANSPOSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -84,8 +80,8 @@ def unsupported_gpu_reason() -> str | None:
 
 
 def _scale(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin`` in fp32, eager (exact division; Inductor's on a GPU is
-    approximate): 1 where ``x`` is all zeros or its amax is not finite (TE's rule), at most
+    """``fp8_max / amax / 2**margin`` in fp32 (``fp8_triton._finalize_scale`` computes the same
+    bits on a GPU): 1 where ``x`` is all zeros or its amax is not finite (TE's rule), at most
     fp32's largest value (an amax under ``fp8_max / FLT_MAX`` would make it inf, and zeros NaN)."""
     usable = (amax > 0) & torch.isfinite(amax)
     scale = torch.where(usable, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
@@ -95,7 +91,7 @@ def _scale(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
 def _apply(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8_max: float
 ) -> torch.Tensor:
-    """``x * scale`` in fp32, clamped and cast: pointwise only (what ``_compiled_apply`` fuses)."""
+    """``x * scale`` in fp32, clamped and cast."""
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
 
 
@@ -107,84 +103,75 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 def _quantize(
     x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch: the reference every other path is bitwise equal to."""
     scale = _scale(_amax(x), fp8_max, margin)
     return _apply(x, scale, dtype, fp8_max), scale.reciprocal()
 
 
-@functools.cache
-def _compiled_apply(
-    dtype: torch.dtype, source: torch.dtype, device_type: str
-) -> Callable[..., torch.Tensor]:
-    """``_apply`` through Inductor for one (FP8 dtype, input dtype, device type): one fused
-    read-scale-clamp-cast pass (eager torch makes four passes over fp32 copies).
-
-    Only the pointwise part. With ``dynamic`` shapes Inductor does not split a reduction over a
-    symbolic length, so a compiled amax ran as one program (14.7 ms for an 8192 x 4096 bf16
-    input on an H200, against 0.35 ms for all of eager's quantize); and its fp32 division and
-    reciprocal are approximate on a GPU. The amax and both scales stay eager, so every path
-    (eager, compiled, ``fp8_triton``) quantizes with the same scale bits.
-    Dynamo guards on the dtypes and counts recompiles per code object (every ``torch.compile``
-    of one function shares them), so each key compiles its own copy of ``_apply``'s code: a
-    run's few keys never add up to ``recompile_limit``. ``dynamic``: one graph for every
-    length of the flat input ``quantize`` passes."""
-    name = f"_apply_{str(dtype).removeprefix('torch.')}_{str(source).removeprefix('torch.')}"
-    code = _apply.__code__.replace(co_name=name, co_qualname=name)
-    fn = types.FunctionType(code, _apply.__globals__, name)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+_eager_keys: set[tuple[torch.dtype, torch.dtype]] = set()  # their Triton launch failed
 
 
-_eager_keys: set[tuple[torch.dtype, torch.dtype, str]] = set()  # their compilation failed
-
-
-def _fall_back_once(key: tuple, what: str, exc: Exception) -> None:
+def _fall_back_once(key: tuple[torch.dtype, torch.dtype], exc: Exception) -> None:
     """Remember ``key`` as failed and say so once: the training step goes on, slower."""
     _eager_keys.add(key)
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     log_fallback_once(
-        f"fp8-{what}-{key}",
-        f"FP8 {what} ({key[1]} to {key[0]} on {key[2]}) failed "
+        f"fp8-triton-{key}",
+        f"FP8 quantize kernel ({key[1]} to {key[0]}) failed "
         f"({type(exc).__name__}: {reason[:200]}); quantizing with eager torch",
     )
 
 
-def _quantize_compiled(
-    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_quantize`` with its cast compiled, on ``x`` flattened: a plain tensor without
-    autograd (not a ``Parameter``, one rank and layout), so its shape, type and grad mode cost
-    no recompiles. A key whose compilation fails quantizes eagerly from then on, logged once."""
-    key = (dtype, x.dtype, x.device.type)
+def _triton_takes(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``x`` quantizes through ``fp8_triton``: a GPU tensor (or the interpreter), a
+    dtype the kernels read, not forced to the reference, not failed before."""
+    return (
+        x.numel() > 0
+        and x.dtype in _CAST_TRANSPOSE_DTYPES
+        and (dtype, x.dtype) not in _eager_keys
+        and use_triton(x, kernel="fp8")
+    )
+
+
+def _quantize_triton(
+    x: torch.Tensor, dtype: torch.dtype, margin: int, ld_t: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """``(x_fp8, x_fp8_t, inverse_scale)`` of a 2-D ``x`` in three launches
+    (``fp8_triton``); None once its kernels failed for this key (logged once)."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    fp8_max = float(torch.finfo(dtype).max)
     with torch.no_grad():
-        if key not in _eager_keys:
-            flat = x.detach().reshape(-1)
-            scale = _scale(_amax(flat), fp8_max, margin)
-            try:
-                x_fp8 = _compiled_apply(*key)(flat, scale, dtype, fp8_max)
-                return x_fp8.view(x.shape), scale.reciprocal()
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any compile failure: eager still works
-                _fall_back_once(key, "quantize compile", exc)
-        return _quantize(x.detach(), dtype, fp8_max, margin)
+        x = x.detach().contiguous()
+        try:
+            scale, inverse = fp8_triton.scales(x, fp8_max, margin)
+            x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a kernel failure: torch still works
+            _fall_back_once((dtype, x.dtype), exc)
+            return None
+    return x_fp8, x_fp8_t, inverse
 
 
 def quantize(
-    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, *, compiled: bool | None = None
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, *, triton: bool | None = None
 ) -> tuple[torch.Tensor, Any]:
     """``(x_fp8, inverse_scale)``: ``x * scale`` cast with saturation, where ``scale =
     fp8_max / amax(x) / 2**margin`` (``_scale``: 1 where ``x`` is all zeros or not finite, at
-    most fp32's largest value); ``x_fp8 * inverse_scale``
-    is ``x`` again up to FP8 rounding. Both scales stay fp32 tensors on the device (no host
-    sync); neither carries autograd (the FP8 linear's own backward uses them). ``compiled``:
-    through Inductor (``_quantize_compiled``); None (the default) compiles on a GPU unless
-    ``MEGATRON_ROCM_KERNELS`` names ``fp8`` for the reference path."""
+    most fp32's largest value); ``x_fp8 * inverse_scale`` is ``x`` again up to FP8 rounding.
+    Both scales stay fp32 tensors on the device (no host sync); neither carries autograd (the
+    FP8 linear's own backward uses them). ``triton``: through ``fp8_triton`` (bitwise the
+    eager path); None (the default) takes it on a GPU unless ``MEGATRON_ROCM_KERNELS`` names
+    ``fp8`` for the reference path or the kernels failed once (logged)."""
     fp8_max = float(torch.finfo(dtype).max)
     if x.numel() == 0:  # no amax to take
         return x.detach().to(dtype), torch.ones((), device=x.device)
-    if compiled is None:
-        compiled = x.is_cuda and not reference_forced("fp8")
-    if compiled:
-        return _quantize_compiled(x, dtype, fp8_max, margin)
+    if triton if triton is not None else _triton_takes(x, dtype):
+        done = _quantize_triton(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1),
+                                dtype, margin, None)  # fmt: skip
+        if done is not None:
+            return done[0].view(x.shape), done[2]
     with torch.no_grad():
         return _quantize(x.detach(), dtype, fp8_max, margin)
 
@@ -197,31 +184,14 @@ def quantize_transposed(
     ``torch._scaled_mm`` takes for the weight gradient's operands and the input gradient's
     weight, with no copy left for it to make. On a GPU one Triton pass writes both
     (``fp8_triton.cast_transpose``, bitwise ``quantize``); elsewhere, with
-    ``MEGATRON_ROCM_KERNELS=reference:fp8``, or once the kernel failed (logged once), torch
+    ``MEGATRON_ROCM_KERNELS=reference:fp8``, or once the kernels failed (logged once), torch
     quantizes and copies."""
-    fp8_max = float(torch.finfo(dtype).max)
     rows = x.shape[0]
-    ld_t = rows + (-rows % _ALIGN)
-    key = (dtype, x.dtype, "cast_transpose")
-    if (
-        x.numel()
-        and x.dtype in _CAST_TRANSPOSE_DTYPES
-        and key not in _eager_keys
-        and use_triton(x, kernel="fp8")
-    ):
-        from megatron_rocm.runtime.kernels import fp8_triton
-
-        with torch.no_grad():
-            x = x.detach().contiguous()
-            scale = _scale(_amax(x), fp8_max, margin)
-            try:
-                x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
-                return x_fp8, x_fp8_t, scale.reciprocal()
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a kernel failure: torch still works
-                _fall_back_once(key, "cast-transpose kernel", exc)
-    x_fp8, inverse_scale = quantize(x, dtype, margin)
+    if _triton_takes(x, dtype):
+        done = _quantize_triton(x, dtype, margin, rows + (-rows % _ALIGN))
+        if done is not None:
+            return done  # type: ignore[return-value]
+    x_fp8, inverse_scale = quantize(x, dtype, margin, triton=False)
     return x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
 
 

@@ -1,6 +1,13 @@
-"""Triton kernel of the FP8 cast with its transpose (TE's ``cast_transpose``), one pass.
+"""Triton kernels of FP8 current scaling: the amax and scale, and the cast with its transpose.
 
-Imported lazily by :mod:`megatron_rocm.runtime.kernels.fp8`. ``torch._scaled_mm`` takes its
+Imported lazily by :mod:`megatron_rocm.runtime.kernels.fp8`. A GPU quantizes in three launches:
+``_partial_amax`` (each program the largest ``|x|`` of its slice, as fp32 bits), ``_finalize_scale``
+(one program: the amax, the scale and its inverse, torch's operations in torch's order, so the
+bits are eager ``fp8._scale``'s), and ``_cast_transpose``. Eager torch took about fifteen launches
+for the same (the scale's ``where``/``isfinite``/``clamp``/``reciprocal`` among them), and the
+CPU time to issue them, not the GPU's, set an FP8 linear's pace at training shapes.
+
+``torch._scaled_mm`` takes its
 first operand row-major and its second column-major, so of the three GEMMs of a linear two need
 an operand transposed: the weight for the input gradient, the output gradient and the input for
 the weight gradient. Copying FP8 tensors into those layouts with torch was half of an FP8
@@ -14,8 +21,9 @@ Math as ``fp8._apply``: ``x`` in fp32 times the scale, clamped to the format's l
 the fp32 bits (``_encode``), the same on every GPU and under Triton's CPU interpreter (whose own
 FP8 casts drop the carry of a rounding, 31.98 -> 16, so they cannot be what the tests check);
 the outputs are the FP8 tensors' bytes. Bitwise torch's conversion, NaN and signed zero
-included: OCP formats keep the sign of zero and encode NaN as 0x7F, ``fnuz`` ones have one
-zero and NaN at 0x80.
+included: OCP formats keep the sign of zero and encode NaN as 0x7F with the sign of the fp32
+NaN (which the device's multiply by the scale decides: a GPU returns its canonical NaN), ``fnuz``
+ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``quantize``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,12 @@ from megatron_rocm.runtime.kernels import aot
 BLOCK_R = 64
 BLOCK_C = 64
 NUM_WARPS = 4
+# the amax: each of at most AMAX_PROGRAMS programs reduces a contiguous slice, AMAX_BLOCK
+# elements a step; the finalize program reads every partial in one block
+AMAX_BLOCK = 4096
+AMAX_PROGRAMS = 1024
+AMAX_WARPS = 8
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # fp32 largest; a jit global must be constexpr
 
 # (mantissa bits, exponent bias, fnuz) of each FP8 dtype
 FORMATS = {
@@ -73,6 +87,40 @@ def _encode(v, MANTISSA: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def _partial_amax(x, partials, n, blocks_per_program, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """``partials[pid]``: the bits of the largest ``|x|`` of this program's slice, as int32
+    (non-negative fp32 bits order as the values do; any NaN's are above +inf's)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    first = pid * blocks_per_program
+    if WIDE:
+        first = first.to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, blocks_per_program):
+        o = (first + i) * BLOCK + offs
+        v = tl.load(x + o, mask=o < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(v).to(tl.int32, bitcast=True))
+    tl.store(partials + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _finalize_scale(
+    partials, count, scale_out, inverse_out, fp8_max, margin_factor, PARTIALS: tl.constexpr
+):
+    """``scale_out``: ``fp8._scale`` of the amax, ``inverse_out``: its reciprocal. torch's
+    ``fp8_max / t`` is ``t.reciprocal() * fp8_max`` (``Tensor.__rdiv__``), both correctly
+    rounded: ``div_rn``, not Triton's approximate ``/``."""
+    offs = tl.arange(0, PARTIALS)
+    bits = tl.max(tl.load(partials + offs, mask=offs < count, other=0), axis=0)
+    usable = (bits > 0) & (bits < 0x7F800000)  # not zero, not inf or NaN
+    t = bits.to(tl.float32, bitcast=True) * margin_factor
+    scale = tl.where(usable, tl.math.div_rn(1.0, t) * fp8_max, 1.0)
+    scale = tl.minimum(scale, FLT_MAX)
+    tl.store(scale_out, scale)
+    tl.store(inverse_out, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
 def _cast_transpose(
     x,
     scale,
@@ -88,6 +136,7 @@ def _cast_transpose(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     WIDE: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -101,7 +150,8 @@ def _cast_transpose(
                    propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     q = _encode(v, MANTISSA, BIAS, FNUZ).to(tl.uint8)
     tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
-    tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
+    if TRANSPOSE:
+        tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
@@ -109,55 +159,106 @@ def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
     return max((rows + BLOCK_R) * (cols + BLOCK_C), (cols + BLOCK_C) * (ld_t + BLOCK_R)) >= 2**31
 
 
+def amax_programs(n: int) -> tuple[int, int]:
+    """(programs, blocks per program) of ``_partial_amax`` for ``n`` elements."""
+    blocks = triton.cdiv(n, AMAX_BLOCK)
+    per_program = triton.cdiv(blocks, AMAX_PROGRAMS)
+    return triton.cdiv(blocks, per_program), per_program
+
+
+def scales(x: torch.Tensor, fp8_max: float, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1 / scale)``, 0-d fp32 tensors on ``x``'s device, of a contiguous, non-empty
+    ``x``: bitwise ``fp8._scale(amax(x))`` and its reciprocal, in two launches and no host
+    sync. Two allocations, not one of two elements: cuBLASLt refuses a scale pointer at a
+    4-byte offset (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm`` on an H200)."""
+    n = x.numel()
+    programs, per_program = amax_programs(n)
+    partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+    _partial_amax[(programs,)](
+        x, partials, n, per_program, BLOCK=AMAX_BLOCK, WIDE=n + AMAX_BLOCK >= 2**31,
+        num_warps=AMAX_WARPS,
+    )  # fmt: skip
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    inverse = torch.empty((), dtype=torch.float32, device=x.device)
+    _finalize_scale[(1,)](
+        partials, programs, scale, inverse, fp8_max, 2.0**margin, PARTIALS=AMAX_PROGRAMS,
+        num_warps=4,
+    )  # fmt: skip
+    return scale, inverse
+
+
 def cast_transpose(
     x: torch.Tensor,
     scale: torch.Tensor,
     dtype: torch.dtype,
     fp8_max: float,
-    ld_t: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, yt)``: ``x`` [R, C] (contiguous) scaled by the 0-d fp32 ``scale`` and cast to the
-    FP8 ``dtype``, as it is (``y``) and transposed into ``yt`` [C, ld_t] (zeros past R)."""
+    ld_t: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, yt)``: ``x`` [R, C] (contiguous) scaled by ``scale`` (fp32, its first element) and
+    cast to the FP8 ``dtype``, as it is (``y``) and transposed into ``yt`` [C, ld_t] (zeros past
+    R); ``ld_t=None``: ``y`` alone, ``yt`` None."""
     rows, cols = x.shape
-    if not x.is_contiguous() or ld_t < rows:
+    if not x.is_contiguous() or (ld_t is not None and ld_t < rows):
         raise ValueError(f"cast_transpose takes a contiguous x and ld_t >= rows ({ld_t} < {rows})")
     mantissa, bias, fnuz = FORMATS[dtype]
     y = torch.empty((rows, cols), dtype=dtype, device=x.device)
-    yt = torch.empty((cols, ld_t), dtype=dtype, device=x.device)
-    if ld_t > rows:
+    yt = None if ld_t is None else torch.empty((cols, ld_t), dtype=dtype, device=x.device)
+    if yt is not None and ld_t > rows:
         yt[:, rows:].view(torch.uint8).zero_()
     if x.numel():
         grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
+        y_bytes = y.view(torch.uint8)
         _cast_transpose[grid](
-            x, scale, y.view(torch.uint8), yt.view(torch.uint8), rows, cols, ld_t, fp8_max,
-            MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, ld_t),
-            num_warps=NUM_WARPS,
+            x, scale, y_bytes, y_bytes if yt is None else yt.view(torch.uint8), rows, cols,
+            rows if ld_t is None else ld_t, fp8_max, MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
+            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, ld_t or rows),
+            TRANSPOSE=yt is not None, num_warps=NUM_WARPS,
         )  # fmt: skip
     return y, yt
 
 
 def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
     """The one tile for every input dtype and FP8 format (the output is bytes: one code per
-    arch serves them all); int32 and int64 offsets (the largest activation: every sequence
-    length x batch x FFN width)."""
+    arch serves them all), with and without the transpose; int32 and int64 offsets (the largest
+    activation: every sequence length x batch x FFN width); the two scale kernels."""
     rows = max(shapes.seq_lens) * max(shapes.batch)
     widest = max(shapes.ffn_hiddens + shapes.hiddens)
     out = []
     for source in shapes.dtypes:
+        for wide in sorted({rows * widest + AMAX_BLOCK >= 2**31, False}):
+            out.append(
+                aot.launch(
+                    _partial_amax,
+                    dict(BLOCK=AMAX_BLOCK, WIDE=wide),
+                    ptrs=dict(x=source, partials="i32"),
+                    i64=("n",) if wide else (),
+                    num_warps=AMAX_WARPS,
+                    grid=(AMAX_PROGRAMS,),
+                )
+            )
         for mantissa, bias, fnuz in FORMATS.values():
             for wide in sorted({needs_int64(rows, widest, rows), False}):
-                consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK_R=BLOCK_R,
-                              BLOCK_C=BLOCK_C, WIDE=wide)  # fmt: skip
-                out.append(
-                    aot.launch(
-                        _cast_transpose,
-                        consts,
-                        ptrs=dict(x=source, scale=torch.float32, y="u8", yt="u8"),
-                        floats=("fp8_max",),
-                        num_warps=NUM_WARPS,
-                        grid=(triton.cdiv(rows, BLOCK_R), triton.cdiv(widest, BLOCK_C)),
-                        neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
+                for transpose in (True, False):
+                    consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK_R=BLOCK_R,
+                                  BLOCK_C=BLOCK_C, WIDE=wide, TRANSPOSE=transpose)  # fmt: skip
+                    out.append(
+                        aot.launch(
+                            _cast_transpose,
+                            consts,
+                            ptrs=dict(x=source, scale=torch.float32, y="u8", yt="u8"),
+                            floats=("fp8_max",),
+                            num_warps=NUM_WARPS,
+                            grid=(triton.cdiv(rows, BLOCK_R), triton.cdiv(widest, BLOCK_C)),
+                            neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
+                        )
                     )
-                )
+    out.append(
+        aot.launch(
+            _finalize_scale,
+            dict(PARTIALS=AMAX_PROGRAMS),
+            ptrs=dict(partials="i32", scale_out=torch.float32, inverse_out=torch.float32),
+            floats=("fp8_max", "margin_factor"),
+            num_warps=4,
+        )
+    )
     return out

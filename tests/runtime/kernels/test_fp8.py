@@ -114,7 +114,7 @@ def test_a_tiny_amax_caps_the_scale_instead_of_overflowing(dtype) -> None:
     """448 / 1e-37 overflows fp32: uncapped, zeros became NaN (0 * inf) and the inverse scale
     0. Capped at fp32's largest value, zeros stay zero and the values stay finite."""
     x = torch.tensor([0.0, 1e-37, -1e-37, 5e-38, 0.0, 0.0, 0.0, 0.0] * 2)
-    x_fp8, inv = fp8.quantize(x, dtype, compiled=False)
+    x_fp8, inv = fp8.quantize(x, dtype, triton=False)
     cap = torch.tensor(torch.finfo(torch.float32).max)
     assert inv.item() == cap.reciprocal().item() > 0
     values = x_fp8.float()
@@ -125,7 +125,7 @@ def test_a_tiny_amax_caps_the_scale_instead_of_overflowing(dtype) -> None:
 def test_an_infinite_amax_scales_by_one_and_saturates() -> None:
     """TE's rule: a scale from a non-finite amax is not used (1 instead); inf saturates."""
     x = torch.tensor([1.0, float("inf"), -float("inf"), 1000.0])
-    x_fp8, inv = fp8.quantize(x, E4M3, compiled=False)
+    x_fp8, inv = fp8.quantize(x, E4M3, triton=False)
     assert inv.item() == 1.0
     assert x_fp8.float().tolist() == [1.0, 448.0, -448.0, 448.0]
 
@@ -220,117 +220,24 @@ def test_frozen_weight_gets_no_gradient() -> None:
     assert x.grad is not None and w.grad is None
 
 
-@pytest.mark.slow
-def test_the_compiled_quantize_is_bitwise_the_eager_one() -> None:
-    """What a GPU runs (Inductor; compiled here on the CPU, about a minute) against the path
-    the tests above check."""
-    for shape, dtype in (((64, 48), E4M3), ((100, 32), E5M2)):
-        x = torch.randn(*shape, dtype=torch.bfloat16) * 3
-        want = fp8.quantize(x, dtype, 1, compiled=False)
-        got = fp8.quantize(x, dtype, 1, compiled=True)
-        assert not fp8._eager_keys  # it did compile
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-        assert torch.equal(got[1], want[1])
-
-
-@pytest.fixture
-def fresh_compiled(monkeypatch, caplog):
-    """The compiled quantize with nothing compiled yet and no key fallen back to eager."""
-    compiled = fp8._compiled_apply
-    compiled.cache_clear()
-    monkeypatch.setattr(fp8, "_eager_keys", set())
-    monkeypatch.setattr(launch, "_logged", set())
-    caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
-    yield caplog
-    compiled.cache_clear()  # graphs of a patched torch.compile: not for later tests
-
-
-# 13 shapes (a transposed one among them), as weights (Parameters) and as activations or
-# gradients (plain tensors, with and without requires_grad)
-_SHAPES = [(16,), (7,), (3, 5), (16, 16), (64, 48), (100, 32), (48, 64), (2, 10, 64),
-           (33, 17), (128, 8), (5, 3, 7), (256,), (2, 16)]  # fmt: skip
-
-
-def _operands(shape: tuple[int, ...], source: torch.dtype) -> list[torch.Tensor]:
-    x = (torch.randn(*shape) * 3).to(source)
-    operands = [x, torch.nn.Parameter(x.clone()), x.clone().requires_grad_()]
-    if x.dim() == 2:
-        operands.append(x.t())  # not contiguous
-    return operands
-
-
-def _quantize_every_kind() -> int:
-    """``quantize`` compiled against eager on every shape, operand kind, format and input
-    dtype, bit for bit; returns how many it checked."""
-    torch.manual_seed(5)
-    checked = 0
-    for source in (torch.bfloat16, torch.float32):
-        for shape in _SHAPES:
-            for x in _operands(shape, source):
-                for dtype, margin in ((E4M3, 0), (E5M2, 0)):
-                    want = fp8.quantize(x, dtype, margin, compiled=False)
-                    got = fp8.quantize(x, dtype, margin, compiled=True)
-                    assert got[0].shape == x.shape and got[0].dtype == dtype
-                    assert not got[0].requires_grad and not got[1].requires_grad
-                    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-                    assert torch.equal(got[1], want[1])
-                    checked += 1
-    return checked
-
-
-def test_compiled_quantize_takes_every_shape_and_operand_kind(monkeypatch, fresh_compiled):
-    """The GPU failure this guards: one compiled quantize for every call recompiled for each
-    shape, ``Parameter`` against tensor, grad mode and dtype, and hit Dynamo's
-    ``recompile_limit`` (8) in the first FP8 training step (fullgraph: a hard error). Dynamo
-    alone here (its ``eager`` backend: seconds); Inductor's code in the ``full`` test below."""
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
-    assert _quantize_every_kind() > 12 * 2 * 2 * 2
-    assert not fp8._eager_keys and not fresh_compiled.records  # compiled, no fallback
-    assert fp8._compiled_apply.cache_info().currsize == 4  # 2 formats x 2 input dtypes
-
-
-@pytest.mark.full
-def test_inductor_quantize_takes_every_shape_bitwise_the_eager_one(fresh_compiled) -> None:
-    """The same through Inductor (what a GPU runs; minutes to compile on the CPU)."""
-    assert _quantize_every_kind() > 12 * 2 * 2 * 2
-    assert not fp8._eager_keys and not fresh_compiled.records
-
-
-def test_a_quantize_that_does_not_compile_falls_back_to_eager(monkeypatch, fresh_compiled):
-    """A compilation failure costs speed, logged once, never the training step."""
-    attempts = []
-
-    def broken(*key):  # noqa: ANN202
-        def run(*args):  # noqa: ANN202
-            attempts.append(key)
-            raise RuntimeError("inductor: no C++ compiler\nsecond line")
-
-        return run
-
-    monkeypatch.setattr(fp8, "_compiled_apply", broken)
-    x = torch.randn(32, 16, dtype=torch.bfloat16)
-    want = fp8.quantize(x, E4M3, compiled=False)
-    for _ in range(3):
-        got = fp8.quantize(x, E4M3, compiled=True)
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-        assert torch.equal(got[1], want[1])
-    assert attempts == [(E4M3, torch.bfloat16, "cpu")]  # not retried every step
-    (record,) = fresh_compiled.records
-    assert "failed (RuntimeError: inductor: no C++ compiler)" in record.getMessage()
-    assert "eager" in record.getMessage() and "second line" not in record.getMessage()
-
-
-def test_gpu_tensors_take_the_compiled_quantize_unless_reference(monkeypatch) -> None:
+def test_gpu_tensors_take_the_triton_quantize_unless_reference(monkeypatch) -> None:
+    """The kernels themselves: ``test_fp8_cast_transpose.py`` (interpreter and GPU)."""
     calls = []
-    monkeypatch.setattr(fp8, "_quantize_compiled", lambda *a: calls.append(a) or a)
-    cuda_like = torch.ones(4, 4)
+
+    def spy(x, dtype, margin, ld_t):  # noqa: ANN001, ANN202
+        calls.append((tuple(x.shape), dtype, margin, ld_t))
+
+    monkeypatch.setattr(fp8, "_quantize_triton", spy)  # returns None: eager finishes the job
+    cuda_like = torch.ones(2, 3, 4)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is cuda_like))
-    fp8.quantize(cuda_like, E4M3)
-    assert len(calls) == 1 and calls[0][2] == 448.0
+    monkeypatch.setattr(launch, "triton_available", lambda: True)
+    got, _ = fp8.quantize(cuda_like, E4M3, 1)
+    assert calls == [((6, 4), E4M3, 1, None)] and got.shape == (2, 3, 4)  # rows, no transpose
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
     fp8.quantize(cuda_like, E4M3)
+    monkeypatch.delenv("MEGATRON_ROCM_KERNELS")
     fp8.quantize(torch.ones(4, 4), E4M3)  # the CPU: eager
+    fp8.quantize(cuda_like.to(torch.float64), E4M3)  # a dtype the kernels do not read
     assert len(calls) == 1
 
 
@@ -342,7 +249,7 @@ def test_an_empty_tensor_quantizes_with_scale_one() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_gpu_fp8_linear_matches_the_cpu_emulation(cuda_device: torch.device, fmt: str) -> None:
-    """The GPU path (Inductor's quantize, ``torch._scaled_mm`` with its layouts) against the
+    """The GPU path (``fp8_triton``'s quantize, ``torch._scaled_mm`` with its layouts) against the
     CPU's (eager quantize, fp32 GEMM of the dequantized operands), forward and backward,
     on the dtypes this GPU uses; 20 tokens exercise the weight gradient's padding."""
     torch.manual_seed(4)

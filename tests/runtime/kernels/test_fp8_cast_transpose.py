@@ -1,8 +1,11 @@
-"""The FP8 cast-transpose kernel and the linears' operands it writes.
+"""The FP8 kernels (``fp8_triton``: amax and scale, cast with and without the transpose) and the
+linears' operands they write.
 
-The oracle is torch's own FP8 conversion (``Tensor.to``), not our code: the kernel must give
-its bytes for every FP8 value, every midpoint between two of them (ties to even), their fp32
-neighbours, NaN, signed zeros and values under the smallest subnormal, in all four formats.
+The oracle is torch's own arithmetic and FP8 conversion (``Tensor.to``) on the kernel's device,
+not our code: the cast must give its bytes for every FP8 value, every midpoint between two of
+them (ties to even), their fp32 neighbours, NaN, signed zeros and values under the smallest
+subnormal, in all four formats; the scale kernels torch's scale and inverse, bit for bit, for
+every kind of amax (zero, subnormal, tiny enough to overflow the scale, huge, inf, NaN).
 The ``triton`` cases run the kernel (on a GPU, or under the interpreter in a child pytest on a
 CPU box: ``test_triton_interpreter_runs.py``); the others run torch's path.
 """
@@ -36,16 +39,16 @@ def _every_value_and_tie(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([base, up, down, beyond])
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Records each cast-transpose launch (its input's shape): a case that ran torch's path
-    instead cannot pass."""
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int], bool]]:
+    """Records each cast launch (its input's shape, whether it transposed): a case that ran
+    torch's path instead cannot pass."""
     from megatron_rocm.runtime.kernels import fp8_triton
 
-    calls: list[tuple[int, int]] = []
+    calls: list[tuple[tuple[int, int], bool]] = []
     real = fp8_triton.cast_transpose
 
     def spy(x, *args):  # noqa: ANN001, ANN202
-        calls.append(tuple(x.shape))
+        calls.append((tuple(x.shape), args[-1] is not None))
         return real(x, *args)
 
     monkeypatch.setattr(fp8_triton, "cast_transpose", spy)
@@ -64,14 +67,92 @@ def test_every_value_and_tie_is_torchs_byte(dtype: torch.dtype) -> None:
     x[: values.numel()] = values
     x = x.view(rows, cols)
     fp8_max = float(torch.finfo(dtype).max)
-    want = x.clamp(-fp8_max, fp8_max).to(dtype).view(torch.uint8)  # clamp keeps NaN
-    y, yt = fp8_triton.cast_transpose(
-        x.to(DEVICE), torch.ones((), device=DEVICE), dtype, fp8_max, rows + 5
-    )
+    one = torch.ones((), device=DEVICE)
+    # torch's quantize arithmetic on the kernel's device: a NaN's sign after the multiply by
+    # the scale is the device's (a GPU returns its canonical NaN, x86 keeps the sign)
+    want = (x.to(DEVICE) * one).clamp(-fp8_max, fp8_max).to(dtype).view(torch.uint8).cpu()
+    y, yt = fp8_triton.cast_transpose(x.to(DEVICE), one, dtype, fp8_max, rows + 5)
     wrong = (y.cpu().view(torch.uint8) != want).nonzero()
     assert wrong.numel() == 0, [(x[i, j].item(), want[i, j].item()) for i, j in wrong[:5].tolist()]
     assert torch.equal(yt.cpu()[:, :rows].view(torch.uint8), want.t())
     assert not yt.cpu()[:, rows:].view(torch.uint8).any()  # the padding columns are zero
+
+
+def _amaxes() -> list[torch.Tensor]:
+    """Tensors whose amax is each kind the scale treats apart, and 64 across fp32's range."""
+    big = torch.finfo(torch.float32).max
+    kinds = [0.0, 1e-45, 1e-40, 1e-38, 1e-37, 2.0**-126, 1.0, 3.0, 448.0, 1e30, big,
+             float("inf"), float("nan")]  # fmt: skip
+    torch.manual_seed(11)
+    spread = (torch.rand(64) * 250 - 125).exp2() * (1 + torch.rand(64))
+    tensors = []
+    for a in [*kinds, *spread.tolist()]:
+        x = torch.randn(3, 16) * 1e-3 * (a if 0 < a < float("inf") else 1.0)
+        x[1, 5] = -a  # the amax, negative: |x| is what counts
+        tensors.append(x)
+    tensors.append(torch.zeros(2, 16))
+    return tensors
+
+
+@triton_test
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_the_scale_kernels_give_torchs_scale_and_inverse_bitwise(margin: int) -> None:
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    for dtype in FORMATS:
+        fp8_max = float(torch.finfo(dtype).max)
+        for x in _amaxes():
+            xd = x.to(DEVICE)
+            want = fp8._scale(fp8._amax(xd), fp8_max, margin)
+            scale, inverse = fp8_triton.scales(xd, fp8_max, margin)
+            assert torch.equal(scale.cpu().view(torch.int32), want.cpu().view(torch.int32)), x
+            want_inv = want.reciprocal().cpu().view(torch.int32)
+            assert torch.equal(inverse.cpu().view(torch.int32), want_inv)
+
+
+@triton_test
+def test_the_amax_of_many_programs_finds_the_largest_anywhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small blocks and few programs, so each program loops over several blocks and the
+    finalize reduces several partials; the amax placed first, last, in a partial block."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "AMAX_BLOCK", 64)
+    monkeypatch.setattr(fp8_triton, "AMAX_PROGRAMS", 8)
+    n = 5000  # 79 blocks: 8 programs of 10 blocks, the last one partly past n
+    assert fp8_triton.amax_programs(n) == (8, 10)
+    for where in (0, 2500, 4999, 4991):
+        x = torch.rand(n) * 2 - 1
+        x[where] = -7.5
+        scale, _ = fp8_triton.scales(x.to(DEVICE), 448.0, 0)
+        assert torch.equal(scale.cpu(), fp8._scale(fp8._amax(x), 448.0, 0))
+
+
+@triton_test
+def test_quantize_on_the_kernels_is_the_eager_quantize_for_every_operand_kind() -> None:
+    """Weights (``Parameter``), activations and gradients, 1- to 3-D, transposed views, every
+    format and input dtype, margins: the bytes and the inverse scale bit for bit."""
+    torch.manual_seed(5)
+    shapes = [(16,), (7,), (3, 5), (64, 48), (2, 10, 64), (33, 17), (5, 3, 7)]
+    checked = 0
+    for source in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in shapes:
+            x = (torch.randn(*shape) * 3).to(source)
+            kinds = [x, torch.nn.Parameter(x.clone()), x.clone().requires_grad_()]
+            kinds += [x.t()] if x.dim() == 2 else []
+            for operand in kinds:
+                for dtype, margin in zip(FORMATS, (0, 1, 0, 2), strict=True):
+                    want = fp8.quantize(operand.detach(), dtype, margin, triton=False)
+                    got = fp8.quantize(operand.to(DEVICE), dtype, margin, triton=True)
+                    assert got[0].shape == operand.shape and got[0].dtype == dtype
+                    assert not got[0].requires_grad and not got[1].requires_grad
+                    assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+                    assert torch.equal(got[1].cpu(), want[1])
+                    # its own allocation: cuBLASLt refuses a scale at a 4-byte offset
+                    assert got[1].storage_offset() == 0 and got[1].data_ptr() % 16 == 0
+                    checked += 1
+    assert checked == 3 * (7 * 3 + 3) * 4  # sources x (operand kinds) x formats
 
 
 @triton_test
@@ -84,7 +165,7 @@ def test_quantize_transposed_is_quantize_and_its_padded_transpose(
     torch.manual_seed(rows)
     x = (torch.randn(rows, cols) * 3).to(source)
     for dtype in FORMATS:
-        want, want_inv = fp8.quantize(x, dtype, margin, compiled=False)
+        want, want_inv = fp8.quantize(x, dtype, margin, triton=False)
         got, got_t, inv = fp8.quantize_transposed(x.to(DEVICE), dtype, margin)
         padded = -(-rows // 16) * 16
         assert got_t.shape == (cols, padded) and got_t.is_contiguous()
@@ -92,7 +173,7 @@ def test_quantize_transposed_is_quantize_and_its_padded_transpose(
         assert torch.equal(got_t.cpu()[:, :rows].view(torch.uint8), want.t().view(torch.uint8))
         assert not got_t.cpu()[:, rows:].view(torch.uint8).any()
         assert torch.equal(inv.cpu(), want_inv)
-    assert calls == [(rows, cols)] * len(FORMATS)
+    assert calls == [((rows, cols), True)] * len(FORMATS)
 
 
 @triton_test
@@ -116,11 +197,11 @@ def test_int64_offsets_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_transposed_view_is_read_as_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _spy(monkeypatch)
     x = torch.randn(48, 32).t()  # [32, 48], not contiguous
-    want, _ = fp8.quantize(x, torch.float8_e4m3fn, compiled=False)
+    want, _ = fp8.quantize(x, torch.float8_e4m3fn, triton=False)
     got, got_t, _ = fp8.quantize_transposed(x.to(DEVICE), torch.float8_e4m3fn)
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got_t.cpu().view(torch.uint8), want.t().contiguous().view(torch.uint8))
-    assert calls == [(32, 48)]
+    assert calls == [((32, 48), True)]
 
 
 @triton_test
@@ -144,10 +225,12 @@ def test_the_linear_on_the_kernel_is_the_linear_on_torch(
 
     calls = _spy(monkeypatch)
     ours = run()
-    assert len(calls) == (3 if wgrad_in_fp8 else 1)  # x, W and dy; or W alone
+    # x, W and dy, each with its transpose; or W's alone (x's and dy's are not needed)
+    launches = [((42, 64), wgrad_in_fp8), ((48, 64), True), ((42, 48), wgrad_in_fp8)]
+    assert calls == launches
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
     torchs = run()
-    assert len(calls) == (3 if wgrad_in_fp8 else 1)  # the reference path launched nothing
+    assert calls == launches  # the reference path launched nothing
     for got, want in zip(ours, torchs, strict=True):
         assert torch.equal(got, want)
 
@@ -157,7 +240,7 @@ def test_torchs_path_pads_and_transposes(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
     x = torch.randn(20, 32, dtype=torch.bfloat16)
     got, got_t, inv = fp8.quantize_transposed(x, torch.float8_e5m2, 1)
-    want, want_inv = fp8.quantize(x, torch.float8_e5m2, 1, compiled=False)
+    want, want_inv = fp8.quantize(x, torch.float8_e5m2, 1, triton=False)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got_t.shape == (32, 32) and torch.equal(inv, want_inv)
     assert torch.equal(got_t[:, :20].view(torch.uint8), want.t().view(torch.uint8))
@@ -165,7 +248,8 @@ def test_torchs_path_pads_and_transposes(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
-    """A kernel failure costs speed, logged once, never the training step."""
+    """A kernel failure costs speed, logged once, never the training step; ``quantize``
+    (no transpose) takes the same road."""
     pytest.importorskip("triton")
     from megatron_rocm.runtime.kernels import fp8_triton, launch
 
@@ -178,20 +262,21 @@ def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> No
         attempts.append(args[0].shape)
         raise RuntimeError("no HIP device code for this arch\nsecond line")
 
-    monkeypatch.setattr(fp8_triton, "cast_transpose", broken)
+    monkeypatch.setattr(fp8_triton, "scales", broken)
     caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
     x = torch.randn(20, 32, dtype=torch.bfloat16)
-    want, want_inv = fp8.quantize(x, torch.float8_e4m3fn, compiled=False)
+    want, want_inv = fp8.quantize(x, torch.float8_e4m3fn, triton=False)
     for _ in range(3):
         got, got_t, inv = fp8.quantize_transposed(x, torch.float8_e4m3fn)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(got_t[:, :20].view(torch.uint8), want.t().view(torch.uint8))
         assert torch.equal(inv, want_inv)
+        assert torch.equal(fp8.quantize(x, torch.float8_e4m3fn)[0].view(torch.uint8),
+                           want.view(torch.uint8))  # fmt: skip
     assert len(attempts) == 1  # not retried every step
     (record,) = caplog.records
     assert (
-        "cast-transpose kernel" in record.getMessage()
-        and "no HIP device code" in record.getMessage()
+        "FP8 quantize kernel" in record.getMessage() and "no HIP device code" in record.getMessage()
     )
     assert "second line" not in record.getMessage()
 
