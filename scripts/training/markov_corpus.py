@@ -103,9 +103,22 @@ def write_indexed_dataset(tree: Path, prefix: Path, tokens: np.ndarray, vocab: i
 
 
 def _positive(text: str) -> int:
-    value = int(float(text))
+    try:
+        value = int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a count: {text[:40]}") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+        raise argparse.ArgumentTypeError(f"must be positive, not {text[:40]}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
 
 
@@ -119,12 +132,12 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_positive, default=12_000_000, help="about this many tokens")
     p.add_argument("--vocab", type=_positive, default=31999, help="--vocab-size of the run")
     p.add_argument("--length", type=_positive, default=4096, help="tokens per document")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=_seed, default=1234)
     opts = p.parse_args(argv)
     if opts.vocab < 3 or opts.length < 2:
         p.error("--vocab must be at least 3, --length at least 2")
-    if not (opts.tree / "megatron" / "core").is_dir():
-        p.error(f"{opts.tree} is not a Megatron-LM checkout (no megatron/core)")
+    if not (opts.tree / "megatron" / "core" / "datasets" / "indexed_dataset.py").is_file():
+        p.error(f"{opts.tree} is not a Megatron-LM checkout (no megatron/core/datasets)")
     return opts
 
 
@@ -134,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     source = make_source(source_vocab, seed=opts.seed)
     documents = max(1, math.ceil(opts.tokens / opts.length))
     tokens, nll = sample(source, documents, opts.length, seed=opts.seed + 1)
-    opts.prefix.parent.mkdir(parents=True, exist_ok=True)
-    write_indexed_dataset(opts.tree, opts.prefix, tokens, opts.vocab)
+    try:
+        opts.prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_indexed_dataset(opts.tree, opts.prefix, tokens, opts.vocab)
+    except OSError as exc:
+        print(f"markov_corpus: cannot write {opts.prefix}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     summary = {
         "prefix": str(opts.prefix),
         "tokens": int(tokens.size),

@@ -399,8 +399,9 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
         p.error("--sp needs --tp 2 or more")
     if opts.data_path is not None:
         opts.data_path = opts.data_path.resolve()  # pretrain_gpt.py runs in the tree
-        if not opts.data_path.with_name(opts.data_path.name + ".idx").is_file():
-            p.error(f"--data-path {opts.data_path}: no {opts.data_path.name}.idx there")
+        for suffix in (".idx", ".bin"):
+            if not opts.data_path.with_name(opts.data_path.name + suffix).is_file():
+                p.error(f"--data-path {opts.data_path}: no {opts.data_path.name}{suffix} there")
     if opts.vpp > 1:
         layers = SHAPES[(opts.preset, opts.preset_size)].num_layers
         if opts.pp < 2:

@@ -75,7 +75,8 @@ def test_the_corpus_is_a_function_of_the_seed() -> None:
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "datasets").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "datasets" / "indexed_dataset.py").write_text("")
     done = subprocess.run(
         [sys.executable, "-m", "scripts.training.markov_corpus", str(tmp_path), "x", *args],
         capture_output=True,
@@ -86,6 +87,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
 
 
 def test_a_folder_that_is_not_megatron_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "megatron" / "core").mkdir(parents=True)  # no datasets/ in it
     with pytest.raises(SystemExit) as e:
         mc.parse_cli([str(tmp_path), str(tmp_path / "c")])
     assert e.value.code == 2

@@ -109,6 +109,7 @@ def test_without_pp_nothing_changes(ts, capsys, tmp_path: Path) -> None:
 
 def test_data_path_replaces_mock_data(ts, capsys, tmp_path: Path) -> None:
     (tmp_path / "corpus.idx").write_bytes(b"")
+    (tmp_path / "corpus.bin").write_bytes(b"")
     args = dry_run(ts, capsys, tmp_path, "--data-path", str(tmp_path / "corpus"))
     assert f"--data-path={tmp_path / 'corpus'}" in args and "--mock-data" not in args
     assert "--mock-data" in dry_run(ts, capsys, tmp_path)

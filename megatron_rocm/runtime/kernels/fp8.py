@@ -17,6 +17,7 @@ and the tests run it on the CPU where torch's own kernel takes the OCP dtypes.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,14 +138,17 @@ def _quantize_triton(
     x: torch.Tensor, dtype: torch.dtype, margin: int, ld_t: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """``(x_fp8, x_fp8_t, inverse_scale)`` of a 2-D ``x`` in three launches
-    (``fp8_triton``); None once its kernels failed for this key (logged once)."""
+    (``fp8_triton``); None where the grid would not fit or once the kernels failed for this
+    key (logged once). Only the launches are guarded: a bad ``margin`` raises as eager does."""
     from megatron_rocm.runtime.kernels import fp8_triton
 
-    fp8_max = float(torch.finfo(dtype).max)
-    with torch.no_grad():
+    fp8_max, margin_factor = float(torch.finfo(dtype).max), 2.0**margin
+    if not fp8_triton.fits_grid(*x.shape):
+        return None
+    with torch.no_grad(), torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         x = x.detach().contiguous()
         try:
-            scale, inverse = fp8_triton.scales(x, fp8_max, margin)
+            scale, inverse = fp8_triton.scales(x, fp8_max, margin_factor)
             x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
         except torch.OutOfMemoryError:
             raise
@@ -162,8 +166,9 @@ def quantize(
     most fp32's largest value); ``x_fp8 * inverse_scale`` is ``x`` again up to FP8 rounding.
     Both scales stay fp32 tensors on the device (no host sync); neither carries autograd (the
     FP8 linear's own backward uses them). ``triton``: through ``fp8_triton`` (bitwise the
-    eager path); None (the default) takes it on a GPU unless ``MEGATRON_ROCM_KERNELS`` names
-    ``fp8`` for the reference path or the kernels failed once (logged)."""
+    eager path; True asks for it without the checks, as the benchmark and the tests do); None
+    (the default) takes it on a GPU unless ``MEGATRON_ROCM_KERNELS`` names ``fp8`` for the
+    reference path or the kernels failed once (logged)."""
     fp8_max = float(torch.finfo(dtype).max)
     if x.numel() == 0:  # no amax to take
         return x.detach().to(dtype), torch.ones((), device=x.device)

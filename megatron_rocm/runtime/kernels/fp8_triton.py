@@ -14,7 +14,7 @@ the weight gradient. Copying FP8 tensors into those layouts with torch was half 
 linear's GPU time on an H200 (``aten::copy_``, 32768 x 1536 x 1536). Here each program reads a
 ``BLOCK_R x BLOCK_C`` tile of ``x`` once and writes it scaled, clamped and cast both ways:
 ``y`` [R, C] and ``yt`` [C, ld_t] (``ld_t >= R``; the columns past R, zero-padding for the
-GEMM's 16-multiple, are the caller's).
+GEMM's 16-multiple, are zeroed by ``cast_transpose``).
 
 Math as ``fp8._apply``: ``x`` in fp32 times the scale, clamped to the format's largest value
 (NaN kept), rounded to nearest even. The rounding and the FP8 encoding are integer arithmetic on
@@ -99,7 +99,7 @@ def _partial_amax(x, partials, n, blocks_per_program, BLOCK: tl.constexpr, WIDE:
     for i in range(0, blocks_per_program):
         o = (first + i) * BLOCK + offs
         v = tl.load(x + o, mask=o < n, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(v).to(tl.int32, bitcast=True))
+        acc = tl.maximum(acc, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF)  # |v|, NaN too
     tl.store(partials + pid, tl.max(acc, axis=0))
 
 
@@ -166,22 +166,36 @@ def amax_programs(n: int) -> tuple[int, int]:
     return triton.cdiv(blocks, per_program), per_program
 
 
-def scales(x: torch.Tensor, fp8_max: float, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+def amax_needs_int64(n: int) -> bool:
+    """Offsets past int32 in ``_partial_amax``, the last program's masked lanes included."""
+    programs, per_program = amax_programs(n)
+    return programs * per_program * AMAX_BLOCK >= 2**31
+
+
+def fits_grid(rows: int, cols: int) -> bool:
+    """Whether ``_cast_transpose``'s grid fits the GPU's limits (its second axis: 65,535 tiles
+    of columns on CUDA and ROCm alike)."""
+    return triton.cdiv(cols, BLOCK_C) <= 65535 and triton.cdiv(rows, BLOCK_R) < 2**31
+
+
+def scales(
+    x: torch.Tensor, fp8_max: float, margin_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, 1 / scale)``, 0-d fp32 tensors on ``x``'s device, of a contiguous, non-empty
-    ``x``: bitwise ``fp8._scale(amax(x))`` and its reciprocal, in two launches and no host
-    sync. Two allocations, not one of two elements: cuBLASLt refuses a scale pointer at a
+    ``x``: bitwise ``fp8._scale(amax(x), fp8_max, margin)`` (``margin_factor = 2.0**margin``)
+    and its reciprocal, in two launches and no host sync. Two allocations, not one of two elements: cuBLASLt refuses a scale pointer at a
     4-byte offset (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm`` on an H200)."""
     n = x.numel()
     programs, per_program = amax_programs(n)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
     _partial_amax[(programs,)](
-        x, partials, n, per_program, BLOCK=AMAX_BLOCK, WIDE=n + AMAX_BLOCK >= 2**31,
+        x, partials, n, per_program, BLOCK=AMAX_BLOCK, WIDE=amax_needs_int64(n),
         num_warps=AMAX_WARPS,
     )  # fmt: skip
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     inverse = torch.empty((), dtype=torch.float32, device=x.device)
     _finalize_scale[(1,)](
-        partials, programs, scale, inverse, fp8_max, 2.0**margin, PARTIALS=AMAX_PROGRAMS,
+        partials, programs, scale, inverse, fp8_max, margin_factor, PARTIALS=AMAX_PROGRAMS,
         num_warps=4,
     )  # fmt: skip
     return scale, inverse
@@ -225,7 +239,7 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
     widest = max(shapes.ffn_hiddens + shapes.hiddens)
     out = []
     for source in shapes.dtypes:
-        for wide in sorted({rows * widest + AMAX_BLOCK >= 2**31, False}):
+        for wide in sorted({amax_needs_int64(rows * widest), False}):
             out.append(
                 aot.launch(
                     _partial_amax,

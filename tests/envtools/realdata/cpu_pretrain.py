@@ -2,10 +2,12 @@
 
 ``cpu_shim`` maps Megatron's CUDA allocations to the CPU; on top of it Megatron's start-up
 asks ``torch.cuda.is_available()`` (asserts it), sets the device and reads memory statistics,
-which are answered here as a one-device CUDA box would; ``torch.compile`` (Megatron's JIT
+which are answered here as a one-device CUDA box would (``CPU_PRETRAIN_CAPABILITY=9.0``: its
+compute capability too, for FP8's argument validation); ``torch.compile`` (Megatron's JIT
 fuser, warmed up on "cuda" tensors) runs the functions eagerly. The training code is upstream's own.
 """
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -24,6 +26,9 @@ torch.cuda.max_memory_allocated = lambda *a, **k: 0
 torch.cuda.memory_reserved = lambda *a, **k: 0
 torch.cuda.max_memory_reserved = lambda *a, **k: 0
 torch.cuda.empty_cache = lambda: None
+if capability := os.environ.get("CPU_PRETRAIN_CAPABILITY"):  # "9.0": what FP8 validation reads
+    major, minor = (int(v) for v in capability.split("."))
+    torch.cuda.get_device_capability = lambda *a, **k: (major, minor)
 
 
 def _no_compile(func=None, **kwargs):  # noqa: ANN001, ANN202 - torch.compile's two call forms

@@ -228,8 +228,9 @@ def test_gpu_tensors_take_the_triton_quantize_unless_reference(monkeypatch) -> N
         calls.append((tuple(x.shape), dtype, margin, ld_t))
 
     monkeypatch.setattr(fp8, "_quantize_triton", spy)  # returns None: eager finishes the job
-    cuda_like = torch.ones(2, 3, 4)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is cuda_like))
+    cuda_like, cuda_like_f64 = torch.ones(2, 3, 4), torch.ones(4, 4, dtype=torch.float64)
+    gpu = property(lambda self: self is cuda_like or self is cuda_like_f64)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", gpu)
     monkeypatch.setattr(launch, "triton_available", lambda: True)
     got, _ = fp8.quantize(cuda_like, E4M3, 1)
     assert calls == [((6, 4), E4M3, 1, None)] and got.shape == (2, 3, 4)  # rows, no transpose
@@ -237,7 +238,7 @@ def test_gpu_tensors_take_the_triton_quantize_unless_reference(monkeypatch) -> N
     fp8.quantize(cuda_like, E4M3)
     monkeypatch.delenv("MEGATRON_ROCM_KERNELS")
     fp8.quantize(torch.ones(4, 4), E4M3)  # the CPU: eager
-    fp8.quantize(cuda_like.to(torch.float64), E4M3)  # a dtype the kernels do not read
+    fp8.quantize(cuda_like_f64, E4M3)  # a GPU tensor of a dtype the kernels do not read
     assert len(calls) == 1
 
 

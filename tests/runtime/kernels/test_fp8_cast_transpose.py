@@ -95,7 +95,7 @@ def _amaxes() -> list[torch.Tensor]:
 
 
 @triton_test
-@pytest.mark.parametrize("margin", [0, 1, 3])
+@pytest.mark.parametrize("margin", [0, 1, 3, 128])  # 2^128 overflows fp32: scale 0, as torch
 def test_the_scale_kernels_give_torchs_scale_and_inverse_bitwise(margin: int) -> None:
     from megatron_rocm.runtime.kernels import fp8_triton
 
@@ -104,7 +104,7 @@ def test_the_scale_kernels_give_torchs_scale_and_inverse_bitwise(margin: int) ->
         for x in _amaxes():
             xd = x.to(DEVICE)
             want = fp8._scale(fp8._amax(xd), fp8_max, margin)
-            scale, inverse = fp8_triton.scales(xd, fp8_max, margin)
+            scale, inverse = fp8_triton.scales(xd, fp8_max, 2.0**margin)
             assert torch.equal(scale.cpu().view(torch.int32), want.cpu().view(torch.int32)), x
             want_inv = want.reciprocal().cpu().view(torch.int32)
             assert torch.equal(inverse.cpu().view(torch.int32), want_inv)
@@ -125,8 +125,34 @@ def test_the_amax_of_many_programs_finds_the_largest_anywhere(
     for where in (0, 2500, 4999, 4991):
         x = torch.rand(n) * 2 - 1
         x[where] = -7.5
-        scale, _ = fp8_triton.scales(x.to(DEVICE), 448.0, 0)
+        scale, _ = fp8_triton.scales(x.to(DEVICE), 448.0, 1.0)
         assert torch.equal(scale.cpu(), fp8._scale(fp8._amax(x), 448.0, 0))
+
+
+@triton_test
+def test_the_amax_with_int64_offsets_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_partial_amax``'s WIDE branch (offsets past int32), forced on a small tensor."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    x = (torch.rand(9000) * 2 - 1).to(DEVICE)
+    x[8999] = 3.0
+    narrow = fp8_triton.scales(x, 448.0, 1.0)
+    monkeypatch.setattr(fp8_triton, "amax_needs_int64", lambda n: True)
+    wide = fp8_triton.scales(x, 448.0, 1.0)
+    assert [t.item() for t in narrow] == [t.item() for t in wide]
+    assert torch.equal(wide[0].cpu(), fp8._scale(torch.tensor(3.0), 448.0, 0))
+
+
+def test_amax_offsets_widen_exactly_where_int32_ends() -> None:
+    pytest.importorskip("triton")
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    def reach(n: int) -> int:  # one past the largest offset any program computes
+        programs, per_program = fp8_triton.amax_programs(n)
+        return programs * per_program * fp8_triton.AMAX_BLOCK
+
+    for n in (1, 4096, 2**31 - 4096, 2**31 - 1, 2**31, 2**31 + 1, 3 * 2**31):
+        assert fp8_triton.amax_needs_int64(n) == (reach(n) > 2**31 - 1), n
 
 
 @triton_test
@@ -247,7 +273,8 @@ def test_torchs_path_pads_and_transposes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not got_t[:, 20:].view(torch.uint8).any()
 
 
-def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("kernel", ["scales", "cast_transpose"])
+def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog, kernel: str) -> None:
     """A kernel failure costs speed, logged once, never the training step; ``quantize``
     (no transpose) takes the same road."""
     pytest.importorskip("triton")
@@ -262,7 +289,12 @@ def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog) -> No
         attempts.append(args[0].shape)
         raise RuntimeError("no HIP device code for this arch\nsecond line")
 
-    monkeypatch.setattr(fp8_triton, "scales", broken)
+    def eager_scales(x, fp8_max, margin_factor):  # noqa: ANN001, ANN202 - the kernels need a GPU
+        scale = fp8._scale(fp8._amax(x), fp8_max, 0)
+        return scale, scale.reciprocal()
+
+    monkeypatch.setattr(fp8_triton, "scales", eager_scales)
+    monkeypatch.setattr(fp8_triton, kernel, broken)
     caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
     x = torch.randn(20, 32, dtype=torch.bfloat16)
     want, want_inv = fp8.quantize(x, torch.float8_e4m3fn, triton=False)

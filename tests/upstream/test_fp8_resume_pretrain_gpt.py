@@ -1,0 +1,97 @@
+"""FP8 training saves and resumes through upstream's own ``pretrain_gpt.py`` (CPU, full tier).
+
+A patched full tree from the Megatron-LM mirror (``MEGATRON_ROCM_TEST_MIRROR``), one gloo rank
+on the CPU harness of the real-data tests, a tiny Llama on the TE spec (native backend) with
+``--fp8-format hybrid --fp8-recipe tensorwise`` (on the CPU the FP8 GEMMs are emulated in fp32
+from the quantized operands, the quantization is the GPU's bit for bit). Eight iterations
+straight, against four saved with ``torch_dist`` then four resumed in a fresh process: the
+resumed losses are the straight run's, as printed, judged by the distributed optimizer's resume
+check (``validate_distopt_resume.judge``: from 0.16 upstream's ``training_log`` prints the mean
+of a process's first two iterations on its second line, so the resumed run's iteration 6 is
+mean(5, 6)). A bf16 run of the same model ends elsewhere, so FP8 did run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rocm.main import main
+from scripts.training.validate_distopt_resume import averages_second_log, judge
+
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.torch, pytest.mark.upstream]
+pytest.importorskip("torch")
+MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+REF = "core_v0.16.0"  # the newest full tree for Python 3.11
+LAUNCHER = Path(__file__).resolve().parents[1] / "envtools" / "realdata" / "cpu_pretrain.py"
+ITERS = 8
+MODEL = [
+    "--num-layers=2", "--hidden-size=64", "--ffn-hidden-size=128", "--num-attention-heads=4",
+    "--group-query-attention", "--num-query-groups=2", "--seq-length=64",
+    "--max-position-embeddings=64", "--micro-batch-size=4", "--global-batch-size=4",
+    "--normalization=RMSNorm", "--swiglu", "--position-embedding-type=rope",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--attention-dropout=0.0",
+    "--hidden-dropout=0.0", "--lr=3e-3", "--min-lr=3e-4", "--lr-decay-style=cosine",
+    "--lr-warmup-iters=2", "--clip-grad=1.0", "--seed=1234", "--bf16", "--mock-data",
+    "--tokenizer-type=NullTokenizer", "--vocab-size=255", "--split=98,2,0", "--log-interval=1",
+    "--eval-iters=0", "--eval-interval=1000", "--transformer-impl=transformer_engine",
+    "--distributed-backend=gloo", "--use-distributed-optimizer", f"--train-iters={ITERS}",
+]  # fmt: skip
+FP8 = ["--fp8-format=hybrid", "--fp8-recipe=tensorwise"]
+_LOSS = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss:\s*(\S+)")
+
+needs_mirror = pytest.mark.skipif(
+    not (MIRROR / "HEAD").exists(),
+    reason="needs a Megatron-LM git mirror (MEGATRON_ROCM_TEST_MIRROR)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(tree: Path, log: Path, *extra: str) -> dict[int, float]:
+    """One ``pretrain_gpt.py`` process; its losses by iteration, as printed."""
+    env = {
+        **os.environ,
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "CPU_PRETRAIN_CAPABILITY": "9.0",
+        "PYTHONPATH": os.pathsep.join([str(tree), str(LAUNCHER.parents[3])]),
+    }  # fmt: skip
+    cmd = [sys.executable, str(LAUNCHER), "pretrain_gpt.py", *MODEL, *extra]
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    log.write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+    return {int(m.group(1)): float(m.group(2)) for m in _LOSS.finditer(done.stdout + done.stderr)}
+
+
+@needs_mirror
+def test_fp8_training_resumes_where_it_stopped(tmp_path: Path) -> None:
+    tree = tmp_path / REF
+    assert main(["apply", "--source", str(MIRROR), "--ref", REF, "--dest", str(tree)]) == 0
+    straight = train(tree, tmp_path / "straight.log", *FP8)
+    ckpt = tmp_path / "ckpt"
+    save = [f"--save={ckpt}", f"--load={ckpt}", f"--save-interval={ITERS // 2}"]
+    first = train(tree, tmp_path / "first.log", *FP8, *save, f"--exit-interval={ITERS // 2}")
+    resumed = train(tree, tmp_path / "resumed.log", *FP8, *save)
+    assert sorted(straight) == list(range(1, ITERS + 1))
+    assert sorted(first) == list(range(1, ITERS // 2 + 1))
+    assert sorted(resumed) == list(range(ITERS // 2 + 1, ITERS + 1))  # it loaded iteration 4
+    assert {i: straight[i] for i in first} == first  # the same start, as printed
+    after = range(ITERS // 2 + 1, ITERS + 1)
+    status, detail = judge(
+        [straight[i] for i in after], [resumed[i] for i in after], averages_second_log(tree),
+        first=after[0],
+    )  # fmt: skip
+    assert status == "pass", detail
+    bf16 = train(tree, tmp_path / "bf16.log")
+    assert bf16[ITERS] != straight[ITERS]  # FP8's rounding shows by the last iteration
