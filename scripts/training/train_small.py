@@ -401,7 +401,7 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
         opts.data_path = opts.data_path.resolve()  # pretrain_gpt.py runs in the tree
         for suffix in (".idx", ".bin"):
             if not opts.data_path.with_name(opts.data_path.name + suffix).is_file():
-                p.error(f"--data-path {opts.data_path}: no {opts.data_path.name}{suffix} there")
+                p.error(f"--data-path: no {opts.data_path}{suffix}")
     if opts.vpp > 1:
         layers = SHAPES[(opts.preset, opts.preset_size)].num_layers
         if opts.pp < 2:

@@ -118,7 +118,7 @@ def test_data_path_replaces_mock_data(ts, capsys, tmp_path: Path) -> None:
 def test_a_data_path_without_its_index_is_refused(ts, capsys, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         ts.main([str(tmp_path), "--dry-run", "--data-path", str(tmp_path / "missing")])
-    assert e.value.code == 2 and "no missing.idx there" in capsys.readouterr().err
+    assert e.value.code == 2 and f"no {tmp_path / 'missing'}.idx" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
