@@ -97,7 +97,7 @@ def write_indexed_dataset(tree: Path, prefix: Path, tokens: np.ndarray, vocab: i
     dtype = np.uint16 if vocab < 65500 else np.int32
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for row in tokens:
-        builder.add_item(torch.from_numpy(row.astype(np.int64)))
+        builder.add_item(torch.from_numpy(row))  # int64 rows: the builder casts to dtype
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
 

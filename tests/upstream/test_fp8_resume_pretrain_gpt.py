@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
 from scripts.training.validate_distopt_resume import averages_second_log, judge
 
@@ -52,18 +52,12 @@ needs_mirror = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(tree: Path, log: Path, *extra: str) -> dict[int, float]:
     """One ``pretrain_gpt.py`` process; its losses by iteration, as printed."""
     env = {
         **os.environ,
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1", "CPU_PRETRAIN_CAPABILITY": "9.0",
         "PYTHONPATH": os.pathsep.join([str(tree), str(LAUNCHER.parents[3])]),
     }  # fmt: skip

@@ -30,7 +30,7 @@ from megatron_rocm.runtime.kernels.launch import (
 
 _ALIGN = 16  # torch._scaled_mm: every dimension of its operands a multiple of 16
 # what fp8_triton's kernels read (here: that module imports Triton at import time)
-_CAST_TRANSPOSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _triton_takes(x: torch.Tensor, dtype: torch.dtype) -> bool:
     dtype the kernels read, not forced to the reference, not failed before."""
     return (
         x.numel() > 0
-        and x.dtype in _CAST_TRANSPOSE_DTYPES
+        and x.dtype in _TRITON_DTYPES
         and (dtype, x.dtype) not in _eager_keys
         and use_triton(x, kernel="fp8")
     )

@@ -3,12 +3,11 @@
 Imported lazily by :mod:`megatron_rocm.runtime.kernels.fp8`. A GPU quantizes in three launches:
 ``_partial_amax`` (each program the largest ``|x|`` of its slice, as fp32 bits), ``_finalize_scale``
 (one program: the amax, the scale and its inverse, torch's operations in torch's order, so the
-bits are eager ``fp8._scale``'s), and ``_cast_transpose``. Eager torch took about fifteen launches
-for the same (the scale's ``where``/``isfinite``/``clamp``/``reciprocal`` among them), and the
-CPU time to issue them, not the GPU's, set an FP8 linear's pace at training shapes.
+bits are eager ``fp8._scale``'s), and ``_cast_transpose``: few launches and no host sync,
+where eager torch's scale alone takes about ten small ones.
 
-``torch._scaled_mm`` takes its
-first operand row-major and its second column-major, so of the three GEMMs of a linear two need
+``torch._scaled_mm`` takes its first operand row-major and its second column-major, so of the
+three GEMMs of a linear two need
 an operand transposed: the weight for the input gradient, the output gradient and the input for
 the weight gradient. Copying FP8 tensors into those layouts with torch was half of an FP8
 linear's GPU time on an H200 (``aten::copy_``, 32768 x 1536 x 1536). Here each program reads a
@@ -183,8 +182,9 @@ def scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, 1 / scale)``, 0-d fp32 tensors on ``x``'s device, of a contiguous, non-empty
     ``x``: bitwise ``fp8._scale(amax(x), fp8_max, margin)`` (``margin_factor = 2.0**margin``)
-    and its reciprocal, in two launches and no host sync. Two allocations, not one of two elements: cuBLASLt refuses a scale pointer at a
-    4-byte offset (``CUBLAS_STATUS_NOT_SUPPORTED`` from ``torch._scaled_mm`` on an H200)."""
+    and its reciprocal, in two launches and no host sync. Two allocations, not one of two
+    elements: cuBLASLt refuses a scale pointer at a 4-byte offset (``CUBLAS_STATUS_NOT_SUPPORTED``
+    from ``torch._scaled_mm`` on an H200)."""
     n = x.numel()
     programs, per_program = amax_programs(n)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
@@ -208,7 +208,7 @@ def cast_transpose(
     fp8_max: float,
     ld_t: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(y, yt)``: ``x`` [R, C] (contiguous) scaled by ``scale`` (fp32, its first element) and
+    """``(y, yt)``: ``x`` [R, C] (contiguous) scaled by ``scale`` (a 0-d fp32 tensor) and
     cast to the FP8 ``dtype``, as it is (``y``) and transposed into ``yt`` [C, ld_t] (zeros past
     R); ``ld_t=None``: ``y`` alone, ``yt`` None."""
     rows, cols = x.shape
