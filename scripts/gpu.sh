@@ -23,7 +23,8 @@
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
-#            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention)
+#            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention, the TE spec's attention
+#            kernels at the 0.85B's and the 8B's shapes)
 #   cp2      context parallelism on 2 GPUs: CP=2 Llama at seq 8k and 16k (TE spec), CP=1 at 8k
 #            for the loss comparison, the GPU cases of test_context_parallel, bench/cp_attention
 #   moe2     EP=2 MoE, alltoall dispatcher, with and without --moe-grouped-gemm (2 GPUs)
@@ -272,6 +273,8 @@ stage_kernels() {
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.swiglu --tree "$W/p-$NEWEST" \
      --json "$OUT/bench-swiglu.json" > "$OUT/bench-swiglu.txt" 2>&1)
   (cd "$HERE" && timeout 180 $PY -m scripts.bench.grouped_gemm > "$OUT/bench-grouped.txt" 2>&1)
+  (cd "$HERE" && timeout 120 $PY -m scripts.bench.attention --json "$OUT/bench-attention.jsonl" \
+     > "$OUT/bench-attention.txt" 2>&1)
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.grouped_gemm --profile > "$OUT/bench-grouped-profile.txt" 2>&1)
   (cd "$HERE" && timeout 150 $PY -m scripts.bench.packed_attention > "$OUT/bench-packed.txt" 2>&1)
   log "kernel benchmarks: see bench-*.txt"
