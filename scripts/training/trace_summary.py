@@ -9,7 +9,9 @@ Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler``
 * the span of GPU work, the time some kernel was running (busy) and the idle rest;
 * GPU time per kernel family (GEMM, attention, Triton, norms, elementwise, copies, NCCL, ...);
 * the longest idle gaps, each with the Python frames (Megatron's and ours) that launched the
-  kernel ending the gap: idle time is CPU time the GPU waited for (syncs, launch overhead);
+  kernel ending the gap and what that thread ran while the GPU waited: idle time is CPU time
+  the GPU waited for (syncs, launch overhead);
+* all idle time (gaps of 20 us or more) by the host frame it was spent in;
 * communication no compute kernel runs beside (exposed), per collective, and how much compute
   ran beside communication (where both share the GPU's SMs and memory).
 
@@ -228,17 +230,32 @@ def pace(ours: list[dict], theirs: list[dict], top: int) -> list[str]:
     return lines
 
 
-def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # Inductor's Triton kernels launch via the driver
+
+
+def launches(events: list[dict]) -> dict[object, dict]:
+    """Each kernel launch (runtime or driver API call) by its correlation id."""
+    return {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
+
+
+def _ours_or_op(e: dict) -> bool:
+    return e.get("cat") == "cpu_op" or bool(_OURS.search(e["name"]))
+
+
+def _short(e: dict) -> str:
+    return e["name"].split("/")[-1][:60]
+
+
+def launching_frames(
+    events: list[dict], kernel: dict, depth: int = 4, by_corr: dict | None = None
+) -> str:
     """Our and Megatron's Python frames around the launch of ``kernel`` (innermost first)."""
-    corr = kernel.get("args", {}).get("correlation")
-    launch = next(
-        (
-            e
-            for e in events
-            if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") == corr
-        ),
-        None,
-    )
+    by_corr = launches(events) if by_corr is None else by_corr
+    launch = by_corr.get(kernel.get("args", {}).get("correlation"))
     if launch is None:
         return "?"
     ts, tid = launch["ts"], launch.get("tid")
@@ -250,8 +267,77 @@ def launching_frames(events: list[dict], kernel: dict, depth: int = 4) -> str:
         and e["ts"] <= ts <= e["ts"] + e.get("dur", 0)
     ]
     frames.sort(key=lambda e: e.get("dur", 0))
-    ours = [e["name"] for e in frames if e.get("cat") == "cpu_op" or _OURS.search(e["name"])]
-    return " < ".join(n.split("/")[-1][:60] for n in ours[:depth]) or frames[0]["name"][:60]
+    ours = [_short(e) for e in frames if _ours_or_op(e)]
+    return " < ".join(ours[:depth]) or frames[0]["name"][:60]
+
+
+def host_stacks(events: list[dict], queries: list[tuple[object, float]]) -> list[list[dict]]:
+    """The host frames (Python functions and ops) running on thread ``tid`` at time ``t``, for
+    each ``(tid, t)`` of ``queries``, outermost first: one sweep over each thread's frames,
+    which nest."""
+    frames: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op"):
+            frames[e.get("tid")].append(e)
+    for spans in frames.values():
+        spans.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+    out: list[list[dict]] = [[] for _ in queries]
+    by_tid: dict[object, list[tuple[float, int]]] = defaultdict(list)
+    for q, (tid, t) in enumerate(queries):
+        by_tid[tid].append((t, q))
+    for tid, asks in by_tid.items():
+        spans, i, stack = frames.get(tid, []), 0, []
+        for t, q in sorted(asks):
+            while i < len(spans) and spans[i]["ts"] <= t:
+                stack.append(spans[i])
+                i += 1
+            stack = [e for e in stack if e["ts"] + e.get("dur", 0) >= t]
+            out[q] = list(stack)
+    return out
+
+
+def host_during(gap: tuple[float, float], launch: dict | None, stack: list[dict]) -> str:
+    """What the launching thread ran while the GPU waited, from the gap's start to the launch
+    of the kernel that ended it: the innermost of our, Megatron's and torch's op frames that
+    cover at least half of that stretch (``stack``: the thread's frames at its midpoint)."""
+    if launch is None:
+        return "?"
+    start, end = gap[0], launch["ts"]
+    if end <= start:
+        return "(launched before the gap: it waited on the GPU)"
+    covering = [
+        e
+        for e in stack
+        if _ours_or_op(e)
+        and min(end, e["ts"] + e.get("dur", 0)) - max(start, e["ts"]) >= (end - start) / 2
+    ]
+    return " < ".join(_short(e) for e in reversed(covering[-3:])) or "?"
+
+
+def idle_by_host_frame(
+    gaps: list[tuple[float, float]], kernels: list[dict], events: list[dict], min_us: float = 20
+) -> list[tuple[str, float, int]]:
+    """Idle time (gaps of ``min_us`` or more) by the innermost host frame that ran through it:
+    where the host was while the GPU waited, over the whole iteration."""
+    by_corr = launches(events)
+    starts = [k["ts"] for k in kernels]
+    chosen = []
+    for gap in gaps:
+        if gap[1] - gap[0] < min_us:
+            continue
+        nxt = kernels[bisect.bisect_left(starts, gap[1])]
+        launch = by_corr.get(nxt.get("args", {}).get("correlation"))
+        chosen.append((gap, launch))
+    queries = [
+        (launch.get("tid"), (gap[0] + launch["ts"]) / 2) if launch else (None, gap[0])
+        for gap, launch in chosen
+    ]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for (gap, launch), stack in zip(chosen, host_stacks(events, queries), strict=True):
+        where = host_during(gap, launch, stack).split(" < ")[0]
+        totals[where][0] += gap[1] - gap[0]
+        totals[where][1] += 1
+    return sorted(((k, v[0], int(v[1])) for k, v in totals.items()), key=lambda r: -r[1])
 
 
 def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
@@ -281,12 +367,29 @@ def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
     lines += ["", "| kernel | ms | calls |", "|---|---|---|"]
     for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| {name[:90]} | {us / 1e3:.2f} | {n} |")
-    lines += ["", "| idle gap ms | before kernel | launched from |", "|---|---|---|"]
+    lines += [
+        "",
+        "| idle gap ms | before kernel | launched from | host during the gap |",
+        "|---|---|---|---|",
+    ]
     starts = [s for s, _ in spans]
-    for gap_start, gap_end in sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]:
-        nxt = kernels[bisect.bisect_left(starts, gap_end)]
-        where = launching_frames(events, nxt)
-        lines.append(f"| {(gap_end - gap_start) / 1e3:.2f} | {nxt['name'][:50]} | {where} |")
+    by_corr = launches(events)
+    longest = sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]
+    nexts = [kernels[bisect.bisect_left(starts, end)] for _, end in longest]
+    found = [by_corr.get(k.get("args", {}).get("correlation")) for k in nexts]
+    queries = [
+        (launch.get("tid"), (gap[0] + launch["ts"]) / 2) if launch else (None, gap[0])
+        for gap, launch in zip(longest, found, strict=True)
+    ]
+    stacks = host_stacks(events, queries)
+    for gap, nxt, launch, stack in zip(longest, nexts, found, stacks, strict=True):
+        where = launching_frames(events, nxt, by_corr=by_corr)
+        host = host_during(gap, launch, stack)
+        lines.append(f"| {(gap[1] - gap[0]) / 1e3:.2f} | {nxt['name'][:50]} | {where} | {host} |")
+    lines += ["", "| idle ms (gaps of 20 us or more) | gaps | host frame the GPU waited on |"]
+    lines += ["|---|---|---|"]
+    for where, us, n in idle_by_host_frame(gaps, kernels, events)[:top]:
+        lines.append(f"| {us / 1e3:.2f} | {n} | {where} |")
     lines += ["", "| communication and compute | ms |", "|---|---|"]
     lines += [f"| {key} | {us / 1e3:.1f} |" for key, us in sorted(exposure(kernels).items())]
     return "\n".join(lines)
