@@ -21,6 +21,9 @@
 #   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
 #            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
+#   mfu      issue 45's 0.85B on one GPU: upstream's defaults against CE fusion + manual GC,
+#            --cuda-graph-impl local and full_iteration (MFU_RUNS, MFU_ITERS), then a profiled
+#            iteration of MFU_TRACE summarised with each gap's host frame (trace_summary)
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention, the TE spec's attention
@@ -93,7 +96,7 @@
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need:
-#   1 GPU:  setup train units profile bench trace fp8 kernels smoke mla moebench upx1 series pack
+#   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
 #   4 GPUs: setup par4 scale4
 set -u
@@ -257,6 +260,34 @@ stage_trace() {
        --top 40 --gaps 20 > "$OUT/trace-$impl.md" 2>&1)
     log "trace $impl: $(head -1 "$OUT/trace-$impl.md")"
   done
+}
+
+stage_mfu() {
+  # Issue 45's 0.85B on one GPU: where its host stalls go and which of upstream's flags remove
+  # them. Each run 0.85B Llama, TE spec, micro-batch 16, MFU_ITERS iterations; then one
+  # profiled iteration of MFU_TRACE (a run's name) summarised with every gap's host frame.
+  local size="--preset llama --preset-size 0.85b --micro-batch-size 16 --global-batch-size 16"
+  local nomask="--no-create-attention-mask-in-dataloader"
+  local -A flags=(
+    [base]=""
+    [recipe]="--cross-entropy-loss-fusion --manual-gc"
+    [graphs]="--cuda-graph-impl local $nomask"
+    [graphs-recipe]="--cuda-graph-impl local $nomask --cross-entropy-loss-fusion --manual-gc"
+    [full-iteration]="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad $nomask"
+  )
+  for run in ${MFU_RUNS:-base recipe graphs graphs-recipe full-iteration}; do
+    [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
+    train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
+    log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
+  done
+  local run=${MFU_TRACE:-base}
+  rm -rf "$W/mfu-trace" && mkdir -p "$W/mfu-trace/tb"
+  train "mfu-trace-$run-$NEWEST" "$W/p-$NEWEST" $size --iters 9 -- ${flags[$run]} --profile \
+    --use-pytorch-profiler --profile-step-start 6 --profile-step-end 7 \
+    --pytorch-profiler-collect-callstack --tensorboard-dir "$W/mfu-trace/tb"
+  (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/mfu-trace/torch_profile/rank-0.json.gz" \
+     --top 40 --gaps 40 > "$OUT/mfu-trace-$run.md" 2>&1)
+  log "mfu trace $run: $(head -1 "$OUT/mfu-trace-$run.md")"
 }
 
 stage_smoke() {
