@@ -22,8 +22,9 @@
 #            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
 #   mfu      issue 45's 0.85B on one GPU: upstream's defaults against CE fusion + manual GC,
-#            --cuda-graph-impl local and full_iteration (MFU_RUNS, MFU_ITERS), then a profiled
-#            iteration of MFU_TRACE summarised with each gap's host frame (trace_summary)
+#            --cuda-graph-impl local and full_iteration (MFU_RUNS, MFU_ITERS), the GEMM + attention
+#            ceiling of a micro-batch of the 0.85B and of the 8B example (scripts/bench/step_ceiling.py),
+#            then a profiled iteration of MFU_TRACE summarised with each gap's host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention, the TE spec's attention
@@ -279,6 +280,16 @@ stage_mfu() {
     [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
     train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
     log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
+  done
+  # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the base run's time
+  local base_ms
+  base_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'])" \
+    "$OUT/mfu-base-$NEWEST.json" 2>/dev/null)
+  for model in 0.85b 8b; do
+    (cd "$HERE" && $PY -m scripts.bench.step_ceiling --model $model \
+       $([ $model = 0.85b ] && [ -n "$base_ms" ] && echo --measured-ms "$base_ms") \
+       --json "$OUT/ceiling-$model.json" > "$OUT/ceiling-$model.txt" 2>&1)
+    log "ceiling $model: $(tail -1 "$OUT/ceiling-$model.txt")"
   done
   local run=${MFU_TRACE:-base}
   rm -rf "$W/mfu-trace" && mkdir -p "$W/mfu-trace/tb"

@@ -114,8 +114,11 @@ def inputs(shape: Shape, device: str) -> tuple[torch.Tensor, ...]:
     return make(shape.heads), make(shape.kv_heads), make(shape.kv_heads)
 
 
-def measure(name: str, shape_name: str, device: str, iters: int) -> dict:
-    shape = SHAPES[shape_name]
+def measure(
+    name: str, shape_name: str, device: str, iters: int, shape: Shape | None = None
+) -> dict:
+    """One variant's forward + backward at ``SHAPES[shape_name]`` (or ``shape``, so named)."""
+    shape = shape or SHAPES[shape_name]
     q, k, v = inputs(shape, device)
     fn = variant_fn(name)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]

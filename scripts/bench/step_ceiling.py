@@ -1,0 +1,157 @@
+"""The GEMM + attention ceiling of one training micro-batch, op by op on one GPU.
+
+    python -m scripts.bench.step_ceiling [--model 8b|0.85b] [--measured-ms MS] [--json F]
+    python -m scripts.bench.step_ceiling --smoke      # tiny CPU run, checks it works
+
+Each GEMM of a Llama layer (the fused QKV projection, the output projection, fc1 with its gate,
+fc2) is timed alone in bf16 (``torch.mm``) as its forward, input gradient and weight gradient,
+the LM head likewise, and the attention's forward + backward through the TE spec's
+``sdpa_sbhd`` (torch's kernel choice, ``scripts/bench/attention.py``). The ceiling is
+``layers x (the layer's GEMMs + attention) + the head``: what one micro-batch would take with no
+other kernel and no idle GPU. Against the micro-batch's model FLOPs (Megatron's formula,
+``train_small.flops_per_iteration``) it bounds MFU from above; ``--measured-ms`` (a training
+run's time per micro-batch: its iteration time over the micro-batches each GPU runs) says how
+far a run is from it. Models: ``8b`` is upstream's Llama-3 8B example (32 layers, hidden 4096,
+ffn 14336, 32 heads over 8 kv heads, seq 8192, micro-batch 1, vocabulary 128256); ``0.85b`` is
+``train_small``'s Llama at micro-batch 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scripts.bench import attention as bench_attention
+from scripts.bench import timing as bench_timing
+from scripts.training import train_small
+
+PEAK_TFLOPS = 989.0  # H100/H200 dense bf16, as train_small
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    seq: int
+    micro_batch: int
+    vocab: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+    def gemms(self) -> list[tuple[str, int, int, int]]:
+        """(name, M, N, K) of each forward GEMM: ``[M, K] @ [K, N]``; the last is the head."""
+        head_dim = self.hidden // self.heads
+        qkv = (self.heads + 2 * self.kv_heads) * head_dim
+        t, h = self.tokens, self.hidden
+        return [
+            ("qkv", t, qkv, h),
+            ("proj", t, h, h),
+            ("fc1", t, 2 * self.ffn, h),
+            ("fc2", t, h, self.ffn),
+            ("head", t, self.vocab, h),
+        ]
+
+    def flops(self) -> float:
+        shape = train_small.Shape(
+            self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, self.seq,
+            self.micro_batch, self.micro_batch, self.vocab, 0.0,
+        )  # fmt: skip
+        return train_small.flops_per_iteration(shape, "llama", self.micro_batch, self.vocab)
+
+
+MODELS = {
+    "8b": Model(32, 4096, 14336, 32, 8, 8192, 1, 128256),
+    "0.85b": Model(24, 1536, 5504, 12, 4, 2048, 16, 32000),
+    "smoke": Model(2, 64, 128, 4, 2, 32, 2, 256),
+}
+
+
+def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Milliseconds of the forward, the input gradient and the weight gradient."""
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    return {
+        "forward": bench_timing.median_ms(lambda: x @ w, device),
+        "input_grad": bench_timing.median_ms(lambda: dy @ w.t(), device),
+        "weight_grad": bench_timing.median_ms(lambda: x.t() @ dy, device),
+    }
+
+
+def ceiling(model: Model, device: str, iters: int) -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for name, m, n, k in model.gemms():
+        ms = time_gemm(m, n, k, device, dtype)
+        total = sum(ms.values())
+        rows.append({"op": name, "shape": [m, n, k], "ms": round(total, 4), **ms,
+                     "tflops": round(3 * 2 * m * n * k / total / 1e9, 1)})  # fmt: skip
+    attn_shape = bench_attention.Shape(
+        model.micro_batch, model.seq, model.heads, model.kv_heads, model.hidden // model.heads
+    )
+    attn = bench_attention.measure("te_spec", "model", device, iters, shape=attn_shape)
+    if "error" in attn:
+        raise RuntimeError(f"attention: {attn['error']}")
+    rows.append({"op": "attention", "shape": attn_shape.__dict__, "ms": attn["ms"],
+                 "tflops": attn["tflops"]})  # fmt: skip
+    per_layer = sum(r["ms"] for r in rows if r["op"] != "head")
+    head = next(r["ms"] for r in rows if r["op"] == "head")
+    step_ms = model.layers * per_layer + head
+    return {
+        "rows": rows,
+        "layer_ms": round(per_layer, 4),
+        "ceiling_ms": round(step_ms, 3),
+        "model_tflop": round(model.flops() / 1e12, 3),
+        "ceiling_mfu": round(model.flops() / (step_ms / 1e3) / 1e12 / PEAK_TFLOPS, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("8b", "0.85b"), default="8b")
+    parser.add_argument("--measured-ms", type=float, help="a run's time per micro-batch")
+    parser.add_argument("--iters", type=int, default=20, help="attention timing samples")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run: checks it works")
+    args = parser.parse_args(argv)
+    if args.measured_ms is not None and args.measured_ms <= 0:
+        parser.error("--measured-ms must be positive")
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("step_ceiling: needs a GPU (use --smoke on the CPU)", file=sys.stderr)
+        return 3
+    name = "smoke" if args.smoke else args.model
+    result = {"model": name, **ceiling(MODELS[name], device, 2 if args.smoke else args.iters)}
+    if args.measured_ms:
+        result["measured_ms"] = args.measured_ms
+        result["of_ceiling"] = round(result["ceiling_ms"] / args.measured_ms, 4)
+    print("| op | M x N x K | fwd + dgrad + wgrad ms | TFLOP/s |\n|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['op']} | {r['shape']} | {r['ms']} | {r['tflops']} |")
+    print(
+        f"\n{name}: one layer {result['layer_ms']} ms, a micro-batch at least "
+        f"{result['ceiling_ms']} ms ({result['model_tflop']} TFLOP: MFU at most "
+        f"{result['ceiling_mfu']:.1%} of {PEAK_TFLOPS:g})"
+        + (
+            f"; the run takes {args.measured_ms} ms, {result['of_ceiling']:.1%} of it ceiling-bound"
+            if args.measured_ms
+            else ""
+        )  # fmt: skip
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
