@@ -163,3 +163,17 @@ def test_planner_metadata_keeps_mcore_data_through_a_copy(trees, version, patche
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == str(patched)
+
+
+@pytest.mark.parametrize(
+    ("version", "fmt"), [("0.19.2", "torch_dist:dp_reshardable"), ("0.12.0", "torch")]
+)
+def test_a_group_step_set_before_the_first_step_survives_save_and_load(
+    trees, tmp_path, version, fmt
+):
+    """Upstream's ``test_optimizer_common_state_dict[...test_step]`` at two ranks: the param
+    groups' ``step`` (where FusedAdam starts each parameter's own step) was reported as None
+    before the first optimizer step, so 1234 was saved as None (2 x H200, main)."""
+    result = roundtrip(trees(version), fmt, "bf16", 2, tmp_path, "--group-step", "1234")
+    assert result["errors"] == [] and result["ok"], result
+    assert set(result["group_steps"]["loaded"]) == {1234}
