@@ -1,7 +1,8 @@
 """The command line every single-process upstream probe shares: ``--tree`` and ``--out``, and
 the probe's result (or the error it raised, with its trace) written to ``--out`` as JSON, so
 the test reports a probe's failure instead of a missing file; and ``applied_and_probed``, the
-tests' side: apply the series to a PyPI sdist and run a probe on it."""
+tests' side: apply the series to a PyPI sdist and run a probe on it (``probed``: run a probe on
+a tree as it is)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,6 @@ def applied_and_probed(probe: Path, release: str, dest: Path, timeout: int = 900
     """The test side: the series applied to the PyPI sdist ``release`` in ``dest`` (downloads
     cached in the test cache), ``probe`` run on that tree in a fresh interpreter, its result;
     a probe that raised fails the test with its trace."""
-    import os
-    import subprocess
-    import sys
-
     import pytest
     from cache_paths import DOWNLOAD_CACHE
 
@@ -42,11 +39,20 @@ def applied_and_probed(probe: Path, release: str, dest: Path, timeout: int = 900
         env.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
         argv = ["apply", "--source", "pypi", "--ref", release, "--dest", str(dest)]
         assert megatron_rocm(argv) == 0
-    out = dest.parent / f"{probe.stem}-{release}.json"
+    return probed(probe, dest, dest.parent / f"{probe.stem}-{release}.json", timeout)
+
+
+def probed(probe: Path, tree: Path, out: Path, timeout: int = 900) -> dict:
+    """``probe`` run on ``tree`` in a fresh interpreter, its result (also left in ``out``); a
+    probe that raised fails the test with its trace."""
+    import os
+    import subprocess
+    import sys
+
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(dest), str(repo)])}
-    cmd = [sys.executable, str(probe), "--tree", str(dest), "--out", str(out)]
-    subprocess.run(cmd, cwd=dest, env=env, check=True, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(repo)])}
+    cmd = [sys.executable, str(probe), "--tree", str(tree), "--out", str(out)]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, timeout=timeout)
     result = json.loads(out.read_text())
     assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
     return result
