@@ -64,6 +64,8 @@
 #            dist_checkpointing --suite models), unpatched vs patched newest ref, 1 rank,
 #            UPX_BUDGET seconds (default 170; the rest waits for --resume)
 #   upx2     the same at 2 ranks
+#   paths    upstream's test files UNIT_PATHS, unpatched vs patched newest ref, UNIT_NPROC ranks
+#            (default 2), UNIT_BUDGET seconds
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
 #            with the ring's blocks on auto's kernel (cuDNN on NVIDIA) and on flash's and with
 #            --cp-comm-type a2a
@@ -98,7 +100,7 @@
 #
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 tiers
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers
 #   4 GPUs: setup par4 scale4
 set -u
 OUT=$1; shift
@@ -380,6 +382,13 @@ stage_mimo2() {
 
 stage_upx1() {
   UNIT_NPROC=1 UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx1 --suite dist_checkpointing --suite models
+}
+
+stage_paths() {
+  # upstream's test files UNIT_PATHS (space-separated, relative to the tree), unpatched vs
+  # patched newest ref, UNIT_NPROC ranks (default 2): e.g. the tests of a new patch
+  [ -n "${UNIT_PATHS:-}" ] || { log "paths: set UNIT_PATHS"; return; }
+  units_two_ranks paths --paths $UNIT_PATHS
 }
 
 stage_upx2() {
