@@ -285,7 +285,7 @@ stage_mfu() {
   done
   # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the base run's time
   local base_ms
-  base_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'])" \
+  base_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'] or '')" \
     "$OUT/mfu-base-$NEWEST.json" 2>/dev/null)
   for model in 0.85b 8b; do
     (cd "$HERE" && $PY -m scripts.bench.step_ceiling --model $model \

@@ -11,8 +11,10 @@ the LM head likewise, and the attention's forward + backward through the TE spec
 other kernel and no idle GPU. Against the micro-batch's model FLOPs (Megatron's formula,
 ``train_small.flops_per_iteration``) it bounds MFU from above; ``--measured-ms`` (a training
 run's time per micro-batch: its iteration time over the micro-batches each GPU runs) says how
-far a run is from it. Models: ``8b`` is upstream's Llama-3 8B example (32 layers, hidden 4096,
-ffn 14336, 32 heads over 8 kv heads, seq 8192, micro-batch 1, vocabulary 128256); ``0.85b`` is
+far a run is from it. All in bf16 (the example's default is FP8; this is its bf16 ceiling).
+Models: ``8b`` is upstream's Llama-3 8B example (32 layers, hidden 4096, ffn 14336, 32 heads
+over 8 kv heads, seq 8192, micro-batch 1, vocabulary 128256; 128384 where the mock data's
+NullTokenizer adds its end-of-document token, <= 0.19: 0.1% more head FLOPs); ``0.85b`` is
 ``train_small``'s Llama at micro-batch 16.
 """
 
@@ -77,14 +79,22 @@ MODELS = {
 
 
 def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str, float]:
-    """Milliseconds of the forward, the input gradient and the weight gradient."""
+    """Milliseconds of the forward ``x W^T``, the input gradient ``dy W`` and the weight
+    gradient, with the weight ``[N, K]`` as Megatron keeps it. The weight gradient is added
+    into an fp32 ``main_grad`` as gradient-accumulation fusion does in training
+    (``kernels.grad_accum``), except in fp32 (the CPU smoke run) where it is a plain product."""
+    from megatron_rocm.runtime.kernels import grad_accum
+
     x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(k, n, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
     dy = torch.randn(m, n, device=device, dtype=dtype)
+    main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
     return {
-        "forward": bench_timing.median_ms(lambda: x @ w, device),
-        "input_grad": bench_timing.median_ms(lambda: dy @ w.t(), device),
-        "weight_grad": bench_timing.median_ms(lambda: x.t() @ dy, device),
+        "forward": bench_timing.median_ms(lambda: x @ w.t(), device),
+        "input_grad": bench_timing.median_ms(lambda: dy @ w, device),
+        "weight_grad": bench_timing.median_ms(
+            lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad), device
+        ),
     }
 
 

@@ -266,6 +266,8 @@ def launching_frames(
         and e.get("tid") == tid
         and e["ts"] <= ts <= e["ts"] + e.get("dur", 0)
     ]
+    if not frames:  # a launch outside any recorded host frame (no Python stacks traced)
+        return "?"
     frames.sort(key=lambda e: e.get("dur", 0))
     ours = [_short(e) for e in frames if _ours_or_op(e)]
     return " < ".join(ours[:depth]) or frames[0]["name"][:60]
@@ -296,22 +298,38 @@ def host_stacks(events: list[dict], queries: list[tuple[object, float]]) -> list
     return out
 
 
-def host_during(gap: tuple[float, float], launch: dict | None, stack: list[dict]) -> str:
+WAITED = "(launched before the gap: it waited on the GPU)"
+
+
+def host_frames_during(
+    gap: tuple[float, float], launch: dict | None, stack: list[dict]
+) -> list[dict] | None:
     """What the launching thread ran while the GPU waited, from the gap's start to the launch
-    of the kernel that ended it: the innermost of our, Megatron's and torch's op frames that
-    cover at least half of that stretch (``stack``: the thread's frames at its midpoint)."""
+    of the kernel that ended it: our, Megatron's and torch's op frames that cover at least half
+    of that stretch, innermost first (``stack``: the thread's frames at its midpoint, which
+    every such frame contains). None: the launch call had returned before the gap began."""
     if launch is None:
-        return "?"
+        return []
     start, end = gap[0], launch["ts"]
-    if end <= start:
-        return "(launched before the gap: it waited on the GPU)"
+    if launch["ts"] + launch.get("dur", 0) <= start:
+        return None
+    if end <= start:  # the gap began inside the launch call itself
+        return [launch]
     covering = [
         e
         for e in stack
         if _ours_or_op(e)
         and min(end, e["ts"] + e.get("dur", 0)) - max(start, e["ts"]) >= (end - start) / 2
     ]
-    return " < ".join(_short(e) for e in reversed(covering[-3:])) or "?"
+    return list(reversed(covering))
+
+
+def host_during(gap: tuple[float, float], launch: dict | None, stack: list[dict]) -> str:
+    """``host_frames_during`` as text: the innermost three, or why there are none."""
+    frames = host_frames_during(gap, launch, stack)
+    if frames is None:
+        return WAITED
+    return " < ".join(_short(e) for e in frames[:3]) or "?"
 
 
 def idle_by_host_frame(
@@ -334,7 +352,8 @@ def idle_by_host_frame(
     ]
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for (gap, launch), stack in zip(chosen, host_stacks(events, queries), strict=True):
-        where = host_during(gap, launch, stack).split(" < ")[0]
+        frames = host_frames_during(gap, launch, stack)
+        where = WAITED if frames is None else (_short(frames[0]) if frames else "?")
         totals[where][0] += gap[1] - gap[0]
         totals[where][1] += 1
     return sorted(((k, v[0], int(v[1])) for k, v in totals.items()), key=lambda r: -r[1])

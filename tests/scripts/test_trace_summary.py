@@ -180,9 +180,11 @@ def test_paired_calls_show_differences_that_alternate_between_the_ranks() -> Non
 
 
 def _host_trace(path: Path) -> Path:
-    """GPU idle 100-400 us while the host computes the gradient norm's inputs, then a kernel
-    launched through the driver (as Inductor's Triton kernels are); idle 500-600 us behind a
-    kernel launched at 450, before the gap (it waited on the GPU)."""
+    """Four idle gaps: 100-400 us while the host computes the gradient norm's inputs, ended by
+    a kernel launched through the driver (as Inductor's Triton kernels are); 500-600 behind a
+    kernel launched at 450, before the gap (it waited on the GPU); 650-800 behind a launch on a
+    thread with no recorded frames; 850-1000 behind a launch call that began before the gap and
+    lasted through it (a module load, say)."""
     events = [
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0, "dur": 100,
          "args": {"correlation": 1}},
@@ -194,12 +196,23 @@ def _host_trace(path: Path) -> Path:
          "args": {"correlation": 3}},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 450, "dur": 5,
          "tid": 7, "args": {"correlation": 3}},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 0, "dur": 700,
+        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "ts": 800, "dur": 50,
+         "args": {"correlation": 4}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 700, "dur": 5,
+         "tid": 9, "args": {"correlation": 4}},
+        {"ph": "X", "cat": "kernel", "name": "triton_red_fused_1", "ts": 1000, "dur": 50,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 840, "dur": 100,
+         "tid": 7, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 0, "dur": 1100,
          "name": "megatron/training/training.py(900): train_step"},
         {"ph": "X", "cat": "python_function", "tid": 7, "ts": 90, "dur": 290,
          "name": "megatron/core/optimizer/clip_grads.py(55): get_grad_norm_fp32"},
         {"ph": "X", "cat": "python_function", "tid": 7, "ts": 120, "dur": 20,
          "name": "megatron/core/utils.py(10): param_is_not_shared"},
+        # running at the gap's midpoint but for 10 of its 290 us: not what the GPU waited on
+        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 240, "dur": 10,
+         "name": "megatron/core/utils.py(20): tiny_helper"},
     ]  # fmt: skip
     with gzip.open(path, "wt") as fh:
         json.dump({"traceEvents": events}, fh)
@@ -210,13 +223,21 @@ def test_what_the_host_ran_while_the_gpu_waited(tmp_path: Path, capsys) -> None:
     assert trace_summary.main([str(_host_trace(tmp_path / "t.json.gz"))]) == 0
     lines = capsys.readouterr().out.splitlines()
     gap = next(line for line in lines if line.startswith("| 0.30 |"))
-    # launched through the driver: still attributed; the host spent the gap in the norm's setup
-    # (its innermost frame covering most of the gap, not the 20 us helper inside it)
-    assert "| clip_grads.py(55): get_grad_norm_fp32 < training.py(900): train_step |" in gap
-    assert "launched from | host" not in gap and "| ? |" not in gap
+    # launched through the driver: still attributed; the host spent the gap in the norm's
+    # setup: the innermost frame covering most of the gap, not a short one inside it
+    assert gap.endswith("| clip_grads.py(55): get_grad_norm_fp32 < training.py(900): train_step |")
+    assert "tiny_helper" not in gap and "| ? |" not in gap
     late = next(line for line in lines if line.startswith("| 0.10 |"))
-    assert "launched before the gap" in late
+    assert late.endswith("| (launched before the gap: it waited on the GPU) |")
+    frameless = next(line for line in lines if line.startswith("| 0.15 | elementwise_kernel |"))
+    assert frameless == "| 0.15 | elementwise_kernel | ? | ? |"
+    straddling = next(line for line in lines if line.startswith("| 0.15 | triton_red_fused_1 |"))
+    assert straddling.endswith("| cuLaunchKernel |")  # the host was inside the launch call
     # the whole iteration's idle time by host frame
     table = lines.index("| idle ms (gaps of 20 us or more) | gaps | host frame the GPU waited on |")
-    assert lines[table + 2] == "| 0.30 | 1 | clip_grads.py(55): get_grad_norm_fp32 |"
-    assert lines[table + 3] == "| 0.10 | 1 | (launched before the gap: it waited on the GPU) |"
+    assert lines[table + 2 : table + 6] == [
+        "| 0.30 | 1 | clip_grads.py(55): get_grad_norm_fp32 |",
+        "| 0.15 | 1 | ? |",
+        "| 0.15 | 1 | cuLaunchKernel |",
+        "| 0.10 | 1 | (launched before the gap: it waited on the GPU) |",
+    ]
