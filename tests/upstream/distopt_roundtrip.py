@@ -215,7 +215,7 @@ def run_rank(args: argparse.Namespace) -> dict:
             opt.load_state_dict(loaded["optimizer"])
 
     result: dict = {"format": args.format, "precision": args.precision, "world": world}
-    if args.group_step is not None:
+    if "group_step" in vars(args):  # given (its default is no attribute at all)
         return group_step_roundtrip(args.group_step, build, inner, save, load, rank, result)
     phase = "train"
     try:
@@ -251,9 +251,10 @@ def run_rank(args: argparse.Namespace) -> dict:
 
 
 def group_step_roundtrip(step, build, inner, save, load, rank: int, result: dict) -> dict:  # noqa: ANN001
-    """Upstream's ``test_optimizer_common_state_dict`` with ``test_step``: before any optimizer
-    step, a TE-style ``step`` in the param groups (on rank 0 only in the first group, as TE's
-    FusedAdam can leave it) must come back from a save and a fresh load."""
+    """Upstream's ``test_optimizer_common_state_dict``: before any optimizer step, a TE-style
+    ``step`` in the param groups (on rank 0 only in the first group, as TE's FusedAdam can
+    leave it; with ``test_step``), or none (``step`` None: reported as None, as TE does), must
+    come back from a save and a fresh load."""
     import torch.distributed as dist
 
     def group_steps(opt) -> list:  # noqa: ANN001
@@ -266,7 +267,7 @@ def group_step_roundtrip(step, build, inner, save, load, rank: int, result: dict
         for o in inner(opt):
             o.init_state_fn(o.optimizer)  # Adam's moments without a step, as upstream's test seeds
             for i, group in enumerate(o.optimizer.param_groups):
-                if rank > 0 or i == 0:
+                if step is not None and (rank > 0 or i == 0):
                     group["step"] = step
         saved = group_steps(opt)
         save(ddp, opt)
@@ -298,8 +299,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--group-step",
-        type=int,
-        help="no training: set this TE-style step in the param groups, save, load, compare",
+        type=lambda v: None if v == "none" else int(v),
+        default=argparse.SUPPRESS,
+        help="no training: set this TE-style step in the param groups (none: set none), save, "
+        "load, compare the steps the optimizer reports",
     )
     args = ap.parse_args()
     if "RANK" not in os.environ:

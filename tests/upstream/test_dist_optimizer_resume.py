@@ -166,14 +166,21 @@ def test_planner_metadata_keeps_mcore_data_through_a_copy(trees, version, patche
 
 
 @pytest.mark.parametrize(
-    ("version", "fmt"), [("0.19.2", "torch_dist:dp_reshardable"), ("0.12.0", "torch")]
+    ("version", "fmt", "step"),
+    [
+        ("0.19.2", "torch_dist:dp_reshardable", "1234"),
+        ("0.12.0", "torch", "1234"),
+        ("0.19.2", "torch_dist:dp_reshardable", "none"),
+    ],
 )
-def test_a_group_step_set_before_the_first_step_survives_save_and_load(
-    trees, tmp_path, version, fmt
+def test_the_step_before_the_first_optimizer_step_survives_save_and_load(
+    trees, tmp_path, version, fmt, step
 ):
-    """Upstream's ``test_optimizer_common_state_dict[...test_step]`` at two ranks: the param
-    groups' ``step`` (where FusedAdam starts each parameter's own step) was reported as None
-    before the first optimizer step, so 1234 was saved as None (2 x H200, main)."""
-    result = roundtrip(trees(version), fmt, "bf16", 2, tmp_path, "--group-step", "1234")
+    """Upstream's ``test_optimizer_common_state_dict`` at two ranks: the param groups' ``step``
+    (where FusedAdam starts each parameter's own step) was reported as None before the first
+    optimizer step, so 1234 set there was saved as None (2 x H200, main); and with no step set,
+    the loaded optimizer reported 0.0 (its parameters' steps) where the saved one said None."""
+    result = roundtrip(trees(version), fmt, "bf16", 2, tmp_path, "--group-step", step)
     assert result["errors"] == [] and result["ok"], result
-    assert set(result["group_steps"]["loaded"]) == {1234}
+    want = None if step == "none" else int(step)
+    assert result["group_steps"]["loaded"] and set(result["group_steps"]["loaded"]) == {want}
