@@ -13,9 +13,6 @@ output.
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
-from pathlib import Path
 
 import probe_cli  # beside this script (sys.path[0])
 
@@ -24,23 +21,12 @@ EPS = 1e-2  # far from every default (1e-5, 1e-6): the config's epsilon must rea
 
 
 def run(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    probe_cli.one_rank_world(args)
     import torch
-    import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import cpu_shim
-
-    cpu_shim.install()
-    store = Path(args.out).with_name("gloo.store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    from megatron.core import parallel_state
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel()
     out: dict = {}
     for kind in ("LayerNorm", "RMSNorm"):
         torch.manual_seed(0)

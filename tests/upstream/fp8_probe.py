@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
-from pathlib import Path
 
 import probe_cli  # beside this script (sys.path[0])
 
@@ -46,18 +44,11 @@ def build(fp8: bool):  # noqa: ANN201 - (block, config)
 
 
 def run(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    probe_cli.one_rank_world(args, cpu=False)
     import torch
-    import torch.distributed as dist
-
-    store = Path(args.out).with_name("gloo.store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    from megatron.core import parallel_state
 
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
 
-    parallel_state.initialize_model_parallel()
     calls = {"n": 0}
     forward = backend_fp8.Fp8LinearFunction.forward
 
@@ -90,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
             "dx": x.grad.float().tolist(),
             "fc1_grad": block.layers[1].mlp.linear_fc1.weight.grad.float().tolist(),
         }
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
     return result
 
 

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import traceback
-import warnings
-from pathlib import Path
 
 import probe_cli  # beside this script (sys.path[0])
 
@@ -65,6 +62,18 @@ def _tokens(torch):  # noqa: ANN001, ANN202
     return ids, other, keep
 
 
+def _built(torch, model, local, y) -> dict:  # noqa: ANN001
+    """What every probe reports: the attention's classes, parameter counts against the local
+    spec's, the output's shape and whether it is finite."""
+    return {
+        "attention": _attention_classes(model),
+        "params": _params(model),
+        "local_params": _params(local),
+        "shape": list(y.shape),
+        "finite": bool(torch.isfinite(y).all()),
+    }
+
+
 def t5(torch) -> dict:  # noqa: ANN001
     from megatron.core.models.T5 import t5_spec
     from megatron.core.models.T5.t5_model import T5Model
@@ -97,11 +106,7 @@ def t5(torch) -> dict:  # noqa: ANN001
         no_pad = torch.zeros_like(enc_mask)
         y_unmasked = model(enc_other, dec, no_pad, dec_mask, no_pad)
     return {
-        "attention": _attention_classes(model),
-        "params": _params(model),
-        "local_params": _params(local),
-        "shape": list(y.shape),
-        "finite": bool(torch.isfinite(y).all()),
+        **_built(torch, model, local, y),
         "padding_ignored": bool(torch.equal(y, y_other)),
         "padding_reaches": bool(not torch.equal(y, y_unmasked)),
     }
@@ -129,11 +134,7 @@ def bert(torch) -> dict:  # noqa: ANN001
         y_unmasked = model(other, torch.ones_like(keep).long())[0]
     kept = keep[:, :, None].expand_as(y)
     return {
-        "attention": _attention_classes(model),
-        "params": _params(model),
-        "local_params": _params(local),
-        "shape": list(y.shape),
-        "finite": bool(torch.isfinite(y).all()),
+        **_built(torch, model, local, y),
         "padding_ignored": bool(torch.equal(y[kept], y_other[kept])),
         "padding_reaches": bool(not torch.equal(y[kept], y_unmasked[kept])),
     }
@@ -181,31 +182,16 @@ def heterogeneous(torch) -> dict:  # noqa: ANN001
         y = model(input_ids=ids, position_ids=position_ids, attention_mask=None)
     second = model.decoder.layers[1]
     return {
-        "attention": _attention_classes(model),
+        **_built(torch, model, local, y),
         "replaced": [_where(second.self_attention), _where(second.mlp)],
-        "params": _params(model),
-        "local_params": _params(local),
-        "shape": list(y.shape),
-        "finite": bool(torch.isfinite(y).all()),
     }
 
 
 def run(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    probe_cli.one_rank_world(args)
     import torch
-    import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import cpu_shim
-
-    cpu_shim.install()
-    store = Path(args.out).with_name("gloo.store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
     out: dict = {}
     for name, probe in (("t5", t5), ("bert", bert), ("heterogeneous", heterogeneous)):

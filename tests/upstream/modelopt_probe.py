@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
-from pathlib import Path
 
 import probe_cli  # beside this script (sys.path[0])
 
@@ -39,18 +37,8 @@ def step_mask(step: int):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    probe_cli.one_rank_world(args)
     import torch
-    import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import cpu_shim  # upstream's rotary table moves its frequencies to the current CUDA device
-
-    cpu_shim.install()
-    store = Path(args.out).with_name("gloo.store")  # beside the result, not left in /tmp
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    from megatron.core import parallel_state
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
     from megatron.core.post_training.modelopt.layers import Norm
@@ -59,7 +47,6 @@ def run(args: argparse.Namespace) -> dict:
 
     from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention, mask_name
 
-    parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
@@ -112,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     except RuntimeError as exc:
         backward = str(exc).splitlines()[0]
     grad = attention.linear_qkv.weight.grad
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
     return {
         "norms": norms,
         "calls": calls,

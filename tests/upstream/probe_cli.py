@@ -2,7 +2,7 @@
 the probe's result (or the error it raised, with its trace) written to ``--out`` as JSON, so
 the test reports a probe's failure instead of a missing file; and ``applied_and_probed``, the
 tests' side: apply the series to a PyPI sdist and run a probe on it (``probed``: run a probe on
-a tree as it is)."""
+a tree as it is); ``one_rank_world``, the probe's side: the tree, the CPU and a one-rank world."""
 
 from __future__ import annotations
 
@@ -24,6 +24,29 @@ def main(run: Callable[[argparse.Namespace], dict]) -> int:
         result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     Path(args.out).write_text(json.dumps(result))
     return 0
+
+
+def one_rank_world(args: argparse.Namespace, cpu: bool = True) -> None:
+    """The probe's setting: ``--tree`` first on the path, warnings off, upstream's CUDA
+    allocations on the CPU (``cpu_shim``; ``cpu=False`` leaves them), and a one-rank gloo world
+    with Megatron's parallel state, its store beside the result (not left in /tmp)."""
+    import sys
+    import warnings
+
+    sys.path.insert(0, args.tree)
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+
+    if cpu:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import cpu_shim
+
+        cpu_shim.install()
+    store = Path(args.out).with_name("gloo.store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
 
 
 def applied_and_probed(probe: Path, release: str, dest: Path, timeout: int = 900) -> dict:
