@@ -11,26 +11,35 @@ import pytest
 from scripts.training import trace_summary
 
 
-def _trace(path: Path) -> Path:
-    events = [
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0, "dur": 100,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 50, "dur": 100,
-         "args": {"correlation": 2}},
-        {"ph": "X", "cat": "kernel", "name": "cudnn_sdpa_fprop", "ts": 400, "dur": 100,
-         "args": {"correlation": 3}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 390, "dur": 5,
-         "tid": 7, "args": {"correlation": 3}},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 300, "dur": 200,
-         "name": "megatron/core/transformer/attention.py(100): forward"},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 0, "dur": 600,
-         "name": "threading.py(1000): run"},
-        {"ph": "X", "cat": "cpu_op", "tid": 7, "ts": 380, "dur": 30,
-         "name": "aten::_cudnn_attention_forward"},
-    ]  # fmt: skip
+def _ev(
+    cat: str, name: str, ts: float, dur: float, tid: int | None = None, corr: int | None = None
+) -> dict:
+    """One complete ("X") trace event; ``corr`` ties a kernel to its launch."""
+    event: dict = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if tid is not None:
+        event["tid"] = tid
+    if corr is not None:
+        event["args"] = {"correlation": corr}
+    return event
+
+
+def _write(path: Path, events: list[dict]) -> Path:
     with gzip.open(path, "wt") as fh:
         json.dump({"traceEvents": events}, fh)
     return path
+
+
+def _trace(path: Path) -> Path:
+    events = [
+        _ev("kernel", "nvjet_sm90_gemm", 0, 100, corr=1),
+        _ev("kernel", "triton_poi_fused_add_0", 50, 100, corr=2),
+        _ev("kernel", "cudnn_sdpa_fprop", 400, 100, corr=3),
+        _ev("cuda_runtime", "cudaLaunchKernel", 390, 5, tid=7, corr=3),
+        _ev("python_function", "megatron/core/transformer/attention.py(100): forward", 300, 200, tid=7),
+        _ev("python_function", "threading.py(1000): run", 0, 600, tid=7),
+        _ev("cpu_op", "aten::_cudnn_attention_forward", 380, 30, tid=7),
+    ]  # fmt: skip
+    return _write(path, events)
 
 
 def test_busy_idle_families_and_the_gap_behind_the_attention(tmp_path: Path, capsys) -> None:
@@ -76,19 +85,17 @@ def test_family_of_real_kernel_names(kernel: str, expected: str) -> None:
     assert trace_summary.family(kernel) == expected
 
 
-def _kernel(name: str, ts: float, dur: float) -> dict:
-    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
-
-
 def _rank_trace(path: Path, gemm_us: float) -> Path:
     """A step: a GEMM, an exchange that waits, then a reduce-scatter beside the next GEMM
     (milliseconds, as the trace's microseconds)."""
     ms = 1000
     events = [
-        _kernel("nvjet_sm90_gemm", 0, gemm_us),
-        _kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100 * ms, 100 * ms),
-        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150 * ms, 150 * ms),
-        _kernel("nvjet_sm90_gemm", 250 * ms, 50 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 0, gemm_us),
+        _ev(
+            "kernel", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100 * ms, 100 * ms
+        ),
+        _ev("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150 * ms, 150 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 250 * ms, 50 * ms),
     ]
     with gzip.open(path, "wt") as fh:
         json.dump({"traceEvents": events}, fh)
@@ -97,11 +104,11 @@ def _rank_trace(path: Path, gemm_us: float) -> Path:
 
 def test_exposed_communication_is_what_no_compute_runs_beside() -> None:
     kernels = trace_summary.gpu_kernels(json.loads(json.dumps([
-        _kernel("nvjet_sm90_gemm", 0, 100),
-        _kernel("ncclDevKernel_SendRecv(x)", 100, 100),
-        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150, 150),
-        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 160, 20),  # inside the other
-        _kernel("nvjet_sm90_gemm", 250, 50),
+        _ev("kernel", "nvjet_sm90_gemm", 0, 100),
+        _ev("kernel", "ncclDevKernel_SendRecv(x)", 100, 100),
+        _ev("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 150, 150),
+        _ev("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 160, 20),  # inside the other
+        _ev("kernel", "nvjet_sm90_gemm", 250, 50),
     ])))  # fmt: skip
     got = trace_summary.exposure(kernels)
     assert got == {
@@ -116,10 +123,10 @@ def test_copy_engine_exchanges_count_as_communication() -> None:
     """a2a on copy engines: the peer copies and the barrier before them are communication, the
     packing copy before the barrier is compute."""
     kernels = trace_summary.gpu_kernels([
-        _kernel("void at::native::elementwise_kernel<128, 2>(copy)", 0, 50),
-        _kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**)", 50, 30),
-        {**_kernel("Memcpy PtoP (Device -> Device)", 80, 200), "cat": "gpu_memcpy"},
-        _kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 280, 1000),
+        _ev("kernel", "void at::native::elementwise_kernel<128, 2>(copy)", 0, 50),
+        _ev("kernel", "c10d::symmetric_memory::barrier_kernel(unsigned int**)", 50, 30),
+        {**_ev("kernel", "Memcpy PtoP (Device -> Device)", 80, 200), "cat": "gpu_memcpy"},
+        _ev("kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 280, 1000),
     ])  # fmt: skip
     assert trace_summary.exposure(kernels) == {
         "compute": 1050.0,
@@ -159,15 +166,15 @@ def test_paired_calls_show_differences_that_alternate_between_the_ranks() -> Non
     different number of times on the two ranks neither."""
     ms = 1000
     ours = trace_summary.gpu_kernels([
-        _kernel("nvjet_sm90_gemm", 0, 100 * ms),
-        _kernel("ncclDevKernel_SendRecv(x)", 100 * ms, 10 * ms),
-        _kernel("nvjet_sm90_gemm", 200 * ms, 130 * ms),
-        _kernel("triton_poi_fused_add_0", 400 * ms, 5 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 0, 100 * ms),
+        _ev("kernel", "ncclDevKernel_SendRecv(x)", 100 * ms, 10 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 200 * ms, 130 * ms),
+        _ev("kernel", "triton_poi_fused_add_0", 400 * ms, 5 * ms),
     ])  # fmt: skip
     theirs = trace_summary.gpu_kernels([
-        _kernel("nvjet_sm90_gemm", 0, 130 * ms),
-        _kernel("ncclDevKernel_SendRecv(x)", 130 * ms, 40 * ms),
-        _kernel("nvjet_sm90_gemm", 200 * ms, 100 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 0, 130 * ms),
+        _ev("kernel", "ncclDevKernel_SendRecv(x)", 130 * ms, 40 * ms),
+        _ev("kernel", "nvjet_sm90_gemm", 200 * ms, 100 * ms),
     ])  # fmt: skip
     lines = trace_summary.pace(ours, theirs, top=5)
     assert lines[0] == (
@@ -186,37 +193,22 @@ def _host_trace(path: Path) -> Path:
     thread with no recorded frames; 850-1000 behind a launch call that began before the gap and
     lasted through it (a module load, say)."""
     events = [
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_gemm", "ts": 0, "dur": 100,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 400, "dur": 100,
-         "args": {"correlation": 2}},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 390, "dur": 5,
-         "tid": 7, "args": {"correlation": 2}},
-        {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": 600, "dur": 50,
-         "args": {"correlation": 3}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 450, "dur": 5,
-         "tid": 7, "args": {"correlation": 3}},
-        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "ts": 800, "dur": 50,
-         "args": {"correlation": 4}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 700, "dur": 5,
-         "tid": 9, "args": {"correlation": 4}},
-        {"ph": "X", "cat": "kernel", "name": "triton_red_fused_1", "ts": 1000, "dur": 50,
-         "args": {"correlation": 5}},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 840, "dur": 100,
-         "tid": 7, "args": {"correlation": 5}},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 0, "dur": 1100,
-         "name": "megatron/training/training.py(900): train_step"},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 90, "dur": 290,
-         "name": "megatron/core/optimizer/clip_grads.py(55): get_grad_norm_fp32"},
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 120, "dur": 20,
-         "name": "megatron/core/utils.py(10): param_is_not_shared"},
+        _ev("kernel", "nvjet_sm90_gemm", 0, 100, corr=1),
+        _ev("kernel", "triton_poi_fused_add_0", 400, 100, corr=2),
+        _ev("cuda_driver", "cuLaunchKernel", 390, 5, tid=7, corr=2),
+        _ev("kernel", "multi_tensor_apply_kernel", 600, 50, corr=3),
+        _ev("cuda_runtime", "cudaLaunchKernel", 450, 5, tid=7, corr=3),
+        _ev("kernel", "elementwise_kernel", 800, 50, corr=4),
+        _ev("cuda_runtime", "cudaLaunchKernel", 700, 5, tid=9, corr=4),
+        _ev("kernel", "triton_red_fused_1", 1000, 50, corr=5),
+        _ev("cuda_driver", "cuLaunchKernel", 840, 100, tid=7, corr=5),
+        _ev("python_function", "megatron/training/training.py(900): train_step", 0, 1100, tid=7),
+        _ev("python_function", "megatron/core/optimizer/clip_grads.py(55): get_grad_norm_fp32", 90, 290, tid=7),
+        _ev("python_function", "megatron/core/utils.py(10): param_is_not_shared", 120, 20, tid=7),
         # running at the gap's midpoint but for 10 of its 290 us: not what the GPU waited on
-        {"ph": "X", "cat": "python_function", "tid": 7, "ts": 240, "dur": 10,
-         "name": "megatron/core/utils.py(20): tiny_helper"},
+        _ev("python_function", "megatron/core/utils.py(20): tiny_helper", 240, 10, tid=7),
     ]  # fmt: skip
-    with gzip.open(path, "wt") as fh:
-        json.dump({"traceEvents": events}, fh)
-    return path
+    return _write(path, events)
 
 
 def test_what_the_host_ran_while_the_gpu_waited(tmp_path: Path, capsys) -> None:
