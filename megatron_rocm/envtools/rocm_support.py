@@ -53,7 +53,9 @@ REQUIREMENTS = (
     Requirement(
         "the project's validated stack",
         (2, 11),
-        f"tested with torch {' and '.join(VALIDATED_TORCH)} and Triton {VALIDATED_TRITON}",
+        f"tested with torch {VALIDATED_TORCH[0]} (CUDA build, NVIDIA GPUs) and "
+        f"{VALIDATED_TORCH[1]} (CPU build) and Triton {VALIDATED_TRITON}; no ROCm build of torch "
+        "has been run",
     ),
 )
 MIN_TORCH = min(r.min_torch for r in REQUIREMENTS)
