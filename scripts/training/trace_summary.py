@@ -324,36 +324,45 @@ def host_frames_during(
     return list(reversed(covering))
 
 
-def host_during(gap: tuple[float, float], launch: dict | None, stack: list[dict]) -> str:
-    """``host_frames_during`` as text: the innermost three, or why there are none."""
+def host_during(
+    gap: tuple[float, float], launch: dict | None, stack: list[dict], depth: int = 3
+) -> str:
+    """``host_frames_during`` as text: the innermost ``depth``, or why there are none."""
     frames = host_frames_during(gap, launch, stack)
     if frames is None:
         return WAITED
-    return " < ".join(_short(e) for e in frames[:3]) or "?"
+    return " < ".join(_short(e) for e in frames[:depth]) or "?"
+
+
+def gaps_with_hosts(
+    gaps: list[tuple[float, float]], kernels: list[dict], events: list[dict], by_corr: dict
+) -> list[tuple[tuple[float, float], dict, dict | None, list[dict]]]:
+    """Each gap with the kernel that ended it, that kernel's launch (None: not in the trace)
+    and the launching thread's frames midway between the gap's start and the launch."""
+    starts = [k["ts"] for k in kernels]
+    nexts = [kernels[bisect.bisect_left(starts, end)] for _, end in gaps]
+    found = [by_corr.get(k.get("args", {}).get("correlation")) for k in nexts]
+    queries = [
+        (launch.get("tid"), (gap[0] + launch["ts"]) / 2) if launch else (None, gap[0])
+        for gap, launch in zip(gaps, found, strict=True)
+    ]
+    stacks = host_stacks(events, queries)
+    return list(zip(gaps, nexts, found, stacks, strict=True))
 
 
 def idle_by_host_frame(
-    gaps: list[tuple[float, float]], kernels: list[dict], events: list[dict], min_us: float = 20
+    gaps: list[tuple[float, float]],
+    kernels: list[dict],
+    events: list[dict],
+    by_corr: dict,
+    min_us: float = 20,
 ) -> list[tuple[str, float, int]]:
     """Idle time (gaps of ``min_us`` or more) by the innermost host frame that ran through it:
     where the host was while the GPU waited, over the whole iteration."""
-    by_corr = launches(events)
-    starts = [k["ts"] for k in kernels]
-    chosen = []
-    for gap in gaps:
-        if gap[1] - gap[0] < min_us:
-            continue
-        nxt = kernels[bisect.bisect_left(starts, gap[1])]
-        launch = by_corr.get(nxt.get("args", {}).get("correlation"))
-        chosen.append((gap, launch))
-    queries = [
-        (launch.get("tid"), (gap[0] + launch["ts"]) / 2) if launch else (None, gap[0])
-        for gap, launch in chosen
-    ]
+    long_enough = [gap for gap in gaps if gap[1] - gap[0] >= min_us]
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for (gap, launch), stack in zip(chosen, host_stacks(events, queries), strict=True):
-        frames = host_frames_during(gap, launch, stack)
-        where = WAITED if frames is None else (_short(frames[0]) if frames else "?")
+    for gap, _, launch, stack in gaps_with_hosts(long_enough, kernels, events, by_corr):
+        where = host_during(gap, launch, stack, depth=1)
         totals[where][0] += gap[1] - gap[0]
         totals[where][1] += 1
     return sorted(((k, v[0], int(v[1])) for k, v in totals.items()), key=lambda r: -r[1])
@@ -391,23 +400,15 @@ def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
         "| idle gap ms | before kernel | launched from | host during the gap |",
         "|---|---|---|---|",
     ]
-    starts = [s for s, _ in spans]
     by_corr = launches(events)
     longest = sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]
-    nexts = [kernels[bisect.bisect_left(starts, end)] for _, end in longest]
-    found = [by_corr.get(k.get("args", {}).get("correlation")) for k in nexts]
-    queries = [
-        (launch.get("tid"), (gap[0] + launch["ts"]) / 2) if launch else (None, gap[0])
-        for gap, launch in zip(longest, found, strict=True)
-    ]
-    stacks = host_stacks(events, queries)
-    for gap, nxt, launch, stack in zip(longest, nexts, found, stacks, strict=True):
+    for gap, nxt, launch, stack in gaps_with_hosts(longest, kernels, events, by_corr):
         where = launching_frames(events, nxt, by_corr=by_corr)
         host = host_during(gap, launch, stack)
         lines.append(f"| {(gap[1] - gap[0]) / 1e3:.2f} | {nxt['name'][:50]} | {where} | {host} |")
     lines += ["", "| idle ms (gaps of 20 us or more) | gaps | host frame the GPU waited on |"]
     lines += ["|---|---|---|"]
-    for where, us, n in idle_by_host_frame(gaps, kernels, events)[:top]:
+    for where, us, n in idle_by_host_frame(gaps, kernels, events, by_corr)[:top]:
         lines.append(f"| {us / 1e3:.2f} | {n} | {where} |")
     lines += ["", "| communication and compute | ms |", "|---|---|"]
     lines += [f"| {key} | {us / 1e3:.1f} |" for key, us in sorted(exposure(kernels).items())]
