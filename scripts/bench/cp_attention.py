@@ -62,14 +62,14 @@ from megatron_rocm.runtime.backend.cp.dispatch import (
 )
 from megatron_rocm.runtime.backend.cp.ring import bhsd
 from megatron_rocm.runtime.kernels.local_sdpa import sdpa_attention
+from scripts.bench import attention as bench_attention
 from scripts.bench import timing
 
 HEADS, GROUPS, DIM, BATCH = 32, 8, 128, 1
 
 
 def causal_flops(length: int, heads: int) -> float:
-    forward = 4 * BATCH * heads * length * length * DIM / 2
-    return forward * 3.5
+    return bench_attention.Shape(BATCH, length, heads, heads, DIM).flops
 
 
 def timed(fn: Callable[[], object], iters: int, device: torch.device, warmup: int = 2) -> float:

@@ -32,7 +32,7 @@ from scripts.bench import attention as bench_attention
 from scripts.bench import timing as bench_timing
 from scripts.training import train_small
 
-PEAK_TFLOPS = 989.0  # H100/H200 dense bf16, as train_small
+PEAK_TFLOPS = train_small.PEAK_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[s
     """Milliseconds of the forward ``x W^T``, the input gradient ``dy W`` and the weight
     gradient, with the weight ``[N, K]`` as Megatron keeps it. The weight gradient is added
     into an fp32 ``main_grad`` as gradient-accumulation fusion does in training
-    (``kernels.grad_accum``), except in fp32 (the CPU smoke run) where it is a plain product."""
+    (``kernels.grad_accum``)."""
     from megatron_rocm.runtime.kernels import grad_accum
 
     x = torch.randn(m, k, device=device, dtype=dtype)
@@ -117,12 +117,13 @@ def ceiling(model: Model, device: str, iters: int) -> dict:
     per_layer = sum(r["ms"] for r in rows if r["op"] != "head")
     head = next(r["ms"] for r in rows if r["op"] == "head")
     step_ms = model.layers * per_layer + head
+    flops = model.flops()
     return {
         "rows": rows,
         "layer_ms": round(per_layer, 4),
         "ceiling_ms": round(step_ms, 3),
-        "model_tflop": round(model.flops() / 1e12, 3),
-        "ceiling_mfu": round(model.flops() / (step_ms / 1e3) / 1e12 / PEAK_TFLOPS, 4),
+        "model_tflop": round(flops / 1e12, 3),
+        "ceiling_mfu": round(flops / (step_ms / 1e3) / 1e12 / PEAK_TFLOPS, 4),
     }
 
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['ceiling_ms']} ms ({result['model_tflop']} TFLOP: MFU at most "
         f"{result['ceiling_mfu']:.1%} of {PEAK_TFLOPS:g})"
         + (
-            f"; the run takes {args.measured_ms} ms, {result['of_ceiling']:.1%} of it ceiling-bound"
+            f"; the run takes {args.measured_ms} ms, the ceiling is {result['of_ceiling']:.1%} of it"
             if args.measured_ms
             else ""
         )  # fmt: skip

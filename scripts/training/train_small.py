@@ -61,6 +61,8 @@ class Shape:
     lr: float
 
 
+PEAK_TFLOPS = 989.0  # dense bf16 per GPU, H100 SXM and H200: MFU's denominator
+
 SHAPES = {
     ("gpt", "small"): Shape(12, 768, 3072, 12, 12, 1024, 8, 8, 50303, 6e-4),
     ("llama", "small"): Shape(12, 768, 2048, 12, 4, 1024, 8, 8, 31999, 6e-4),
@@ -376,8 +378,8 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        default=989.0,
-        help="peak dense bf16 TFLOP/s per GPU for MFU (default 989: H100 SXM)",
+        default=PEAK_TFLOPS,
+        help=f"peak dense bf16 TFLOP/s per GPU for MFU (default {PEAK_TFLOPS:g}: H100 SXM, H200)",
     )
     p.add_argument("--log", type=Path, help="log file (default train_small-<preset>-<size>.log)")
     p.add_argument("--parse-log", type=Path, help="summarise an existing log; do not train")
