@@ -23,6 +23,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from cache_paths import MIRROR
 
 from megatron_rocm.envtools.smoke import runner
 from megatron_rocm.main import main
@@ -49,7 +50,6 @@ from megatron_rocm.envtools.smoke import checks_realdata  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 needs_mirror = pytest.mark.skipif(
     not (MIRROR / "HEAD").exists(),
     reason="extra (mirror) variant: needs a Megatron-LM git mirror (MEGATRON_ROCM_TEST_MIRROR); "

@@ -3,12 +3,12 @@ header; ``git am`` of the series gives the same tree and messages as ``apply``."
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from cache_paths import MIRROR
 from toyrepo import apply_argv, run
 
 from megatron_rocm.commands import normalize as normalize_cli
@@ -16,8 +16,6 @@ from megatron_rocm.errors import UsageError
 from megatron_rocm.main import main
 from megatron_rocm.patchtool import diffio, engine, gitcmd, normalize
 from megatron_rocm.patchtool.series import default_series_dir, load_series
-
-MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 
 
 def test_render_is_byte_stable_and_idempotent(toy):

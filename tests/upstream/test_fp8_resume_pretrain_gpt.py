@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cache_paths import MIRROR
 
 from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
@@ -27,7 +28,6 @@ from scripts.training.validate_distopt_resume import averages_second_log, judge
 
 pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.torch, pytest.mark.upstream]
 pytest.importorskip("torch")
-MIRROR = Path(os.environ.get("MEGATRON_ROCM_TEST_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 REF = "core_v0.16.0"  # the newest full tree for Python 3.11
 LAUNCHER = Path(__file__).resolve().parents[1] / "envtools" / "realdata" / "cpu_pretrain.py"
 ITERS = 8
