@@ -248,20 +248,26 @@ stage_pack() {
   log "packed: $OUT/all.tgz ($(du -h "$OUT/all.tgz" | cut -f1))"
 }
 
+profiled() {  # profiled NAME GAPS TRAIN_SMALL_ARGS... -- MEGATRON_ARGS... -> OUT/NAME.md
+  # One profiled iteration (the 7th) on the newest patched tree (upstream's own --profile
+  # --use-pytorch-profiler), summarised by scripts/training/trace_summary.py: GPU busy vs idle,
+  # kernel families, the GAPS longest idle gaps with their launching and host frames.
+  local name=$1 gaps=$2; shift 2
+  rm -rf "$W/$name" && mkdir -p "$W/$name/tb"
+  train "$name-$NEWEST" "$W/p-$NEWEST" --iters 9 "$@" --profile --use-pytorch-profiler \
+    --profile-step-start 6 --profile-step-end 7 --pytorch-profiler-collect-callstack \
+    --tensorboard-dir "$W/$name/tb"
+  (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/$name/torch_profile/rank-0.json.gz" \
+     --top 40 --gaps "$gaps" > "$OUT/$name.md" 2>&1)
+  log "$name: $(head -1 "$OUT/$name.md")"
+}
+
 stage_trace() {
-  # One profiled iteration of the 0.85B benchmark per spec (upstream's own --profile
-  # --use-pytorch-profiler), summarised by scripts/training/trace_summary.py: GPU busy vs idle, kernel
-  # families, and the Python frames behind the longest idle gaps.
+  # One profiled iteration of the 0.85B benchmark per spec (profiled above).
   local size="--preset llama --preset-size 0.85b --micro-batch-size ${BENCH_MBS:-16}"
   for impl in ${TRACE_IMPLS:-transformer_engine local}; do
-    rm -rf "$W/trace-$impl" && mkdir -p "$W/trace-$impl/tb"
-    train "trace-$impl-$NEWEST" "$W/p-$NEWEST" $size --iters 9 --transformer-impl "$impl" -- \
-      ${TRACE_FLAGS:---cross-entropy-loss-fusion --manual-gc} --profile --use-pytorch-profiler \
-      --profile-step-start 6 --profile-step-end 7 --pytorch-profiler-collect-callstack \
-      --tensorboard-dir "$W/trace-$impl/tb"
-    (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/trace-$impl/torch_profile/rank-0.json.gz" \
-       --top 40 --gaps 20 > "$OUT/trace-$impl.md" 2>&1)
-    log "trace $impl: $(head -1 "$OUT/trace-$impl.md")"
+    profiled "trace-$impl" 20 $size --transformer-impl "$impl" -- \
+      ${TRACE_FLAGS:---cross-entropy-loss-fusion --manual-gc}
   done
 }
 
@@ -294,13 +300,7 @@ stage_mfu() {
     log "ceiling $model: $(tail -1 "$OUT/ceiling-$model.txt")"
   done
   local run=${MFU_TRACE:-base}
-  rm -rf "$W/mfu-trace" && mkdir -p "$W/mfu-trace/tb"
-  train "mfu-trace-$run-$NEWEST" "$W/p-$NEWEST" $size --iters 9 -- ${flags[$run]} --profile \
-    --use-pytorch-profiler --profile-step-start 6 --profile-step-end 7 \
-    --pytorch-profiler-collect-callstack --tensorboard-dir "$W/mfu-trace/tb"
-  (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/mfu-trace/torch_profile/rank-0.json.gz" \
-     --top 40 --gaps 40 > "$OUT/mfu-trace-$run.md" 2>&1)
-  log "mfu trace $run: $(head -1 "$OUT/mfu-trace-$run.md")"
+  profiled "mfu-trace-$run" 40 $size -- ${flags[$run]}
 }
 
 stage_smoke() {
