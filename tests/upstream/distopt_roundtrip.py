@@ -215,30 +215,32 @@ def run_rank(args: argparse.Namespace) -> dict:
             opt.load_state_dict(loaded["optimizer"])
 
     result: dict = {"format": args.format, "precision": args.precision, "world": world}
-    if "group_step" in vars(args):  # given (its default is no attribute at all)
-        return group_step_roundtrip(args.group_step, build, inner, save, load, rank, result)
     phase = "train"
     try:
-        ddp, opt = build()
-        for i in range(TRAIN):
-            step(ddp, opt, i)
-        saved = snapshot(opt)
-        phase = "save"
-        save(ddp, opt)
-        phase = "load"
-        ddp2, opt2 = build()
-        load(ddp2, opt2)
-        phase = "compare"
-        result["load_diffs"] = differences(saved, snapshot(opt2))
-        straight = [step(ddp, opt, i) for i in range(TRAIN, TRAIN + MORE)]
-        resumed = [step(ddp2, opt2, i) for i in range(TRAIN, TRAIN + MORE)]
-        result["losses"] = {"straight": straight, "resumed": resumed}
-        result["final_diffs"] = differences(snapshot(opt), snapshot(opt2))
-        steps = {float(v) for k, v in snapshot(opt2).items() if k.endswith(".step")}
-        result["steps_after"] = sorted(steps)
-        result["ok"] = (
-            not result["load_diffs"] and not result["final_diffs"] and straight == resumed
-        )
+        if "group_step" in vars(args):  # given (its default is no attribute at all)
+            phase = "group step"
+            result.update(group_step_roundtrip(args.group_step, build, inner, save, load, rank))
+        else:
+            ddp, opt = build()
+            for i in range(TRAIN):
+                step(ddp, opt, i)
+            saved = snapshot(opt)
+            phase = "save"
+            save(ddp, opt)
+            phase = "load"
+            ddp2, opt2 = build()
+            load(ddp2, opt2)
+            phase = "compare"
+            result["load_diffs"] = differences(saved, snapshot(opt2))
+            straight = [step(ddp, opt, i) for i in range(TRAIN, TRAIN + MORE)]
+            resumed = [step(ddp2, opt2, i) for i in range(TRAIN, TRAIN + MORE)]
+            result["losses"] = {"straight": straight, "resumed": resumed}
+            result["final_diffs"] = differences(snapshot(opt), snapshot(opt2))
+            steps = {float(v) for k, v in snapshot(opt2).items() if k.endswith(".step")}
+            result["steps_after"] = sorted(steps)
+            result["ok"] = (
+                not result["load_diffs"] and not result["final_diffs"] and straight == resumed
+            )
     except Exception as e:  # noqa: BLE001 - the verdict carries it
         tb = traceback.extract_tb(e.__traceback__)[-1]
         result["ok"] = False
@@ -250,37 +252,30 @@ def run_rank(args: argparse.Namespace) -> dict:
     return result
 
 
-def group_step_roundtrip(step, build, inner, save, load, rank: int, result: dict) -> dict:  # noqa: ANN001
+def group_step_roundtrip(step, build, inner, save, load, rank: int) -> dict:  # noqa: ANN001
     """Upstream's ``test_optimizer_common_state_dict``: before any optimizer step, a TE-style
     ``step`` in the param groups (on rank 0 only in the first group, as TE's FusedAdam can
     leave it; with ``test_step``), or none (``step`` None: reported as None, as TE does), must
-    come back from a save and a fresh load."""
-    import torch.distributed as dist
+    come back from a save and a fresh load. The caller reports an exception and ends the world."""
 
     def group_steps(opt) -> list:  # noqa: ANN001
         states = opt.state_dict()
         states = states if isinstance(states, list) else [states]
         return [g.get("step") for sd in states for g in sd["optimizer"]["param_groups"]]
 
-    try:
-        ddp, opt = build()
-        for o in inner(opt):
-            o.init_state_fn(o.optimizer)  # Adam's moments without a step, as upstream's test seeds
-            for i, group in enumerate(o.optimizer.param_groups):
-                if step is not None and (rank > 0 or i == 0):
-                    group["step"] = step
-        saved = group_steps(opt)
-        save(ddp, opt)
-        ddp2, opt2 = build()
-        load(ddp2, opt2)
-        loaded = group_steps(opt2)
-        result["group_steps"] = {"saved": saved, "loaded": loaded}
-        result["ok"] = saved == loaded and all(s == step for s in saved)
-    except Exception as e:  # noqa: BLE001 - the verdict carries it
-        result["ok"], result["error"] = False, f"{type(e).__name__}: {e}"
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    ddp, opt = build()
+    for o in inner(opt):
+        o.init_state_fn(o.optimizer)  # Adam's moments without a step, as upstream's test seeds
+        for i, group in enumerate(o.optimizer.param_groups):
+            if step is not None and (rank > 0 or i == 0):
+                group["step"] = step
+    saved = group_steps(opt)
+    save(ddp, opt)
+    ddp2, opt2 = build()
+    load(ddp2, opt2)
+    loaded = group_steps(opt2)
+    ok = saved == loaded and all(s == step for s in saved)
+    return {"group_steps": {"saved": saved, "loaded": loaded}, "ok": ok}
 
 
 def main() -> int:
