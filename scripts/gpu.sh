@@ -21,8 +21,9 @@
 #   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
 #            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
-#   mfu      issue 45's 0.85B on one GPU: upstream's defaults against CE fusion + manual GC,
-#            --cuda-graph-impl local and full_iteration (MFU_RUNS, MFU_ITERS), the GEMM + attention
+#   mfu      issue 45's 0.85B on one GPU: upstream's defaults against the 8B example's flags
+#            (CE fusion, manual GC, no dataloader mask), those with --cuda-graph-impl local and
+#            full_iteration (MFU_RUNS, MFU_ITERS), the GEMM + attention
 #            ceiling of a micro-batch of the 0.85B and of the 8B example (scripts/bench/step_ceiling.py),
 #            then a profiled iteration of MFU_TRACE summarised with each gap's host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
@@ -276,31 +277,36 @@ stage_mfu() {
   # them. Each run 0.85B Llama, TE spec, micro-batch 16, MFU_ITERS iterations; then one
   # profiled iteration of MFU_TRACE (a run's name) summarised with every gap's host frame.
   local size="--preset llama --preset-size 0.85b --micro-batch-size 16 --global-batch-size 16"
-  local nomask="--no-create-attention-mask-in-dataloader"
+  # example: the performance flags of upstream's 8B example (examples/llama/) that apply to
+  # one GPU with mock data
+  local example="--cross-entropy-loss-fusion --manual-gc --no-create-attention-mask-in-dataloader"
   local -A flags=(
     [base]=""
-    [recipe]="--cross-entropy-loss-fusion --manual-gc"
-    [graphs]="--cuda-graph-impl local $nomask"
-    [graphs-recipe]="--cuda-graph-impl local $nomask --cross-entropy-loss-fusion --manual-gc"
-    [full-iteration]="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad $nomask"
+    [example]="$example"
+    [graphs]="$example --cuda-graph-impl local"
+    [full-iteration]="$example --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
+    [optimizer-graph]="$example --optimizer-cuda-graph"
   )
-  for run in ${MFU_RUNS:-base recipe graphs graphs-recipe full-iteration}; do
+  for run in ${MFU_RUNS-base example graphs full-iteration optimizer-graph}; do
     [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
     train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
     log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
   done
-  # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the base run's time
-  local base_ms
-  base_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'] or '')" \
-    "$OUT/mfu-base-$NEWEST.json" 2>/dev/null)
-  for model in 0.85b 8b; do
-    (cd "$HERE" && $PY -m scripts.bench.step_ceiling --model $model \
-       $([ $model = 0.85b ] && [ -n "$base_ms" ] && echo --measured-ms "$base_ms") \
-       --json "$OUT/ceiling-$model.json" > "$OUT/ceiling-$model.txt" 2>&1)
-    log "ceiling $model: $(tail -1 "$OUT/ceiling-$model.txt")"
-  done
-  local run=${MFU_TRACE:-base}
-  profiled "mfu-trace-$run" 40 $size -- ${flags[$run]}
+  # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the example run's time
+  # (MFU_CEILINGS=0: not this time)
+  if [ "${MFU_CEILINGS:-1}" = 1 ]; then
+    local measured_ms
+    measured_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'] or '')" \
+      "$OUT/mfu-example-$NEWEST.json" 2>/dev/null)
+    for model in 0.85b 8b; do
+      (cd "$HERE" && $PY -m scripts.bench.step_ceiling --model $model \
+         $([ $model = 0.85b ] && [ -n "$measured_ms" ] && echo --measured-ms "$measured_ms") \
+         --json "$OUT/ceiling-$model.json" > "$OUT/ceiling-$model.txt" 2>&1)
+      log "ceiling $model: $(tail -1 "$OUT/ceiling-$model.txt")"
+    done
+  fi
+  local run=${MFU_TRACE:-example}  # none: no trace
+  [ "$run" = none ] || profiled "mfu-trace-$run" 40 $size -- ${flags[$run]}
 }
 
 stage_smoke() {
