@@ -14,7 +14,10 @@ Apex/TE constructor so Megatron's ``Adam(**kwargs)`` call works unchanged:
   compares ``0.0 <= lr``, so the group's ``lr`` stays None until set, and a step taken while
   it is None is refused with a message instead of a ``TypeError`` deep in torch;
 * ``capturable``, ``amsgrad`` pass through; ``fused``/``foreach`` requests are overridden by
-  the device policy (fused on GPU, foreach on CPU);
+  the device policy (fused on GPU, foreach on CPU). A capturable group's ``lr`` is kept in a
+  device tensor, as TE's capturable FusedAdam keeps it: a CUDA graph of the step
+  (``--optimizer-cuda-graph``) reads the tensor, which Megatron's scheduler then updates in
+  place (``fill_``); a Python float would be frozen into the graph at its capture-time value;
 * features torch's Adam cannot reproduce raise ``NotImplementedError`` instead of silently
   changing the math: ``bias_correction=False``, TE's precision-aware options
   (``master_weights``, ``use_decoupled_grad``, non-fp32 state dtypes).
@@ -125,6 +128,17 @@ class FusedAdam(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
+    def _lr_on_device(self) -> None:
+        """A capturable GPU group's number ``lr`` becomes a 0-d fp32 tensor on its device
+        (once: the scheduler fills that tensor from then on)."""
+        for group in self.param_groups:
+            params = group["params"]
+            if group.get("capturable") and params and not isinstance(group["lr"], torch.Tensor):
+                if _is_gpu(params[0]):
+                    group["lr"] = torch.tensor(
+                        float(group["lr"]), dtype=torch.float32, device=params[0].device
+                    )
+
     def _complete_state(self) -> list[torch.Tensor]:
         """Give every parameter a full state, in parameter order; return the steps of the
         parameters without a gradient (torch's step skips them, Apex's and TE's count them)."""
@@ -155,6 +169,7 @@ class FusedAdam(torch.optim.AdamW):
                 f"FusedAdam.step(): param group(s) {unset} have lr=None; set each group's 'lr' "
                 "(Megatron's OptimizerParamScheduler does) before the first step"
             )
+        self._lr_on_device()
         idle_steps = self._complete_state()
         loss = super().step(closure)
         for count in idle_steps:

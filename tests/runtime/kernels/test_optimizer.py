@@ -265,3 +265,47 @@ def test_a_step_with_lr_none_names_the_group() -> None:
     optimizer.param_groups[0]["lr"] = HYPER["lr"]  # what the scheduler does
     optimizer.step()
     assert not torch.equal(params[0], before[0])
+
+
+def _scheduler_sets_lr(optimizer: FusedAdam, lr: float) -> None:
+    """What Megatron's OptimizerParamScheduler.step does to each group (0.17+)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+@pytest.mark.gpu
+def test_a_captured_step_follows_the_lr_schedule(cuda_device: torch.device) -> None:
+    """--optimizer-cuda-graph: upstream captures optimizer.step() once and replays it; the
+    scheduler's later learning rates must reach the replays (a float lr is frozen at capture)."""
+    hyper = {k: v for k, v in HYPER.items() if k != "lr"}
+    params = [torch.nn.Parameter(p.detach().float()) for p in _params(cuda_device)]
+    optimizer = FusedAdam(params, lr=HYPER["lr"], capturable=True, **hyper)
+    ref = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(p) for p in ref]
+    v = [torch.zeros_like(p) for p in ref]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    graph = None
+    for step in range(1, 7):
+        lr = 1e-2 / step  # a schedule that moves every step
+        _scheduler_sets_lr(optimizer, lr)
+        grads = [torch.randn_like(p) for p in params]
+        for param, grad in zip(params, grads):
+            param.grad.copy_(grad)
+        if step < 3:
+            optimizer.step()  # upstream's warm-up steps run eagerly
+        else:
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    optimizer.step()
+            graph.replay()
+        for i, grad in enumerate(grads):
+            adam_reference_step(ref[i], grad, m[i], v[i], step, lr=lr, **hyper, adam_w_mode=True)
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    for param, expected in zip(params, ref):
+        torch.testing.assert_close(param.detach(), expected, atol=1e-5, rtol=1e-5)
