@@ -23,7 +23,8 @@
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
 #   mfu      issue 45's 0.85B on one GPU: upstream's defaults against the 8B example's flags
 #            (CE fusion, manual GC, no dataloader mask), those with --cuda-graph-impl local and
-#            full_iteration (MFU_RUNS, MFU_ITERS), the GEMM + attention
+#            full_iteration, --optimizer-cuda-graph (MFU_RUNS, MFU_ITERS) with the SM clock and
+#            power sampled through them (scripts/training/power_summary.py), the GEMM + attention
 #            ceiling of a micro-batch of the 0.85B and of the 8B example (scripts/bench/step_ceiling.py),
 #            then a profiled iteration of MFU_TRACE summarised with each gap's host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
@@ -286,12 +287,25 @@ stage_mfu() {
     [graphs]="$example --cuda-graph-impl local"
     [full-iteration]="$example --cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
     [optimizer-graph]="$example --optimizer-cuda-graph"
+    [distopt]="$example --use-distributed-optimizer"
+    [distopt-graph]="$example --use-distributed-optimizer --optimizer-cuda-graph"
   )
+  # the SM clock, power and what held the clock, sampled through the runs (power_summary.py)
+  local smi=""
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active \
+      --format=csv -lms 250 > "$OUT/mfu-smi.csv" 2>&1 & smi=$!
+  fi
   for run in ${MFU_RUNS-base example graphs full-iteration optimizer-graph}; do
     [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
     train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
     log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
   done
+  if [ -n "$smi" ]; then
+    kill "$smi"
+    log "mfu clocks: $(cd "$HERE" && $PY -m scripts.training.power_summary "$OUT/mfu-smi.csv" \
+      --json "$OUT/mfu-power.json" 2>&1)"
+  fi
   # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the example run's time
   # (MFU_CEILINGS=0: not this time)
   if [ "${MFU_CEILINGS:-1}" = 1 ]; then

@@ -273,6 +273,23 @@ def launching_frames(
     return " < ".join(ours[:depth]) or frames[0]["name"][:60]
 
 
+def launch_sites(
+    kernels: list[dict], events: list[dict], by_corr: dict, depth: int = 3
+) -> list[str]:
+    """``launching_frames`` of every kernel in one sweep over the host frames (innermost
+    first; "?" where the launch or its frames are not in the trace)."""
+    found = [by_corr.get(k.get("args", {}).get("correlation")) for k in kernels]
+    queries = [(launch.get("tid"), launch["ts"]) if launch else (None, -1.0) for launch in found]
+    sites = []
+    for launch, stack in zip(found, host_stacks(events, queries), strict=True):
+        ours = [_short(e) for e in reversed(stack) if _ours_or_op(e)]
+        if launch is None or not stack:
+            sites.append("?")
+        else:
+            sites.append(" < ".join(ours[:depth]) or stack[-1]["name"][:60])
+    return sites
+
+
 def host_stacks(events: list[dict], queries: list[tuple[object, float]]) -> list[list[dict]]:
     """The host frames (Python functions and ops) running on thread ``tid`` at time ``t``, for
     each ``(tid, t)`` of ``queries``, outermost first: one sweep over each thread's frames,
@@ -382,25 +399,29 @@ def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
         "| family | ms | share |",
         "|---|---|---|",
     ]
+    by_corr = launches(events)
     per_family: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in kernels:
+    per_site: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e, site in zip(kernels, launch_sites(kernels, events, by_corr), strict=True):
         per_family[family(e["name"])] += e.get("dur", 0)
         stat = per_kernel[e["name"]]
         stat[0] += e.get("dur", 0)
         stat[1] += 1
+        per_site[e["name"]][site] += e.get("dur", 0)
     total = sum(per_family.values())
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {fam} | {us / 1e3:.1f} | {us / total:.1%} |")
-    lines += ["", "| kernel | ms | calls |", "|---|---|---|"]
+    lines += ["", "| kernel | ms | calls | launched from (most of its time) |", "|---|---|---|---|"]
     for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"| {name[:90]} | {us / 1e3:.2f} | {n} |")
+        site, site_us = max(per_site[name].items(), key=lambda kv: kv[1])
+        share = f" ({site_us / us:.0%})" if site_us < us else ""
+        lines.append(f"| {name[:90]} | {us / 1e3:.2f} | {n} | {site}{share} |")
     lines += [
         "",
         "| idle gap ms | before kernel | launched from | host during the gap |",
         "|---|---|---|---|",
     ]
-    by_corr = launches(events)
     longest = sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]
     for gap, nxt, launch, stack in gaps_with_hosts(longest, kernels, events, by_corr):
         where = launching_frames(events, nxt, by_corr=by_corr)

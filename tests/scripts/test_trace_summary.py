@@ -51,6 +51,12 @@ def test_busy_idle_families_and_the_gap_behind_the_attention(tmp_path: Path, cap
     # the op and our/Megatron's frame that launched the kernel after the gap; not threading.py
     assert "aten::_cudnn_attention_forward < attention.py(100): forward" in gap
     assert "threading" not in gap
+    # the kernel table names where each kernel was launched from; "?" where no launch is traced
+    rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["| cudnn_sdpa_fprop"].endswith(
+        "| 0.10 | 1 | aten::_cudnn_attention_forward < attention.py(100): forward |"
+    )
+    assert rows["| nvjet_sm90_gemm"].endswith("| 0.10 | 1 | ? |")
 
 
 def test_unreadable_trace_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
@@ -233,3 +239,19 @@ def test_what_the_host_ran_while_the_gpu_waited(tmp_path: Path, capsys) -> None:
         "| 0.15 | 1 | cuLaunchKernel |",
         "| 0.10 | 1 | (launched before the gap: it waited on the GPU) |",
     ]
+
+
+def test_a_kernel_launched_from_two_places_names_the_costlier_with_its_share(
+    tmp_path: Path, capsys
+) -> None:
+    events = [
+        _ev("kernel", "_forward", 0, 300, corr=1),
+        _ev("kernel", "_forward", 400, 100, corr=2),
+        _ev("cuda_driver", "cuLaunchKernel", -10, 5, tid=7, corr=1),
+        _ev("cuda_driver", "cuLaunchKernel", 390, 5, tid=7, corr=2),
+        _ev("python_function", "megatron_rocm/kernels/swiglu.py(58): forward", -20, 30, tid=7),
+        _ev("python_function", "megatron_rocm/kernels/norm.py(203): forward", 380, 30, tid=7),
+    ]  # fmt: skip
+    assert trace_summary.main([str(_write(tmp_path / "t.json.gz", events))]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| _forward"))
+    assert row == "| _forward | 0.40 | 2 | swiglu.py(58): forward (75%) |"
