@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from cache_paths import MIRROR
+from patched_trees import without_patch
 
 from megatron_rocm.envtools.smoke import runner
 from megatron_rocm.main import main
@@ -170,8 +171,7 @@ def test_real_data_check_skips_without_gpu_or_full_tree(tmp_path) -> None:
 def _unpatched(tree: Path, tmp: Path, patch: str) -> Path:
     copy = tmp / f"without-{patch}"
     shutil.copytree(tree, copy, symlinks=True)
-    diff = REPO / "patches" / patch / "v0.12.diff"
-    subprocess.run(["git", "apply", "-R", str(diff)], cwd=copy, check=True)
+    without_patch(copy, patch)
     return copy
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from cache_paths import DOWNLOAD_CACHE
+from patched_trees import without_patch
 
 from megatron_rocm.envtools.smoke import runner
 from megatron_rocm.main import main
@@ -131,8 +132,7 @@ def test_resume_fault_is_caught(trees) -> None:
 def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> None:
     tree = tmp_path / "unfixed"
     subprocess.run(["cp", "-r", str(trees("0.16.0")), str(tree)], check=True)
-    diff = Path(__file__).parents[2] / "patches/dist-optimizer-resume/v0.16.diff"
-    subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
+    without_patch(tree, "dist-optimizer-resume")
     out = run_resume(context(tree), "dp2_distopt", ["local"])
     with pytest.raises(
         runner.CheckFailed, match=r"resumed run .* AssertionError.*distrib_optimizer"
@@ -141,11 +141,11 @@ def test_resume_without_the_patch_fails_as_issue_12_says(trees, tmp_path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("release", "diff", "failing_spec"),
-    [("0.15.3", "v0.14.diff", "te"), ("0.13.1", "v0.13.diff", "local")],
+    ("release", "failing_spec"),
+    [("0.15.3", "te"), ("0.13.1", "local")],  # fsdp-without-te's v0.14 and v0.13 variants
 )
 def test_fsdp2_trains_both_specs_and_needs_fsdp_without_te(
-    trees, tmp_path, release: str, diff: str, failing_spec: str
+    trees, tmp_path, release: str, failing_spec: str
 ) -> None:
     """torch FSDP2 (0.15: the newest tag whose FSDP2 wrapper finishes a step on Python 3.11;
     0.13: the oldest that builds an optimizer): both specs match the 1-rank run. Without ``fsdp-without-te`` FSDP2
@@ -160,8 +160,7 @@ def test_fsdp2_trains_both_specs_and_needs_fsdp_without_te(
         assert "= 1-GPU" in checks_parallel.judge(ctx, name, results[name]), name
     tree = tmp_path / "unfixed"
     subprocess.run(["cp", "-r", str(trees(release)), str(tree)], check=True)
-    patch = Path(__file__).parents[2] / "patches/fsdp-without-te" / diff
-    subprocess.run(["git", "apply", "-R", str(patch)], cwd=tree, check=True)
+    without_patch(tree, "fsdp-without-te")
     unfixed = context(tree)
     results = run_parallel(unfixed, [(fsdp2, failing_spec)])
     name = f"parallel.fsdp2.{failing_spec}"

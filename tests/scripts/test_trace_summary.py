@@ -253,5 +253,7 @@ def test_a_kernel_launched_from_two_places_names_the_costlier_with_its_share(
         _ev("python_function", "megatron_rocm/kernels/norm.py(203): forward", 380, 30, tid=7),
     ]  # fmt: skip
     assert trace_summary.main([str(_write(tmp_path / "t.json.gz", events))]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| _forward"))
+    row = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| _forward")
+    )
     assert row == "| _forward | 0.40 | 2 | swiglu.py(58): forward (75%) |"

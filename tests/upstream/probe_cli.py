@@ -2,7 +2,7 @@
 the probe's result (or the error it raised, with its trace) written to ``--out`` as JSON, so
 the test reports a probe's failure instead of a missing file; and ``applied_and_probed``, the
 tests' side: apply the series to a PyPI sdist and run a probe on it (``probed``: run a probe on
-a tree as it is; ``without_patch``: take one patch back out first); ``one_rank_world``, the probe's side: the tree, the CPU and a one-rank world."""
+a tree as it is); ``one_rank_world``, the probe's side: the tree, the CPU and a one-rank world."""
 
 from __future__ import annotations
 
@@ -79,19 +79,3 @@ def probed(probe: Path, tree: Path, out: Path, timeout: int = 900) -> dict:
     result = json.loads(out.read_text())
     assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
     return result
-
-
-def without_patch(tree: Path, patch_id: str) -> None:
-    """Take ``patch_id``'s commit back out of the applied ``tree`` (``git revert``, left
-    uncommitted): the tree as the series leaves it without that one patch, whichever variant
-    the tree took."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=tree, check=True, capture_output=True, text=True
-        ).stdout.strip()
-
-    commit = git("log", "--format=%H", f"--grep=^Megatron-ROCm-Patch: {patch_id}$")
-    assert len(commit.split()) == 1, f"{patch_id}: one commit expected in {tree}, got {commit!r}"
-    git("revert", "--no-commit", commit)

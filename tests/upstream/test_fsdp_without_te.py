@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from cache_paths import DOWNLOAD_CACHE
+from patched_trees import without_patch
 
 from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
@@ -22,7 +23,6 @@ from megatron_rocm.main import main
 pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
-DIFF = HERE.parents[1] / "patches/fsdp-without-te/v0.14.diff"
 
 WRAP = """
 import sys, torch
@@ -93,5 +93,5 @@ def test_nested_linears_shard_with_their_block_and_a_top_level_one_alone(tmp_pat
     assert main(["apply", "--source", "pypi", "--ref", "0.15.3", "--dest", str(tree)]) == 0
     assert _wrap(tree) == "SHARDED True False True"
 
-    subprocess.run(["git", "apply", "-R", str(DIFF)], cwd=tree, check=True)
+    without_patch(tree, "fsdp-without-te")
     assert "Invariant encountered" in _wrap(tree)  # upstream shards the nested one again

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from probe_cli import applied_and_probed, probed, without_patch
+from patched_trees import without_patch
+from probe_cli import applied_and_probed, probed
 
 pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 pytest.importorskip("torch")

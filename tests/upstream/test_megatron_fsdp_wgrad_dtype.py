@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 from cache_paths import DOWNLOAD_CACHE
+from patched_trees import without_patch
 
 from megatron_rocm.envtools.smoke.world import free_port
 from megatron_rocm.main import main
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
-DIFF = Path(__file__).parents[2] / "patches/megatron-fsdp-wgrad-dtype/v0.14.diff"
 
 BACKWARD = """
 import sys, torch
@@ -63,7 +63,7 @@ def test_fp32_main_grad_from_bf16_operands(tmp_path, monkeypatch) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split("MAXREL")[-1]) < 1e-6  # fp32 accumulation of bf16 products
 
-    subprocess.run(["git", "apply", "-R", str(DIFF)], cwd=tree, check=True)
+    without_patch(tree, "megatron-fsdp-wgrad-dtype")
     unpatched = _backward(tree)
     assert unpatched.returncode != 0
     assert "Expected out tensor to have dtype" in unpatched.stderr

@@ -16,13 +16,13 @@ context only.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
+from patched_trees import without_patch
 from probe_cli import applied_and_probed, probed
 
-from megatron_rocm.patchtool.series import load_series, parse_version
+from megatron_rocm.patchtool.series import parse_version
 
 pytestmark = [pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow, pytest.mark.full]
 pytest.importorskip("torch")
@@ -39,9 +39,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     release = request.param
     tree = tmp_path_factory.mktemp("specs") / release
     patched = applied_and_probed(PROBE, release, tree)
-    patch = load_series().get(PATCH)
-    diff = patch.diff_path(patch.variant_for(parse_version(release)))
-    subprocess.run(["git", "apply", "-R", str(diff)], cwd=tree, check=True)
+    without_patch(tree, PATCH)
     return release, patched, probed(PROBE, tree, tree.parent / "unpatched.json")
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 from cache_paths import DOWNLOAD_CACHE
+from patched_trees import without_patch
 
 from megatron_rocm.main import main
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow, pytest.mark.torch, pytest.mark.full]
 pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
-PATCH = HERE.parents[1] / "patches/thd-cp-partition"
 sys.path.insert(0, str(HERE.parent / "runtime/backend"))
 from _cp_world import thd_rows  # noqa: E402
 
@@ -117,13 +117,12 @@ TE_ASSERTION = "ERROR AssertionError Please update Transformer Engine"
 
 
 @pytest.mark.parametrize(
-    ("release", "diff", "unpatched"),
-    [
-        ("0.16.1", "v0.16.diff", {SPLIT: TE_ASSERTION}),
-        ("0.17.1", "v0.17.diff", {SPLIT: TE_ASSERTION, MIMO_SPLIT: TE_ASSERTION}),
+    ("release", "unpatched"),
+    [  # the thd-cp-partition variants v0.16, v0.17 and v0.18
+        ("0.16.1", {SPLIT: TE_ASSERTION}),
+        ("0.17.1", {SPLIT: TE_ASSERTION, MIMO_SPLIT: TE_ASSERTION}),
         (
             "0.19.2",
-            "v0.18.diff",
             {
                 SPLIT: "ERROR AttributeError 'NoneType' object has no attribute",
                 MIMO_SPLIT: TE_ASSERTION,
@@ -131,9 +130,7 @@ TE_ASSERTION = "ERROR AssertionError Please update Transformer Engine"
         ),
     ],
 )
-def test_packed_batches_split_per_document_without_te(
-    tmp_path, monkeypatch, release, diff, unpatched
-):  # noqa: ANN001
+def test_packed_batches_split_per_document_without_te(tmp_path, monkeypatch, release, unpatched):  # noqa: ANN001
     monkeypatch.setenv("MEGATRON_ROCM_CACHE", str(DOWNLOAD_CACHE))
     tree = tmp_path / release
     assert main(["apply", "--source", "pypi", "--ref", release, "--dest", str(tree)]) == 0
@@ -141,6 +138,6 @@ def test_packed_batches_split_per_document_without_te(
         kept = {int(rank): rows for rank, rows in json.loads(_split(tree, script)).items()}
         assert kept == {rank: thd_rows(PADDED, 2, rank) for rank in (0, 1)}
 
-    subprocess.run(["git", "apply", "-R", str(PATCH / diff)], cwd=tree, check=True)
+    without_patch(tree, "thd-cp-partition")
     for script, error in unpatched.items():
         assert _split(tree, script).startswith(error)
