@@ -25,7 +25,8 @@
 #            (CE fusion, manual GC, no dataloader mask), those with --cuda-graph-impl local and
 #            full_iteration, --optimizer-cuda-graph (MFU_RUNS, MFU_ITERS) with the SM clock and
 #            power sampled through them (scripts/training/power_summary.py), the GEMM + attention
-#            ceiling of a micro-batch of the 0.85B and of the 8B example (scripts/bench/step_ceiling.py),
+#            ceiling of a micro-batch of the 0.85B and of the 8B example, op by op and back to back
+#            for MFU_SUSTAINED seconds (default 10; scripts/bench/step_ceiling.py, clocks sampled),
 #            then a profiled iteration of MFU_TRACE summarised with each gap's host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
@@ -273,6 +274,21 @@ stage_trace() {
   done
 }
 
+clocks_start() {  # clocks_start NAME -> the sampler's pid (empty without nvidia-smi)
+  # the SM clock, power and what held the clock, every 250 ms, into OUT/NAME-smi.csv
+  command -v nvidia-smi > /dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active \
+    --format=csv -lms 250 > "$OUT/$1-smi.csv" 2>&1 &
+  echo $!
+}
+
+clocks_stop() {  # clocks_stop NAME PID: stop the sampler, log power_summary.py's line
+  [ -n "$2" ] || return 0
+  kill "$2"
+  log "$1 clocks: $(cd "$HERE" && $PY -m scripts.training.power_summary "$OUT/$1-smi.csv" \
+    --json "$OUT/$1-power.json" 2>&1)"
+}
+
 stage_mfu() {
   # Issue 45's 0.85B on one GPU: where its host stalls go and which of upstream's flags remove
   # them. Each run 0.85B Llama, TE spec, micro-batch 16, MFU_ITERS iterations; then one
@@ -290,22 +306,14 @@ stage_mfu() {
     [distopt]="$example --use-distributed-optimizer"
     [distopt-graph]="$example --use-distributed-optimizer --optimizer-cuda-graph"
   )
-  # the SM clock, power and what held the clock, sampled through the runs (power_summary.py)
-  local smi=""
-  if command -v nvidia-smi > /dev/null; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active \
-      --format=csv -lms 250 > "$OUT/mfu-smi.csv" 2>&1 & smi=$!
-  fi
+  local smi
+  smi=$(clocks_start mfu)
   for run in ${MFU_RUNS-base example graphs full-iteration optimizer-graph}; do
     [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
     train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
     log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
   done
-  if [ -n "$smi" ]; then
-    kill "$smi"
-    log "mfu clocks: $(cd "$HERE" && $PY -m scripts.training.power_summary "$OUT/mfu-smi.csv" \
-      --json "$OUT/mfu-power.json" 2>&1)"
-  fi
+  clocks_stop mfu "$smi"
   # the GEMM + attention ceiling of a micro-batch, the 0.85B's against the example run's time
   # (MFU_CEILINGS=0: not this time)
   if [ "${MFU_CEILINGS:-1}" = 1 ]; then
@@ -313,10 +321,13 @@ stage_mfu() {
     measured_ms=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['mean_iter_ms'] or '')" \
       "$OUT/mfu-example-$NEWEST.json" 2>/dev/null)
     for model in 0.85b 8b; do
+      smi=$(clocks_start "ceiling-$model")
       (cd "$HERE" && $PY -m scripts.bench.step_ceiling --model $model \
+         --sustained "${MFU_SUSTAINED:-10}" \
          $([ $model = 0.85b ] && [ -n "$measured_ms" ] && echo --measured-ms "$measured_ms") \
          --json "$OUT/ceiling-$model.json" > "$OUT/ceiling-$model.txt" 2>&1)
-      log "ceiling $model: $(tail -1 "$OUT/ceiling-$model.txt")"
+      clocks_stop "ceiling-$model" "$smi"
+      log "ceiling $model: $(tail -2 "$OUT/ceiling-$model.txt" | tr '\n' ' ')"
     done
   fi
   local run=${MFU_TRACE:-example}  # none: no trace

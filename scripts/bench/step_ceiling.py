@@ -11,7 +11,10 @@ the LM head likewise, and the attention's forward + backward through the TE spec
 other kernel and no idle GPU. Against the micro-batch's model FLOPs (Megatron's formula,
 ``train_small.flops_per_iteration``) it bounds MFU from above; ``--measured-ms`` (a training
 run's time per micro-batch: its iteration time over the micro-batches each GPU runs) says how
-far a run is from it. All in bf16 (the example's default is FP8; this is its bf16 ceiling).
+far a run is from it. Timed op by op the GPU idles between samples and keeps its top clock;
+a training step holds it at its power limit. ``--sustained S`` also runs the micro-batch's ops
+back to back (every layer's GEMMs and attention, then the head) for ``S`` seconds and times
+the repetitions after the first: the ceiling at the clock the GPU sustains. All in bf16 (the example's default is FP8; this is its bf16 ceiling).
 Models: ``8b`` is upstream's Llama-3 8B example (32 layers, hidden 4096, ffn 14336, 32 heads
 over 8 kv heads, seq 8192, micro-batch 1, vocabulary 128256; 128384 where the mock data's
 NullTokenizer adds its end-of-document token, <= 0.19: 0.1% more head FLOPs); ``0.85b`` is
@@ -98,6 +101,50 @@ def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[s
     }
 
 
+def micro_batch_ops(model: Model, device: str, dtype: torch.dtype) -> list:
+    """The micro-batch's GEMM and attention calls in training order, as closures on one set of
+    tensors per op: ``layers`` x (each layer GEMM's forward, input and weight gradient, the
+    attention's forward + backward), then the head's three GEMMs."""
+    from megatron_rocm.runtime.kernels import grad_accum
+
+    def gemm(m: int, n: int, k: int) -> list:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
+        return [lambda: x @ w.t(), lambda: dy @ w,
+                lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad)]  # fmt: skip
+
+    shape = bench_attention.Shape(
+        model.micro_batch, model.seq, model.heads, model.kv_heads, model.hidden // model.heads
+    )
+    fn = bench_attention.variant_fn("te_spec")
+    leaves = [t.requires_grad_() for t in bench_attention.inputs(shape, device)]
+    grad = torch.randn_like(fn(*leaves))
+    gemms = model.gemms()
+    layer = [op for _, m, n, k in gemms[:-1] for op in gemm(m, n, k)]
+    layer.append(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
+    return layer * model.layers + gemm(*gemms[-1][1:])
+
+
+def sustained_ms(model: Model, device: str, seconds: float) -> tuple[float, int]:
+    """(ms per micro-batch, repetitions timed): the micro-batch's ops back to back, repeated
+    for ``seconds`` (at least three repetitions), the first left out."""
+    import time
+
+    ops = micro_batch_ops(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+
+    def once() -> None:
+        for op in ops:
+            op()
+
+    times = []
+    start = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < seconds:
+        times.append(bench_timing.sampled_ms(once, 1, device))
+    return sum(times[1:]) / len(times[1:]), len(times) - 1
+
+
 def ceiling(model: Model, device: str, iters: int) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
@@ -132,11 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("8b", "0.85b"), default="8b")
     parser.add_argument("--measured-ms", type=float, help="a run's time per micro-batch")
     parser.add_argument("--iters", type=int, default=20, help="attention timing samples")
+    parser.add_argument(
+        "--sustained", type=float, default=0.0, metavar="S",
+        help="also run the micro-batch's ops back to back for S seconds (the clock the GPU holds)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run: checks it works")
     args = parser.parse_args(argv)
     if args.measured_ms is not None and args.measured_ms <= 0:
         parser.error("--measured-ms must be positive")
+    if args.sustained < 0:
+        parser.error("--sustained must be 0 or more seconds")
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("step_ceiling: needs a GPU (use --smoke on the CPU)", file=sys.stderr)
@@ -146,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.measured_ms:
         result["measured_ms"] = args.measured_ms
         result["of_ceiling"] = round(result["ceiling_ms"] / args.measured_ms, 4)
+    if args.sustained:
+        ms, reps = sustained_ms(MODELS[name], device, args.sustained)
+        flops = MODELS[name].flops()
+        result.update(sustained_ms=round(ms, 3), sustained_reps=reps,
+                      sustained_mfu=round(flops / (ms / 1e3) / 1e12 / PEAK_TFLOPS, 4))  # fmt: skip
     print("| op | M x N x K | fwd + dgrad + wgrad ms | TFLOP/s |\n|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['op']} | {r['shape']} | {r['ms']} | {r['tflops']} |")
@@ -159,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )  # fmt: skip
     )
+    if args.sustained:
+        print(
+            f"{name}: back to back for {args.sustained:g} s ({result['sustained_reps']} micro-batches "
+            f"timed), a micro-batch takes {result['sustained_ms']} ms (MFU at most "
+            f"{result['sustained_mfu']:.1%}): {result['sustained_ms'] / result['ceiling_ms']:.2f}x "
+            "the op-by-op ceiling"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -47,3 +47,19 @@ def test_a_measured_time_must_be_positive(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         step_ceiling.main(["--smoke", "--measured-ms", "0"])
     assert info.value.code == 2 and "--measured-ms must be positive" in capsys.readouterr().err
+
+
+def test_sustained_runs_every_op_of_the_micro_batch_back_to_back(tmp_path: Path) -> None:
+    model = step_ceiling.MODELS["smoke"]
+    ops = step_ceiling.micro_batch_ops(model, "cpu", torch.float32)
+    assert len(ops) == model.layers * (4 * 3 + 1) + 3  # 4 GEMMs x 3 + attention, then the head
+    out = tmp_path / "c.json"
+    assert step_ceiling.main(["--smoke", "--sustained", "0.01", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["sustained_ms"] > 0 and result["sustained_reps"] >= 2  # the first not timed
+
+
+def test_sustained_seconds_must_not_be_negative(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        step_ceiling.main(["--smoke", "--sustained", "-1"])
+    assert info.value.code == 2 and "--sustained must be 0 or more" in capsys.readouterr().err
