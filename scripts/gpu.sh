@@ -21,13 +21,17 @@
 #   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
 #            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
 #            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
-#   mfu      issue 45's 0.85B on one GPU: upstream's defaults against the 8B example's flags
-#            (CE fusion, manual GC, no dataloader mask), those with --cuda-graph-impl local and
-#            full_iteration, --optimizer-cuda-graph (MFU_RUNS, MFU_ITERS) with the SM clock and
-#            power sampled through them (scripts/training/power_summary.py), the GEMM + attention
-#            ceiling of a micro-batch of the 0.85B and of the 8B example, op by op and back to back
-#            for MFU_SUSTAINED seconds (default 10; scripts/bench/step_ceiling.py, clocks sampled),
-#            then a profiled iteration of MFU_TRACE summarised with each gap's host frame
+#   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
+#            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
+#            distopt, distopt-graph): upstream's defaults, the 8B example's flags (CE fusion,
+#            manual GC, no dataloader mask), those with --cuda-graph-impl local or full_iteration,
+#            --optimizer-cuda-graph, the distributed optimizer; the SM clock and power sampled
+#            through them (scripts/training/power_summary.py). Then (MFU_CEILINGS=0: not) the GEMM +
+#            attention ceiling of a micro-batch of the 0.85B and of the 8B example, op by op and
+#            back to back for MFU_SUSTAINED seconds (default 10; scripts/bench/step_ceiling.py,
+#            clocks sampled), and a profiled iteration of the run MFU_TRACE names (default
+#            example; none: no trace) summarised with each kernel's launch site and each gap's
+#            host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
 #   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
 #            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention, the TE spec's attention
@@ -275,16 +279,19 @@ stage_trace() {
 }
 
 clocks_start() {  # clocks_start NAME -> the sampler's pid (empty without nvidia-smi)
-  # the SM clock, power and what held the clock, every 250 ms, into OUT/NAME-smi.csv
+  # the SM clock, power and what held the clock of the GPU the runs use (the first of
+  # CUDA_VISIBLE_DEVICES, else 0), every 250 ms, into OUT/NAME-smi.csv (its errors: .err)
   command -v nvidia-smi > /dev/null || return 0
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active \
-    --format=csv -lms 250 > "$OUT/$1-smi.csv" 2>&1 &
+  local gpu=${CUDA_VISIBLE_DEVICES:-0}
+  nvidia-smi -i "${gpu%%,*}" --format=csv -lms 250 \
+    --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active \
+    > "$OUT/$1-smi.csv" 2> "$OUT/$1-smi.err" &
   echo $!
 }
 
 clocks_stop() {  # clocks_stop NAME PID: stop the sampler, log power_summary.py's line
   [ -n "$2" ] || return 0
-  kill "$2"
+  kill "$2" 2> /dev/null || log "$1 clocks: the sampler had stopped ($(head -c 200 "$OUT/$1-smi.err"))"
   log "$1 clocks: $(cd "$HERE" && $PY -m scripts.training.power_summary "$OUT/$1-smi.csv" \
     --json "$OUT/$1-power.json" 2>&1)"
 }
@@ -306,9 +313,9 @@ stage_mfu() {
     [distopt]="$example --use-distributed-optimizer"
     [distopt-graph]="$example --use-distributed-optimizer --optimizer-cuda-graph"
   )
-  local smi
-  smi=$(clocks_start mfu)
-  for run in ${MFU_RUNS-base example graphs full-iteration optimizer-graph}; do
+  local smi="" runs=${MFU_RUNS-base example graphs full-iteration optimizer-graph}
+  [ -z "$runs" ] || smi=$(clocks_start mfu)
+  for run in $runs; do
     [ -n "${flags[$run]+set}" ] || { log "mfu: unknown run $run"; continue; }
     train "mfu-$run-$NEWEST" "$W/p-$NEWEST" $size --iters "${MFU_ITERS:-40}" -- ${flags[$run]}
     log "mfu $run: $(cat "$OUT/mfu-$run-$NEWEST.json")"
@@ -327,7 +334,8 @@ stage_mfu() {
          $([ $model = 0.85b ] && [ -n "$measured_ms" ] && echo --measured-ms "$measured_ms") \
          --json "$OUT/ceiling-$model.json" > "$OUT/ceiling-$model.txt" 2>&1)
       clocks_stop "ceiling-$model" "$smi"
-      log "ceiling $model: $(tail -2 "$OUT/ceiling-$model.txt" | tr '\n' ' ')"
+      log "ceiling $model: $( (grep "^$model:" "$OUT/ceiling-$model.txt" \
+        || tail -1 "$OUT/ceiling-$model.txt") | tr '\n' ' ')"
     done
   fi
   local run=${MFU_TRACE:-example}  # none: no trace

@@ -13,9 +13,9 @@ def without_patch(tree: Path, patch_id: str) -> None:
     the tree took."""
 
     def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=tree, check=True, capture_output=True, text=True
-        ).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=tree, capture_output=True, text=True)
+        assert done.returncode == 0, f"git {' '.join(args)} in {tree}: {done.stderr.strip()}"
+        return done.stdout.strip()
 
     commit = git("log", "--format=%H", f"--grep=^Megatron-ROCm-Patch: {patch_id}$")
     assert len(commit.split()) == 1, f"{patch_id}: one commit expected in {tree}, got {commit!r}"

@@ -11,10 +11,11 @@ the LM head likewise, and the attention's forward + backward through the TE spec
 other kernel and no idle GPU. Against the micro-batch's model FLOPs (Megatron's formula,
 ``train_small.flops_per_iteration``) it bounds MFU from above; ``--measured-ms`` (a training
 run's time per micro-batch: its iteration time over the micro-batches each GPU runs) says how
-far a run is from it. Timed op by op the GPU idles between samples and keeps its top clock;
-a training step holds it at its power limit. ``--sustained S`` also runs the micro-batch's ops
-back to back (every layer's GEMMs and attention, then the head) for ``S`` seconds and times
-the repetitions after the first: the ceiling at the clock the GPU sustains. All in bf16 (the example's default is FP8; this is its bf16 ceiling).
+far a run is from it. Timed op by op, the GPU idles between samples and its clock can
+recover; a training step holds it at its power limit. ``--sustained S`` also runs the
+micro-batch's ops back to back (every layer's GEMMs and attention, then the head) for ``S``
+seconds and times the repetitions after the first: the ceiling at the clock the GPU
+sustains. All in bf16 (the example's default is FP8; this is its bf16 ceiling).
 Models: ``8b`` is upstream's Llama-3 8B example (32 layers, hidden 4096, ffn 14336, 32 heads
 over 8 kv heads, seq 8192, micro-batch 1, vocabulary 128256; 128384 where the mock data's
 NullTokenizer adds its end-of-document token, <= 0.19: 0.1% more head FLOPs); ``0.85b`` is
@@ -102,15 +103,23 @@ def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[s
 
 
 def micro_batch_ops(model: Model, device: str, dtype: torch.dtype) -> list:
-    """The micro-batch's GEMM and attention calls in training order, as closures on one set of
-    tensors per op: ``layers`` x (each layer GEMM's forward, input and weight gradient, the
-    attention's forward + backward), then the head's three GEMMs."""
+    """The micro-batch's GEMM and attention calls in training order, as closures:
+    ``layers`` x (each layer GEMM's forward, input and weight gradient, the attention's forward
+    + backward), then the head's three GEMMs. Each layer has its own weights and fp32
+    ``main_grad`` (one set for all would stay in L2 from layer to layer); the activations
+    and their gradients are one set per shape, as their sizes dwarf the cache anyway."""
     from megatron_rocm.runtime.kernels import grad_accum
 
+    activations: dict[tuple[int, int], torch.Tensor] = {}
+
+    def activation(rows: int, cols: int) -> torch.Tensor:
+        if (rows, cols) not in activations:
+            activations[rows, cols] = torch.randn(rows, cols, device=device, dtype=dtype)
+        return activations[rows, cols]
+
     def gemm(m: int, n: int, k: int) -> list:
-        x = torch.randn(m, k, device=device, dtype=dtype)
+        x, dy = activation(m, k), activation(m, n)
         w = torch.randn(n, k, device=device, dtype=dtype)
-        dy = torch.randn(m, n, device=device, dtype=dtype)
         main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
         return [lambda: x @ w.t(), lambda: dy @ w,
                 lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad)]  # fmt: skip
@@ -122,9 +131,11 @@ def micro_batch_ops(model: Model, device: str, dtype: torch.dtype) -> list:
     leaves = [t.requires_grad_() for t in bench_attention.inputs(shape, device)]
     grad = torch.randn_like(fn(*leaves))
     gemms = model.gemms()
-    layer = [op for _, m, n, k in gemms[:-1] for op in gemm(m, n, k)]
-    layer.append(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
-    return layer * model.layers + gemm(*gemms[-1][1:])
+    ops = []
+    for _ in range(model.layers):
+        ops += [op for _, m, n, k in gemms[:-1] for op in gemm(m, n, k)]
+        ops.append(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
+    return ops + gemm(*gemms[-1][1:])
 
 
 def sustained_ms(model: Model, device: str, seconds: float) -> tuple[float, int]:

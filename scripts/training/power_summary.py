@@ -15,8 +15,9 @@ Samples drawing at least ``--load`` of the power limit count as "under load" (id
 between runs would pull the means up). Prints one line, and with ``--json`` writes the numbers:
 samples under load, mean and median SM clock against the maximum, mean power against the
 limit, and the share of those samples each clock-event reason was active in (NVML's bits:
-software power cap, hardware slowdown, thermal ones...). Exit 2 when the file is missing or
-holds no sample under load.
+software power cap, hardware slowdown, thermal ones...; none where the GPU does not report
+them). Exit 2 when the file is missing, holds no readable sample (an nvidia-smi error, say) or
+none under load.
 """
 
 from __future__ import annotations
@@ -54,21 +55,26 @@ def _number(text: str) -> float:
     return float(text.strip().split()[0])
 
 
+def _reasons(text: str | None) -> int:
+    """The reasons bitmask; 0 where the GPU does not report it (``[N/A]``, ``[Not
+    Supported]``, an older driver without the column)."""
+    try:
+        return int((text or "").strip(), 16)
+    except ValueError:
+        return 0
+
+
 def samples(path: Path) -> list[dict[str, float]]:
-    """Every row of the log with a reading in each column it needs (``[N/A]`` rows dropped)."""
+    """Every row of the log with a clock and a power reading (rows of ``[N/A]`` dropped)."""
     rows = []
     with path.open(newline="") as fh:
         reader = csv.DictReader(fh, skipinitialspace=True)
         for row in reader:
             try:
-                rows.append(
-                    {
-                        key: (int(row[col].strip(), 16) if key == "reasons" else _number(row[col]))
-                        for key, col in _COLUMNS.items()
-                    }
-                )
-            except (KeyError, ValueError, IndexError, AttributeError):
+                reading = {k: _number(row[c]) for k, c in _COLUMNS.items() if k != "reasons"}
+            except (KeyError, ValueError, IndexError, AttributeError, TypeError):
                 continue
+            rows.append({**reading, "reasons": _reasons(row.get(_COLUMNS["reasons"]))})
     return rows
 
 
@@ -116,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log.is_file():
         print(f"power_summary: no file {args.log}", file=sys.stderr)
         return 2
-    summary = summarise(samples(args.log), args.load)
+    rows = samples(args.log)
+    if not rows:
+        first = args.log.read_text(errors="replace").splitlines()[:1] or [""]
+        print(f"power_summary: no readable sample in {args.log} (its first line: {first[0][:120]!r})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    summary = summarise(rows, args.load)
     if summary is None:
         print(f"power_summary: no sample at {args.load:.0%} of the power limit in {args.log}",
               file=sys.stderr)  # fmt: skip

@@ -8,6 +8,8 @@ Reads the Chrome trace that ``pretrain_gpt.py --profile --use-pytorch-profiler``
 
 * the span of GPU work, the time some kernel was running (busy) and the idle rest;
 * GPU time per kernel family (GEMM, attention, Triton, norms, elementwise, copies, NCCL, ...);
+* the costliest kernels, each with the frames that launched most of its time (and their share
+  where it was launched from several places);
 * the longest idle gaps, each with the Python frames (Megatron's and ours) that launched the
   kernel ending the gap and what that thread ran while the GPU waited: idle time is CPU time
   the GPU waited for (syncs, launch overhead);
@@ -255,29 +257,15 @@ def launching_frames(
 ) -> str:
     """Our and Megatron's Python frames around the launch of ``kernel`` (innermost first)."""
     by_corr = launches(events) if by_corr is None else by_corr
-    launch = by_corr.get(kernel.get("args", {}).get("correlation"))
-    if launch is None:
-        return "?"
-    ts, tid = launch["ts"], launch.get("tid")
-    frames = [
-        e
-        for e in events
-        if e.get("cat") in ("python_function", "cpu_op")
-        and e.get("tid") == tid
-        and e["ts"] <= ts <= e["ts"] + e.get("dur", 0)
-    ]
-    if not frames:  # a launch outside any recorded host frame (no Python stacks traced)
-        return "?"
-    frames.sort(key=lambda e: e.get("dur", 0))
-    ours = [_short(e) for e in frames if _ours_or_op(e)]
-    return " < ".join(ours[:depth]) or frames[0]["name"][:60]
+    return launch_sites([kernel], events, by_corr, depth)[0]
 
 
 def launch_sites(
     kernels: list[dict], events: list[dict], by_corr: dict, depth: int = 3
 ) -> list[str]:
-    """``launching_frames`` of every kernel in one sweep over the host frames (innermost
-    first; "?" where the launch or its frames are not in the trace)."""
+    """The frames around each kernel's launch, ours, Megatron's and torch's ops innermost first
+    (the innermost frame where none is), in one sweep over the host frames; "?" where the launch
+    or its frames are not in the trace (no Python stacks traced)."""
     found = [by_corr.get(k.get("args", {}).get("correlation")) for k in kernels]
     queries = [(launch.get("tid"), launch["ts"]) if launch else (None, -1.0) for launch in found]
     sites = []

@@ -44,3 +44,25 @@ def test_a_log_without_load_or_without_a_file_exits_2(tmp_path: Path, capsys) ->
     assert power_summary.main([str(idle)]) == 2
     err = capsys.readouterr().err
     assert "no file" in err and "no sample at 50% of the power limit" in err
+
+
+def test_gpu_sh_columns_and_unreported_reasons_still_count(tmp_path: Path, capsys) -> None:
+    """gpu.sh's six columns; a GPU that reports no reasons ([Not Supported]) still has clocks."""
+    log = tmp_path / "smi.csv"
+    log.write_text(
+        "timestamp, clocks.current.sm [MHz], clocks.max.sm [MHz], power.draw [W], "
+        "power.limit [W], clocks_event_reasons.active\n"
+        "2026/11/29 08:12:25.352, 1500 MHz, 1980 MHz, 600.00 W, 700.00 W, [Not Supported]\n"
+    )
+    assert power_summary.main([str(log)]) == 0
+    line = capsys.readouterr().out
+    assert (
+        line.startswith("1 samples under load: SM clock mean 1500 MHz") and "reasons: none" in line
+    )
+
+
+def test_an_error_instead_of_samples_is_named_as_such(tmp_path: Path, capsys) -> None:
+    log = tmp_path / "smi.csv"
+    log.write_text('Field "clocks_event_reasons.active" is not a valid field to query.\n')
+    assert power_summary.main([str(log)]) == 2
+    assert "no readable sample" in capsys.readouterr().err

@@ -4,9 +4,10 @@ From 0.17 upstream keeps the gradient norm and the clip coefficient on the devic
 ``multi_tensor_scale_tensor`` exists (TE's path); without TE it read the norm back to the host
 every step, a sync before the optimizer step that left the GPU idle while the host caught up
 (gradient clipping is on by default). ``grad_norm_probe.py`` calls upstream's
-``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32`` on the patched 0.19.2 sdist (the
-v0.19 variant, as main) and on the same tree without the patch: the norm must be a tensor, and
-the norm and the clipped gradients must equal a float64 computation, clipping or not.
+``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32`` on the patched 0.17.1 and 0.19.2
+sdists (the v0.17 variant, as 0.18 and dev; the v0.19 one, as main) and on the same trees
+without the patch: the norm must be a tensor, and the norm and the clipped gradients must
+equal a float64 computation, clipping or not.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ pytest.importorskip("torch")
 PROBE = Path(__file__).with_name("grad_norm_probe.py")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    tree = tmp_path_factory.mktemp("gradnorm") / "0.19.2"
-    patched = applied_and_probed(PROBE, "0.19.2", tree)
+@pytest.fixture(scope="module", params=["0.17.1", "0.19.2"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    tree = tmp_path_factory.mktemp("gradnorm") / request.param
+    patched = applied_and_probed(PROBE, request.param, tree)
     without_patch(tree, "multi-tensor")
     return patched, probed(PROBE, tree, tree.parent / "unpatched.json")
 

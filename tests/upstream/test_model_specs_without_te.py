@@ -8,7 +8,7 @@ Transformer Engine is not installed``. ``model_specs_probe.py`` builds each mode
 spec on the patched tree and from its local spec, and runs the TE one forward: the native
 backend's modules must stand in (heterogeneous GPT's linear replacements included), with the
 local spec's parameter count, and the padding mask must reach the attention. The same probe
-on the tree without this patch (``git apply -R``) must fail as upstream does. Three releases
+on the tree without this patch (its commit reverted) must fail as upstream does. Three releases
 (about 16 s each): 0.12.3 (v0.12: the native names straight from ``te_names``), 0.15.3 (v0.13:
 names unbound without TE) and 0.19.2 (v0.17, as main and dev); v0.16 differs from v0.13 in
 context only.

@@ -14,10 +14,12 @@ Apex/TE constructor so Megatron's ``Adam(**kwargs)`` call works unchanged:
   compares ``0.0 <= lr``, so the group's ``lr`` stays None until set, and a step taken while
   it is None is refused with a message instead of a ``TypeError`` deep in torch;
 * ``capturable``, ``amsgrad`` pass through; ``fused``/``foreach`` requests are overridden by
-  the device policy (fused on GPU, foreach on CPU). A capturable group's ``lr`` is kept in a
-  device tensor, as TE's capturable FusedAdam keeps it: a CUDA graph of the step
+  the device policy (fused on GPU, foreach on CPU). A capturable GPU group's ``lr`` is kept
+  in a device tensor from construction (and after a checkpoint load, which may bring it as a
+  CPU tensor), as TE's capturable FusedAdam keeps it: a CUDA graph of the step
   (``--optimizer-cuda-graph``) reads the tensor, which Megatron's scheduler then updates in
-  place (``fill_``); a Python float would be frozen into the graph at its capture-time value;
+  place (``fill_``); a Python float would be frozen into the graph at its capture-time value.
+  Every other group's ``lr`` is a number (a loaded tensor one becomes one);
 * features torch's Adam cannot reproduce raise ``NotImplementedError`` instead of silently
   changing the math: ``bias_correction=False``, TE's precision-aware options
   (``master_weights``, ``use_decoupled_grad``, non-fp32 state dtypes).
@@ -120,6 +122,12 @@ class FusedAdam(torch.optim.AdamW):
             for group, own in zip(self.param_groups, own_lr or [False]):
                 if not own:
                     group["lr"] = None
+        self._place_lr()  # before any capture: no allocation inside a graph
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A checkpoint's lr may be a tensor (saved by a capturable run, loaded to the CPU)
+        super().load_state_dict(state_dict)
+        self._place_lr()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # AdamW's __setstate__ forces decoupled decay on load; keep what adam_w_mode chose.
@@ -128,16 +136,21 @@ class FusedAdam(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _lr_on_device(self) -> None:
-        """A capturable GPU group's number ``lr`` becomes a 0-d fp32 tensor on its device
-        (once: the scheduler fills that tensor from then on)."""
+    def _place_lr(self) -> None:
+        """Each group's ``lr`` where its step reads it: for a capturable GPU group a 0-d fp32
+        tensor on the parameters' device (a number, or a tensor elsewhere, e.g. a checkpoint's
+        loaded to the CPU, is moved there once; the scheduler then fills it in place), for any
+        other group a number (torch's foreach step refuses a tensor lr without capturable)."""
         for group in self.param_groups:
-            params = group["params"]
-            if group.get("capturable") and params and not isinstance(group["lr"], torch.Tensor):
-                if _is_gpu(params[0]):
-                    group["lr"] = torch.tensor(
-                        float(group["lr"]), dtype=torch.float32, device=params[0].device
-                    )
+            params, lr = group["params"], group["lr"]
+            if lr is None or not params:
+                continue
+            if group.get("capturable") and _is_gpu(params[0]):
+                device = params[0].device
+                if not (isinstance(lr, torch.Tensor) and lr.device == device):
+                    group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            elif isinstance(lr, torch.Tensor):
+                group["lr"] = float(lr)
 
     def _complete_state(self) -> list[torch.Tensor]:
         """Give every parameter a full state, in parameter order; return the steps of the
@@ -169,7 +182,7 @@ class FusedAdam(torch.optim.AdamW):
                 f"FusedAdam.step(): param group(s) {unset} have lr=None; set each group's 'lr' "
                 "(Megatron's OptimizerParamScheduler does) before the first step"
             )
-        self._lr_on_device()
+        self._place_lr()  # lr=None at construction: placed at the first step
         idle_steps = self._complete_state()
         loss = super().step(closure)
         for count in idle_steps:

@@ -309,3 +309,39 @@ def test_a_captured_step_follows_the_lr_schedule(cuda_device: torch.device) -> N
     assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
     for param, expected in zip(params, ref):
         torch.testing.assert_close(param.detach(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tensor_lr_from_a_checkpoint_becomes_a_number_where_the_step_wants_one() -> None:
+    """A capturable run saves its lr as a tensor; loaded into a CPU (foreach) optimizer, which
+    refuses a tensor lr without capturable, it must be a number again."""
+    params = [torch.nn.Parameter(p.detach().float()) for p in _params()]
+    saved = FusedAdam(params, **HYPER).state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor(0.25)
+    optimizer = FusedAdam(params, **HYPER)
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["lr"] == 0.25
+    assert not isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+
+
+@pytest.mark.gpu
+def test_a_resumed_capturable_optimizer_keeps_its_lr_on_the_device(
+    cuda_device: torch.device, tmp_path
+) -> None:
+    """A checkpoint loads with map_location="cpu" (Megatron's): the lr it brings is a CPU
+    tensor, which the fused step would read once on the host and a capture would freeze."""
+    hyper = {k: v for k, v in HYPER.items() if k != "lr"}
+    params = [torch.nn.Parameter(p.detach().float()) for p in _params(cuda_device)]
+    first = FusedAdam(params, lr=HYPER["lr"], capturable=True, **hyper)
+    assert first.param_groups[0]["lr"].device == cuda_device  # placed at construction
+    for p in params:
+        p.grad = torch.ones_like(p)
+    first.step()
+    torch.save(first.state_dict(), tmp_path / "opt.pt")
+    resumed = FusedAdam(params, lr=HYPER["lr"], capturable=True, **hyper)
+    resumed.load_state_dict(torch.load(tmp_path / "opt.pt", map_location="cpu"))
+    lr = resumed.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.device == cuda_device
+    assert float(lr) == HYPER["lr"]
