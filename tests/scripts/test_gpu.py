@@ -327,3 +327,56 @@ def test_series_applies_then_smokes_the_newest_ref(tmp_path: Path) -> None:
     assert [option(c, "--ref") for c in applies] == ["core_v0.19.0", "main"]
     smokes = [c for c in calls if " -m megatron_rocm smoke " in c]
     assert [c.split()[4] for c in smokes] == [str(work / "p-main")]
+
+
+def test_mfu_runs_the_named_runs_samples_clocks_and_times_both_ceilings(tmp_path: Path) -> None:
+    smi = tmp_path / "bin/nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        f'#!/usr/bin/env bash\necho "$*" > {tmp_path}/smi-args\necho $$ >> {tmp_path}/smi-pids\n'
+        "exec sleep 60\n"
+    )
+    smi.chmod(0o755)
+    path = f"{smi.parent}{os.pathsep}{os.environ['PATH']}"
+    calls = run_stage(
+        tmp_path, "mfu", PATH=path, MFU_RUNS="example distopt-graph", MFU_TRACE="none",
+        CUDA_VISIBLE_DEVICES="3,1",
+    )  # fmt: skip
+    trains = [c for c in calls if "scripts.training.train_small" in c]
+    example = "--cross-entropy-loss-fusion --manual-gc --no-create-attention-mask-in-dataloader"
+    assert [c.split(" -- ", 1)[1] for c in trains] == [
+        example,
+        example + " --use-distributed-optimizer --optimizer-cuda-graph",
+    ]
+    ceilings = [c for c in calls if "scripts.bench.step_ceiling" in c]
+    assert [option(c, "--model") for c in ceilings] == ["0.85b", "8b"]
+    assert all(option(c, "--sustained") == "10" for c in ceilings)
+    summaries = [c for c in calls if "scripts.training.power_summary" in c]
+    assert [c.split()[3].rsplit("/", 1)[1] for c in summaries] == [
+        "mfu-smi.csv", "ceiling-0.85b-smi.csv", "ceiling-8b-smi.csv",
+    ]  # fmt: skip
+    assert (tmp_path / "smi-args").read_text().startswith("-i 3 ")  # the runs' GPU
+    pids = [int(pid) for pid in (tmp_path / "smi-pids").read_text().split()]
+    # each sampler stopped (one killed before it wrote its pid never ran)
+    assert pids and not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int, wait: float = 2.0) -> bool:
+    """Whether ``pid`` still runs after up to ``wait`` seconds (a killed one is gone by then,
+    or a zombie its parent has not reaped yet)."""
+    import time
+
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:
+            if ") Z" in stat.read_text():
+                return False
+        except OSError:
+            return False
+        time.sleep(0.05)
+    return True
