@@ -252,14 +252,6 @@ def _short(e: dict) -> str:
     return e["name"].split("/")[-1][:60]
 
 
-def launching_frames(
-    events: list[dict], kernel: dict, depth: int = 4, by_corr: dict | None = None
-) -> str:
-    """Our and Megatron's Python frames around the launch of ``kernel`` (innermost first)."""
-    by_corr = launches(events) if by_corr is None else by_corr
-    return launch_sites([kernel], events, by_corr, depth)[0]
-
-
 def launch_sites(
     kernels: list[dict], events: list[dict], by_corr: dict, depth: int = 3
 ) -> list[str]:
@@ -411,8 +403,9 @@ def summarise(events: list[dict], gaps_shown: int, top: int) -> str:
         "|---|---|---|---|",
     ]
     longest = sorted(gaps, key=lambda g: g[0] - g[1])[:gaps_shown]
-    for gap, nxt, launch, stack in gaps_with_hosts(longest, kernels, events, by_corr):
-        where = launching_frames(events, nxt, by_corr=by_corr)
+    shown = gaps_with_hosts(longest, kernels, events, by_corr)
+    sites = launch_sites([nxt for _, nxt, _, _ in shown], events, by_corr, depth=4)
+    for (gap, nxt, launch, stack), where in zip(shown, sites, strict=True):
         host = host_during(gap, launch, stack)
         lines.append(f"| {(gap[1] - gap[0]) / 1e3:.2f} | {nxt['name'][:50]} | {where} | {host} |")
     lines += ["", "| idle ms (gaps of 20 us or more) | gaps | host frame the GPU waited on |"]
