@@ -114,6 +114,17 @@ def inputs(shape: Shape, device: str) -> tuple[torch.Tensor, ...]:
     return make(shape.heads), make(shape.kv_heads), make(shape.kv_heads)
 
 
+def forward_backward(
+    fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], object]:
+    """One training step of attention ``fn`` on ``q``, ``k``, ``v``: the forward and its
+    backward against a fixed random output gradient, the input gradients returned, not
+    accumulated into ``.grad`` (as in training)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    grad = torch.randn_like(fn(*leaves))
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
 def measure(
     name: str, shape_name: str, device: str, iters: int, shape: Shape | None = None
 ) -> dict:
@@ -121,14 +132,9 @@ def measure(
     shape = shape or SHAPES[shape_name]
     q, k, v = inputs(shape, device)
     fn = variant_fn(name)
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     row: dict = {"variant": name, "shape": shape_name, **shape.__dict__}
     try:
-        grad = torch.randn_like(fn(*leaves))
-
-        def step() -> None:  # gradients returned, not accumulated into .grad (as in training)
-            torch.autograd.grad(fn(*leaves), leaves, grad)
-
+        step = forward_backward(fn, q, k, v)
         ms = bench_timing.sampled_ms(step, iters, device, warmup=3)
         with torch.no_grad():
             reference = _sdpa_sbhd("math" if device == "cpu" else None)(q, k, v)

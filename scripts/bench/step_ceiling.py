@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,12 @@ class Model:
             ("head", t, self.vocab, h),
         ]
 
+    @property
+    def attention(self) -> bench_attention.Shape:
+        return bench_attention.Shape(
+            self.micro_batch, self.seq, self.heads, self.kv_heads, self.hidden // self.heads
+        )
+
     def flops(self) -> float:
         shape = train_small.Shape(
             self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, self.seq,
@@ -82,34 +89,52 @@ MODELS = {
 }
 
 
-def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str, float]:
-    """Milliseconds of the forward ``x W^T``, the input gradient ``dy W`` and the weight
-    gradient, with the weight ``[N, K]`` as Megatron keeps it. The weight gradient is added
-    into an fp32 ``main_grad`` as gradient-accumulation fusion does in training
-    (``kernels.grad_accum``)."""
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _mfu(flops: float, ms: float) -> float:
+    return round(flops / (ms / 1e3) / 1e12 / PEAK_TFLOPS, 4)
+
+
+def gemm_calls(
+    x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor
+) -> dict[str, Callable[[], object]]:
+    """A linear's three GEMMs in training: the forward ``x W^T``, the input gradient ``dy W``
+    and the weight gradient added into the fp32 ``main_grad`` as gradient-accumulation fusion
+    does (``kernels.grad_accum``), with the weight ``[N, K]`` as Megatron keeps it."""
     from megatron_rocm.runtime.kernels import grad_accum
 
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype)
-    dy = torch.randn(m, n, device=device, dtype=dtype)
-    main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
     return {
-        "forward": bench_timing.median_ms(lambda: x @ w.t(), device),
-        "input_grad": bench_timing.median_ms(lambda: dy @ w, device),
-        "weight_grad": bench_timing.median_ms(
-            lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad), device
-        ),
+        "forward": lambda: x @ w.t(),
+        "input_grad": lambda: dy @ w,
+        "weight_grad": lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad),
     }
+
+
+def _weights(n: int, k: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A weight ``[N, K]`` and its fp32 ``main_grad``."""
+    return (
+        torch.randn(n, k, device=device, dtype=dtype),
+        torch.zeros(n, k, device=device, dtype=torch.float32),
+    )
+
+
+def time_gemm(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Milliseconds of each of ``gemm_calls``' GEMMs at ``[M, K] x [K, N]``, timed alone."""
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    w, main_grad = _weights(n, k, device, dtype)
+    calls = gemm_calls(x, w, dy, main_grad)
+    return {name: bench_timing.median_ms(call, device) for name, call in calls.items()}
 
 
 def micro_batch_ops(model: Model, device: str, dtype: torch.dtype) -> list:
     """The micro-batch's GEMM and attention calls in training order, as closures:
-    ``layers`` x (each layer GEMM's forward, input and weight gradient, the attention's forward
-    + backward), then the head's three GEMMs. Each layer has its own weights and fp32
-    ``main_grad`` (one set for all would stay in L2 from layer to layer); the activations
-    and their gradients are one set per shape, as their sizes dwarf the cache anyway."""
-    from megatron_rocm.runtime.kernels import grad_accum
-
+    ``layers`` x (each layer GEMM's ``gemm_calls``, the attention's forward + backward), then
+    the head's. Each layer has its own weights and fp32 ``main_grad`` (one set for all would
+    stay in L2 from layer to layer); the activations and their gradients are one set per
+    shape, as their sizes dwarf the cache anyway."""
     activations: dict[tuple[int, int], torch.Tensor] = {}
 
     def activation(rows: int, cols: int) -> torch.Tensor:
@@ -118,23 +143,17 @@ def micro_batch_ops(model: Model, device: str, dtype: torch.dtype) -> list:
         return activations[rows, cols]
 
     def gemm(m: int, n: int, k: int) -> list:
-        x, dy = activation(m, k), activation(m, n)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
-        return [lambda: x @ w.t(), lambda: dy @ w,
-                lambda: grad_accum.wgrad_gemm_accum_fp32(x, dy, main_grad)]  # fmt: skip
+        w, main_grad = _weights(n, k, device, dtype)
+        return list(gemm_calls(activation(m, k), w, activation(m, n), main_grad).values())
 
-    shape = bench_attention.Shape(
-        model.micro_batch, model.seq, model.heads, model.kv_heads, model.hidden // model.heads
+    attention = bench_attention.forward_backward(
+        bench_attention.variant_fn("te_spec"), *bench_attention.inputs(model.attention, device)
     )
-    fn = bench_attention.variant_fn("te_spec")
-    leaves = [t.requires_grad_() for t in bench_attention.inputs(shape, device)]
-    grad = torch.randn_like(fn(*leaves))
     gemms = model.gemms()
     ops = []
     for _ in range(model.layers):
         ops += [op for _, m, n, k in gemms[:-1] for op in gemm(m, n, k)]
-        ops.append(lambda: torch.autograd.grad(fn(*leaves), leaves, grad))
+        ops.append(attention)
     return ops + gemm(*gemms[-1][1:])
 
 
@@ -143,7 +162,7 @@ def sustained_ms(model: Model, device: str, seconds: float) -> tuple[float, int]
     for ``seconds`` (at least three repetitions), the first left out."""
     import time
 
-    ops = micro_batch_ops(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    ops = micro_batch_ops(model, device, _dtype(device))
 
     def once() -> None:
         for op in ops:
@@ -157,16 +176,13 @@ def sustained_ms(model: Model, device: str, seconds: float) -> tuple[float, int]
 
 
 def ceiling(model: Model, device: str, iters: int) -> dict:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
     for name, m, n, k in model.gemms():
-        ms = time_gemm(m, n, k, device, dtype)
+        ms = time_gemm(m, n, k, device, _dtype(device))
         total = sum(ms.values())
         rows.append({"op": name, "shape": [m, n, k], "ms": round(total, 4), **ms,
                      "tflops": round(3 * 2 * m * n * k / total / 1e9, 1)})  # fmt: skip
-    attn_shape = bench_attention.Shape(
-        model.micro_batch, model.seq, model.heads, model.kv_heads, model.hidden // model.heads
-    )
+    attn_shape = model.attention
     attn = bench_attention.measure("te_spec", "model", device, iters, shape=attn_shape)
     if "error" in attn:
         raise RuntimeError(f"attention: {attn['error']}")
@@ -181,7 +197,7 @@ def ceiling(model: Model, device: str, iters: int) -> dict:
         "layer_ms": round(per_layer, 4),
         "ceiling_ms": round(step_ms, 3),
         "model_tflop": round(flops / 1e12, 3),
-        "ceiling_mfu": round(flops / (step_ms / 1e3) / 1e12 / PEAK_TFLOPS, 4),
+        "ceiling_mfu": _mfu(flops, step_ms),
     }
 
 
@@ -212,9 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         result["of_ceiling"] = round(result["ceiling_ms"] / args.measured_ms, 4)
     if args.sustained:
         ms, reps = sustained_ms(MODELS[name], device, args.sustained)
-        flops = MODELS[name].flops()
         result.update(sustained_ms=round(ms, 3), sustained_reps=reps,
-                      sustained_mfu=round(flops / (ms / 1e3) / 1e12 / PEAK_TFLOPS, 4))  # fmt: skip
+                      sustained_mfu=_mfu(MODELS[name].flops(), ms))  # fmt: skip
     print("| op | M x N x K | fwd + dgrad + wgrad ms | TFLOP/s |\n|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['op']} | {r['shape']} | {r['ms']} | {r['tflops']} |")
