@@ -297,9 +297,9 @@ clocks_stop() {  # clocks_stop NAME PID: stop the sampler, log power_summary.py'
 }
 
 stage_mfu() {
-  # Issue 45's 0.85B on one GPU: where its host stalls go and which of upstream's flags remove
-  # them. Each run 0.85B Llama, TE spec, micro-batch 16, MFU_ITERS iterations; then one
-  # profiled iteration of MFU_TRACE (a run's name) summarised with every gap's host frame.
+  # Issue 45's 0.85B on one GPU: what upstream's flags that take host work out of the step
+  # change, the clock the GPU holds meanwhile, the GEMM + attention ceilings, and where one
+  # profiled iteration's time goes (the header says which variable picks what).
   local size="--preset llama --preset-size 0.85b --micro-batch-size 16 --global-batch-size 16"
   # example: the performance flags of upstream's 8B example (examples/llama/) that apply to
   # one GPU with mock data
