@@ -18,9 +18,11 @@
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py)
-#   fp8      FP8 (tensorwise): the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B
-#            Llama in bf16 then in FP8 (FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov
-#            corpus it cannot memorise (FP8_DATA=mock: mock data), losses compared
+#   fp8      FP8: the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B Llama in the
+#            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
+#            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
+#            cannot memorise (FP8_DATA=mock: mock data), each FP8 run's losses against bf16's;
+#            FP8_BENCH=0 skips the tests and the benchmark
 #   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
 #            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
 #            distopt, distopt-graph): upstream's defaults, the 8B example's flags (CE fusion,
@@ -219,18 +221,22 @@ stage_bench() {
 }
 
 stage_fp8() {
-  # FP8 (tensorwise) on one GPU: the GPU cases of the FP8 tests, scripts/bench/fp8_linear.py,
-  # then the 0.85B Llama in bf16 and in FP8 one after the other
+  # FP8 on one GPU: the GPU cases of the FP8 tests, scripts/bench/fp8_linear.py,
+  # then the 0.85B Llama one run after the other, FP8_RUNS of: bf16, hybrid (tensorwise),
+  # delayed (hybrid, the 8B example's delayed scaling: 1024 amaxes, max)
   # (FP8_MBS, FP8_ITERS) on a corpus it cannot memorise (scripts/training/markov_corpus.py, every
   # sample fresh; FP8_DATA=mock for mock data) and their losses compared, the end on the mean
   # of the last 20 iterations (scripts/training/compare_losses.py)
-  (cd "$HERE" && timeout 120 $PY -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/runtime/kernels/test_fp8.py \
-     tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/backend/test_fp8_recipe.py \
-     > "$OUT/fp8-gpu-tests.txt" 2>&1)
-  log "fp8 gpu tests: $(tail -1 "$OUT/fp8-gpu-tests.txt")"
-  (cd "$HERE" && timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
-     --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
-  log "fp8 bench: exit $?"
+  if [ "${FP8_BENCH:-1}" = 1 ]; then
+    (cd "$HERE" && timeout 180 $PY -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/runtime/kernels/test_fp8.py \
+       tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/kernels/test_fp8_delayed.py \
+       tests/runtime/backend/test_fp8_recipe.py \
+       > "$OUT/fp8-gpu-tests.txt" 2>&1)
+    log "fp8 gpu tests: $(tail -1 "$OUT/fp8-gpu-tests.txt")"
+    (cd "$HERE" && timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
+       --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
+    log "fp8 bench: exit $?"
+  fi
   local iters=${FP8_ITERS:-300} mbs=${FP8_MBS:-16}
   local m="--preset llama --preset-size 0.85b --iters $iters --micro-batch-size $mbs --global-batch-size $mbs"
   if [ "${FP8_DATA:-markov}" = markov ]; then
@@ -242,12 +248,23 @@ stage_fp8() {
     log "fp8 corpus: $(cat "$OUT/fp8-corpus.json")"
     m="$m --data-path $W/markov/corpus"
   fi
-  train "fp8-bf16-$NEWEST" "$W/p-$NEWEST" $m
-  train "fp8-hybrid-$NEWEST" "$W/p-$NEWEST" $m -- --fp8-format hybrid --fp8-recipe tensorwise
-  for n in bf16 hybrid; do log "0.85B $n: $(cat "$OUT/fp8-$n-$NEWEST.json")"; done
-  (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
-     "$OUT/fp8-hybrid-$NEWEST.log" --last 20 > "$OUT/fp8-compare.txt" 2>&1)
-  log "fp8 vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare.txt")"
+  local run flags
+  for run in ${FP8_RUNS-bf16 hybrid delayed}; do
+    case $run in
+      bf16) flags= ;;
+      hybrid) flags="-- --fp8-format hybrid --fp8-recipe tensorwise" ;;
+      delayed) flags="-- --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" ;;
+      *) log "fp8: unknown run $run (bf16, hybrid, delayed)"; continue ;;
+    esac
+    train "fp8-$run-$NEWEST" "$W/p-$NEWEST" $m $flags
+    log "0.85B $run: $(cat "$OUT/fp8-$run-$NEWEST.json")"
+  done
+  for run in hybrid delayed; do
+    [ -f "$OUT/fp8-bf16-$NEWEST.log" ] && [ -f "$OUT/fp8-$run-$NEWEST.log" ] || continue
+    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
+       "$OUT/fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8-compare-$run.txt" 2>&1)
+    log "fp8 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare-$run.txt")"
+  done
 }
 
 stage_pack() {

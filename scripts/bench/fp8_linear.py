@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""bf16 against FP8 (current scaling, ``torch._scaled_mm``) for the linears' GEMMs, one GPU.
+"""bf16 against FP8 (current and delayed scaling, ``torch._scaled_mm``) for the linears' GEMMs,
+one GPU.
 
     python -m scripts.bench.fp8_linear [--shapes 8b|0.85b|MxNxK,...] [--format hybrid] [--json F]
     python -m scripts.bench.fp8_linear --smoke   # tiny CPU run, checks it works
@@ -13,9 +14,12 @@ A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K i
   already in FP8 (the ceiling the FP8 path can reach);
 * ``quantize``: the input's quantization, eager torch against ``fp8_triton``'s three launches
   (what a GPU runs), and with the transpose the weight gradient needs (``quantize_transposed``);
+  on a GPU also under delayed scaling (``quantize_delayed_transposed``: two launches, one read,
+  with the 8B example's history of 1024 amaxes);
 * ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
   native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
-  with the weight gradient accumulated into an fp32 ``main_grad``.
+  with the weight gradient accumulated into an fp32 ``main_grad``, under current scaling
+  (``linear_fp8``) and delayed scaling (``linear_fp8_delayed``).
 
 TFLOP/s count 2MNK per GEMM. Each time is the median of ``triton.testing.do_bench``.
 """
@@ -72,6 +76,11 @@ def _linear_step(x, w, dy, fp8_recipe):  # noqa: ANN001, ANN202
     return step
 
 
+def _history() -> fp8.AmaxHistory:
+    """An amax history as upstream's 8B example configures it (1024 amaxes, ``max``)."""
+    return fp8.AmaxHistory(1024, most_recent=False)
+
+
 def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
     m, n, k = shape
     dtype = torch.bfloat16
@@ -102,12 +111,21 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
         ms["quantize_transposed"] = bench_timing.median_ms(
             lambda: fp8.quantize_transposed(x, formats.forward), device
         )
+        history = _history()
+        fp8.quantize_transposed(x, formats.forward, 0, history)  # the first: current scaling
+        ms["quantize_delayed_transposed"] = bench_timing.median_ms(
+            lambda: fp8.quantize_transposed(x, formats.forward, 0, history), device
+        )
     xg = x.clone().requires_grad_()
     wp = torch.nn.Parameter(w.clone())
     wp.main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
     recipe = backend_fp8.Fp8Recipe(formats=formats)
     ms["linear_bf16"] = bench_timing.median_ms(_linear_step(xg, wp, dy, None), device)
     ms["linear_fp8"] = bench_timing.median_ms(_linear_step(xg, wp, dy, recipe), device)
+    delayed = backend_fp8.Fp8Recipe(
+        formats=formats, delayed=backend_fp8.DelayedScaling(_history(), _history(), _history())
+    )
+    ms["linear_fp8_delayed"] = bench_timing.median_ms(_linear_step(xg, wp, dy, delayed), device)
     out = backend_fp8.fp8_linear(x, w, False, recipe)
     rel = (out.float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm()
     return {
@@ -118,10 +136,12 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
             "gemm_fp8": round(tflops(ms["gemm_fp8"]), 1),
             "linear_bf16": round(tflops(ms["linear_bf16"], 3), 1),
             "linear_fp8": round(tflops(ms["linear_fp8"], 3), 1),
+            "linear_fp8_delayed": round(tflops(ms["linear_fp8_delayed"], 3), 1),
         },
         "speedup": {
             "gemm": round(ms["gemm_bf16"] / ms["gemm_fp8"], 3),
             "linear": round(ms["linear_bf16"] / ms["linear_fp8"], 3),
+            "linear_delayed": round(ms["linear_bf16"] / ms["linear_fp8_delayed"], 3),
         },
         "fp8_forward_rel_error": round(rel.item(), 5),
     }
@@ -150,11 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{gpu}, --fp8-format {opts.format}, TFLOP/s (linear: fwd + dgrad + wgrad)")
     print(f"{'MxNxK':>18} {'gemm bf16':>10} {'gemm fp8':>9} {'x':>6} "
-          f"{'lin bf16':>9} {'lin fp8':>8} {'x':>6} {'fwd err':>8}")  # fmt: skip
+          f"{'lin bf16':>9} {'lin fp8':>8} {'x':>6} {'delayed':>8} {'x':>6} "
+          f"{'fwd err':>8}")  # fmt: skip
     for r in rows:
         t, s = r["tflops"], r["speedup"]
         print(f"{r['shape']:>18} {t['gemm_bf16']:>10} {t['gemm_fp8']:>9} {s['gemm']:>6} "
               f"{t['linear_bf16']:>9} {t['linear_fp8']:>8} {s['linear']:>6} "
+              f"{t['linear_fp8_delayed']:>8} {s['linear_delayed']:>6} "
               f"{r['fp8_forward_rel_error']:>8}")  # fmt: skip
     result = {"device": gpu, "format": opts.format, "rows": rows}
     if opts.json:

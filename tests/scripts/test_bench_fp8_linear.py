@@ -36,5 +36,6 @@ def test_smoke_run_reports_every_column(tmp_path: Path) -> None:
         "quantize_eager",
         "linear_bf16",
         "linear_fp8",
+        "linear_fp8_delayed",
     }
     assert 1e-3 < row["fp8_forward_rel_error"] < 0.06

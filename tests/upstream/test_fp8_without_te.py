@@ -3,10 +3,13 @@
 The series is applied to the 0.12.3 sdist (the ``v0.12.diff`` variant) and the 0.19.2 one
 (``v0.14.diff``), and ``fp8_probe.py`` builds upstream's TE-spec ``TransformerBlock`` (four
 layers, the first and the last kept in bf16 by ``first_last_layers_bf16``) with
-``fp8="hybrid", fp8_recipe="tensorwise"``, and again in bf16 from the same seed. Without the
-patch upstream's ``get_fp8_context`` is a null context and FP8 flags train in bf16; with it the
-two middle layers' linears run their GEMMs in FP8, the outer ones and the bf16 block none, and
-the FP8 block's output and gradients stay within FP8's error of the bf16 block's.
+``fp8="hybrid", fp8_recipe="tensorwise"``, with upstream's default recipe (``delayed``, at the
+8B example's history of 1024 and ``max``), and in bf16, from the same seed, two steps each.
+Without the patch upstream's ``get_fp8_context`` is a null context and FP8 flags train in bf16;
+with it the two middle layers' linears run their GEMMs in FP8 (every layer's under ``delayed``),
+the outer ones and the bf16 block none, the delayed histories advance once a quantize after
+the first, and the FP8 blocks' outputs and gradients stay within FP8's error of the bf16
+block's.
 """
 
 from __future__ import annotations
@@ -32,8 +35,16 @@ def probed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_middle_layers_run_fp8_and_the_outer_ones_bf16(probed) -> None:  # noqa: ANN001
     want = {f"layers.{layer}.{linear}": layer in (1, 2) for layer in range(4) for linear in LINEARS}
     assert probed["fp8"]["recipes"] == want
-    assert probed["fp8"]["fp8_gemms"] == 2 * len(LINEARS)  # each FP8 linear's forward once
+    assert probed["fp8"]["fp8_gemms"] == 2 * 2 * len(LINEARS)  # each FP8 linear's forwards
     assert not any(probed["bf16"]["recipes"].values()) and probed["bf16"]["fp8_gemms"] == 0
+
+
+def test_delayed_scaling_runs_every_layer_on_its_histories(probed) -> None:  # noqa: ANN001
+    assert all(probed["delayed"]["recipes"].values())
+    assert probed["delayed"]["fp8_gemms"] == 2 * 4 * len(LINEARS)
+    # input, weight and output gradient: started by the first step, one advance in the second
+    assert set(map(tuple, probed["delayed"]["history_positions"].values())) == {(1, 1, 1)}
+    assert len(probed["delayed"]["history_positions"]) == 4 * len(LINEARS)
 
 
 def _rel(a: list, b: list) -> float:
@@ -43,7 +54,8 @@ def _rel(a: list, b: list) -> float:
 
 # E4M3 rounds within 2^-4 of a value, E5M2 (hybrid's gradients) within 2^-3: the weight
 # gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error.
+@pytest.mark.parametrize("recipe", ["fp8", "delayed"])
 @pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
-def test_fp8_block_stays_within_fp8_error_of_bf16(probed, what: str, bound: float) -> None:  # noqa: ANN001
-    rel = _rel(probed["fp8"][what], probed["bf16"][what])
+def test_fp8_block_stays_within_fp8_error_of_bf16(probed, recipe, what: str, bound: float) -> None:  # noqa: ANN001
+    rel = _rel(probed[recipe][what], probed["bf16"][what])
     assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error

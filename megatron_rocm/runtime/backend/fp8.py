@@ -8,8 +8,10 @@ native column, row, norm-fused and duplicated linears built inside a layer learn
 layer trains in FP8 (``--first-last-layers-bf16`` keeps its first and last layers in bf16),
 and read the recipe from the config when they are built (:func:`module_recipe`). Deciding at
 construction keeps recomputed forwards (activation checkpointing) on the same path as the
-first one. Only current scaling (``--fp8-recipe tensorwise``) exists here; argument
-validation refuses the rest (``options``).
+first one. Two recipes exist here: current scaling (``--fp8-recipe tensorwise``) and delayed
+scaling (``delayed``, upstream's default: ``--fp8-amax-history-len``,
+``--fp8-amax-compute-algo``, ``kernels.fp8.AmaxHistory``); argument validation refuses the
+rest (``options``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.kernels.fp8 import (
+    AmaxHistory,
     Fp8Formats,
     check_gemm_dims,
     formats,
@@ -34,13 +37,33 @@ from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
 
 
+NATIVE_RECIPES = ("tensorwise", "delayed")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """One linear's amax histories (``--fp8-recipe delayed``): its input, its weight and its
+    output gradient each scale by their own earlier amaxes."""
+
+    input: AmaxHistory
+    weight: AmaxHistory
+    grad_output: AmaxHistory
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """What one native linear needs to know about the run's FP8 recipe."""
+    """What one native linear needs to know about the run's FP8 recipe (one per linear: a
+    delayed recipe carries the linear's own histories)."""
 
     formats: Fp8Formats
     margin: int = 0
     wgrad_in_fp8: bool = True  # upstream's --fp8-wgrad (default on; --no-fp8-wgrad: bf16)
+    delayed: DelayedScaling | None = None  # None: current scaling (tensorwise)
+
+    def history(self, tensor: str) -> AmaxHistory | None:
+        """The amax history of ``tensor`` (input, weight, grad_output), None under current
+        scaling."""
+        return None if self.delayed is None else getattr(self.delayed, tensor)
 
 
 def recipe_name(config: Any) -> str:
@@ -84,21 +107,56 @@ def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | 
     if not fmt or (_bf16_layer and _bf16_layer[-1]):
         return None
     name = recipe_name(config)
-    if name != "tensorwise":
+    if name not in NATIVE_RECIPES:
         raise ValueError(
             f"{owner}: --fp8-recipe {name} needs TransformerEngine, which is not installed; "
-            "use --fp8-recipe tensorwise"
+            "use --fp8-recipe tensorwise or delayed"
         )
     check_gemm_dims(owner, weight.shape[1], weight.shape[0])
     return Fp8Recipe(
         formats=formats(str(fmt)),
         margin=int(getattr(config, "fp8_margin", 0) or 0),
         wgrad_in_fp8=bool(getattr(config, "fp8_wgrad", True)),
+        delayed=_delayed_scaling(config) if name == "delayed" else None,
     )
 
 
+def _delayed_scaling(config: Any) -> DelayedScaling:
+    """Fresh histories from upstream's ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``;
+    activations and gradients reduce their amax over upstream's amax reduction group."""
+    length = int(getattr(config, "fp8_amax_history_len", 1))
+    algo = str(getattr(config, "fp8_amax_compute_algo", "most_recent"))
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"--fp8-amax-compute-algo {algo!r}: expected max or most_recent")
+    group = amax_reduction_group(config)
+
+    def history(reduce: bool) -> AmaxHistory:
+        return AmaxHistory(length, algo == "most_recent", group if reduce else None)
+
+    return DelayedScaling(input=history(True), weight=history(False), grad_output=history(True))
+
+
+def amax_reduction_group(config: Any) -> Any:
+    """Upstream's amax reduction group (data, tensor and context parallel ranks; tensor
+    parallel only with ``--tp-only-amax-red``) where it has more than one rank, else None."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # a model built outside Megatron (tests): one rank
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_amax_reduction_group(
+        with_context_parallel=True,
+        tp_only_amax_red=bool(getattr(config, "tp_only_amax_red", False)),
+    )
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return None
+    return group
+
+
 class Fp8LinearFunction(torch.autograd.Function):
-    """``y = x W^T`` with every GEMM in FP8 under current per-tensor scaling.
+    """``y = x W^T`` with every GEMM in FP8 under per-tensor scaling (current, or delayed
+    with the recipe's histories).
 
     Forward: ``x`` and ``W`` in the forward format. Backward: the output gradient in the
     backward format, ``dx = dy W`` in FP8, ``dW = dy^T x`` in FP8 with an fp32 result (in
@@ -121,15 +179,17 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         x_fp8_t = saved_x = None
+        x_history, w_history = recipe.history("input"), recipe.history("weight")
         if need_wgrad and recipe.wgrad_in_fp8:
-            x_fp8, x_fp8_t, x_inv = quantize_transposed(rows, fmt, recipe.margin)
+            x_fp8, x_fp8_t, x_inv = quantize_transposed(rows, fmt, recipe.margin, x_history)
         else:
-            x_fp8, x_inv = quantize(rows, fmt, recipe.margin)
+            x_fp8, x_inv = quantize(rows, fmt, recipe.margin, history=x_history)
             saved_x = rows if need_wgrad else None
         if need_dgrad:
-            w_fp8, w_fp8_t, w_inv = quantize_transposed(weight, fmt, recipe.margin)
+            w_fp8, w_fp8_t, w_inv = quantize_transposed(weight, fmt, recipe.margin, w_history)
         else:
-            (w_fp8, w_inv), w_fp8_t = quantize(weight, fmt, recipe.margin), None
+            w_fp8, w_inv = quantize(weight, fmt, recipe.margin, history=w_history)
+            w_fp8_t = None
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
@@ -146,10 +206,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         fmt = recipe.formats.backward
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         wgrad_fp8 = ctx.needs_input_grad[1] and recipe.wgrad_in_fp8
+        dy_history = recipe.history("grad_output")
         if wgrad_fp8:
-            dy_fp8, dy_fp8_t, dy_inv = quantize_transposed(dy, fmt, recipe.margin)
+            dy_fp8, dy_fp8_t, dy_inv = quantize_transposed(dy, fmt, recipe.margin, dy_history)
         else:
-            dy_fp8, dy_inv = quantize(dy, fmt, recipe.margin)
+            dy_fp8, dy_inv = quantize(dy, fmt, recipe.margin, history=dy_history)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:  # [M, N] x [N, K]: W^T's transpose is W, column-major
             grad_input = fp8_mm(dy_fp8, dy_inv, w_fp8_t.t(), w_inv, ctx.x_dtype)

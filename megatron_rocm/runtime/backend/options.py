@@ -223,7 +223,6 @@ def _weight_shards_beyond_tp(args: Any) -> list[str]:
 
 
 _FP8_RECIPE_ADVICE = {
-    "delayed": "its amax history and scaling state live in TE's modules",
     "mxfp8": "MXFP8 needs TE's block-scaled GEMMs and a GPU with them (Blackwell)",
     "blockwise": "1x128/128x128 block scaling needs TE's blockwise GEMMs",
     "custom": "a custom quantizer factory builds TE quantizers",
@@ -232,17 +231,20 @@ _FP8_RECIPE_ADVICE = {
 
 def fp8_problems(args: Any) -> list[str]:
     """Without TE, one message per part of an ``--fp8-format`` run the native FP8 linears
-    (``backend.fp8``: current per-tensor scaling, no tensor parallelism) cannot do."""
+    (``backend.fp8``: current or delayed per-tensor scaling, no tensor parallelism) cannot
+    do."""
     fmt = getattr(args, "fp8", None)
     if not fmt:
         return []
+    from megatron_rocm.runtime.backend.fp8 import NATIVE_RECIPES
+
     problems = []
     recipe = str(getattr(args, "fp8_recipe", "delayed"))
-    if recipe != "tensorwise":
-        why = _FP8_RECIPE_ADVICE.get(recipe, "it is not current scaling")
+    if recipe not in NATIVE_RECIPES:
+        why = _FP8_RECIPE_ADVICE.get(recipe, "it is not per-tensor scaling")
         problems.append(
             f"--fp8-recipe {recipe}: needs TransformerEngine, which is not installed ({why}); "
-            "use --fp8-recipe tensorwise (current per-tensor scaling, native)"
+            "use --fp8-recipe tensorwise or delayed (per-tensor scaling, native)"
         )
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp > 1:

@@ -80,12 +80,16 @@ def unsupported_gpu_reason() -> str | None:
     return None
 
 
-def _scale(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin`` in fp32 (``fp8_triton._finalize_scale`` computes the same
-    bits on a GPU): 1 where ``x`` is all zeros or its amax is not finite (TE's rule), at most
-    fp32's largest value (an amax under ``fp8_max / FLT_MAX`` would make it inf, and zeros NaN)."""
+def _scale(
+    amax: torch.Tensor, fp8_max: float, margin: int, fallback: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin`` in fp32 (``fp8_triton._scale_of`` computes the same bits
+    on a GPU): ``fallback`` (1 by default) where the amax is zero or not finite (TE's rule:
+    current scaling falls back to 1, delayed scaling keeps its scale), at most fp32's largest
+    value (an amax under ``fp8_max / FLT_MAX`` would make it inf, and zeros NaN)."""
     usable = (amax > 0) & torch.isfinite(amax)
-    scale = torch.where(usable, fp8_max / (amax * 2.0**margin), torch.ones_like(amax))
+    keep = torch.ones_like(amax) if fallback is None else fallback
+    scale = torch.where(usable, fp8_max / (amax * 2.0**margin), keep)
     return scale.clamp(max=torch.finfo(torch.float32).max)
 
 
@@ -134,6 +138,18 @@ def _triton_takes(x: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
+def _launch_or_none(key: tuple[torch.dtype, torch.dtype], launch: Any) -> Any:
+    """``launch()``, or None once it failed (logged once; the caller quantizes with torch).
+    Out-of-memory is no kernel failure: it raises."""
+    try:
+        return launch()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a kernel failure: torch still works
+        _fall_back_once(key, exc)
+        return None
+
+
 def _quantize_triton(
     x: torch.Tensor, dtype: torch.dtype, margin: int, ld_t: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
@@ -145,21 +161,135 @@ def _quantize_triton(
     fp8_max, margin_factor = float(torch.finfo(dtype).max), 2.0**margin
     if not fp8_triton.fits_grid(*x.shape):
         return None
-    with torch.no_grad(), torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with torch.no_grad(), _on_device(x):
         x = x.detach().contiguous()
-        try:
+
+        def launch() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
             scale, inverse = fp8_triton.scales(x, fp8_max, margin_factor)
-            x_fp8, x_fp8_t = fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a kernel failure: torch still works
-            _fall_back_once((dtype, x.dtype), exc)
-            return None
-    return x_fp8, x_fp8_t, inverse
+            return (*fp8_triton.cast_transpose(x, scale, dtype, fp8_max, ld_t), inverse)
+
+        return _launch_or_none((dtype, x.dtype), launch)
+
+
+def _on_device(x: torch.Tensor) -> Any:
+    """Launch on ``x``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+@dataclass(eq=False)
+class AmaxHistory:
+    """Delayed scaling's state for one tensor a linear quantizes on every call (its input, its
+    weight or its output gradient): the last ``length`` amaxes (upstream's
+    ``--fp8-amax-history-len``) and the scale the next quantize uses (TE's ``DelayedScaling``).
+
+    Each quantize first advances (:meth:`advance`): the previous quantize's amax joins the
+    history and the scale becomes ``fp8_max / amax / 2**margin`` of the history's largest entry
+    (``--fp8-amax-compute-algo max``) or of that amax alone (``most_recent``), kept where that
+    amax is zero or not finite; then it casts with that scale and takes the tensor's own amax
+    in the same pass. TE starts every tensor at scale 1; here a tensor's first quantize scales
+    by its own amax (current scaling), so the first step's output gradients do not flush to
+    zero in E5M2. The state lives on the device (no host sync; a CUDA graph replays it).
+    ``group``: the amax is all-reduced (max) over it before it joins the history, as TE
+    reduces over upstream's amax reduction group; None for weights (the same on every rank
+    that holds them) and single-rank groups.
+    """
+
+    length: int
+    most_recent: bool
+    group: Any = None
+    started: bool = False
+    history: torch.Tensor | None = None  # fp32 [length], a ring
+    current: torch.Tensor | None = None  # fp32 0-d: the running quantize's amax
+    pos: torch.Tensor | None = None  # int32 0-d: where ``current`` goes next
+    scale: torch.Tensor | None = None  # fp32 0-d: the scale the next cast uses
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ValueError(f"--fp8-amax-history-len {self.length}: expected 1 or more")
+
+    def allocate(self, device: torch.device) -> None:
+        """The state on ``device``, empty."""
+        self.history = torch.zeros(self.length, dtype=torch.float32, device=device)
+        self.current = torch.zeros((), dtype=torch.float32, device=device)
+        self.pos = torch.zeros((), dtype=torch.int32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def start(self, x: torch.Tensor) -> None:
+        """After a first quantize (by current scaling): ``x``'s amax is the running one."""
+        self.allocate(x.device)
+        self.current.copy_(_amax(x.detach()))
+        self.started = True
+
+    def advance(self, fp8_max: float, margin: int, triton: bool) -> torch.Tensor:
+        """Fold the running amax into the history and set the scale (``fp8_triton``'s
+        ``_delayed_update`` on a GPU, the same bits in torch otherwise); returns the scale's
+        inverse, a new tensor (a linear saves it for its backward, by which time the state
+        may have moved on)."""
+        if self.group is not None:
+            torch.distributed.all_reduce(
+                self.current, op=torch.distributed.ReduceOp.MAX, group=self.group
+            )
+        inverse = torch.empty((), dtype=torch.float32, device=self.scale.device)
+        if triton:
+            from megatron_rocm.runtime.kernels import fp8_triton
+
+            fp8_triton.delayed_update(
+                self.history, self.current, self.pos, self.scale, inverse, fp8_max,
+                2.0**margin, self.most_recent,
+            )  # fmt: skip
+            return inverse
+        at = self.pos.long().reshape(1)
+        self.history.index_copy_(0, at, self.current.reshape(1))
+        amax = self.current if self.most_recent else self.history.max()
+        self.scale.copy_(_scale(amax, fp8_max, margin, self.scale))
+        self.pos.copy_((self.pos + 1) % self.length)
+        self.current.zero_()
+        return inverse.copy_(self.scale.reciprocal())
+
+
+def _quantize_delayed(
+    x: torch.Tensor, dtype: torch.dtype, margin: int, ld_t: int | None, history: AmaxHistory
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(x_fp8, x_fp8_t or None, inverse_scale)`` of a 2-D, non-empty ``x`` under delayed
+    scaling: two launches and one read of ``x`` on a GPU (``fp8_triton``), torch elsewhere,
+    with ``MEGATRON_ROCM_KERNELS=reference:fp8`` or once the kernels failed (logged once)."""
+    fp8_max = float(torch.finfo(dtype).max)
+    key = (dtype, x.dtype)
+    with torch.no_grad(), _on_device(x):
+        x = x.detach()
+        triton = _triton_takes(x, dtype)
+        if triton:
+            from megatron_rocm.runtime.kernels import fp8_triton
+
+            triton = fp8_triton.fits_grid(*x.shape)
+            x = x.contiguous()
+        inverse = None
+        if triton:
+            inverse = _launch_or_none(key, lambda: history.advance(fp8_max, margin, True))
+        if inverse is None:
+            inverse = history.advance(fp8_max, margin, False)
+        cast = None
+        if triton:
+            cast = _launch_or_none(
+                key,
+                lambda: fp8_triton.cast_transpose(
+                    x, history.scale, dtype, fp8_max, ld_t, history.current
+                ),
+            )
+        if cast is None:
+            torch.maximum(history.current, _amax(x), out=history.current)
+            x_fp8 = _apply(x, history.scale, dtype, fp8_max)
+            cast = (x_fp8, None if ld_t is None else pad_rows(x_fp8).t().contiguous())
+    return cast[0], cast[1], inverse
 
 
 def quantize(
-    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, *, triton: bool | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int = 0,
+    *,
+    triton: bool | None = None,
+    history: AmaxHistory | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``(x_fp8, inverse_scale)``: ``x * scale`` cast with saturation, where ``scale =
     fp8_max / amax(x) / 2**margin`` (``_scale``: 1 where ``x`` is all zeros or not finite, at
@@ -168,21 +298,30 @@ def quantize(
     FP8 linear's own backward uses them). ``triton``: through ``fp8_triton`` (bitwise the
     eager path; True asks for it without the checks, as the benchmark and the tests do); None
     (the default) takes it on a GPU unless ``MEGATRON_ROCM_KERNELS`` names ``fp8`` for the
-    reference path or the kernels failed once (logged)."""
+    reference path or the kernels failed once (logged). ``history``: delayed scaling (the
+    scale from ``x``'s earlier amaxes, :class:`AmaxHistory`) instead of ``x``'s own amax."""
     fp8_max = float(torch.finfo(dtype).max)
     if x.numel() == 0:  # no amax to take
         return x.detach().to(dtype), torch.ones((), device=x.device)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    if history is not None and history.started:
+        x_fp8, _, inverse = _quantize_delayed(rows, dtype, margin, None, history)
+        return x_fp8.view(x.shape), inverse
+    done = None
     if triton if triton is not None else _triton_takes(x, dtype):
-        done = _quantize_triton(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1),
-                                dtype, margin, None)  # fmt: skip
-        if done is not None:
-            return done[0].view(x.shape), done[2]
-    with torch.no_grad():
-        return _quantize(x.detach(), dtype, fp8_max, margin)
+        done = _quantize_triton(rows, dtype, margin, None)
+    if done is not None:
+        done = done[0].view(x.shape), done[2]
+    else:
+        with torch.no_grad():
+            done = _quantize(x.detach(), dtype, fp8_max, margin)
+    if history is not None:
+        history.start(x)
+    return done
 
 
 def quantize_transposed(
-    x: torch.Tensor, dtype: torch.dtype, margin: int = 0
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, history: AmaxHistory | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_fp8, x_fp8_t, inverse_scale)`` of a 2-D ``x`` [R, C]: ``quantize``'s result and its
     transpose [C, R'] (R rounded up to a multiple of 16, zeros past R) -- the layouts
@@ -190,14 +329,18 @@ def quantize_transposed(
     weight, with no copy left for it to make. On a GPU one Triton pass writes both
     (``fp8_triton.cast_transpose``, bitwise ``quantize``); elsewhere, with
     ``MEGATRON_ROCM_KERNELS=reference:fp8``, or once the kernels failed (logged once), torch
-    quantizes and copies."""
+    quantizes and copies. ``history``: delayed scaling, as ``quantize``."""
     rows = x.shape[0]
-    if _triton_takes(x, dtype):
-        done = _quantize_triton(x, dtype, margin, rows + (-rows % _ALIGN))
-        if done is not None:
-            return done  # type: ignore[return-value]
-    x_fp8, inverse_scale = quantize(x, dtype, margin, triton=False)
-    return x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
+    ld_t = rows + (-rows % _ALIGN)
+    if history is not None and history.started and x.numel():
+        return _quantize_delayed(x, dtype, margin, ld_t, history)  # type: ignore[return-value]
+    done = _quantize_triton(x, dtype, margin, ld_t) if _triton_takes(x, dtype) else None
+    if done is None:
+        x_fp8, inverse_scale = quantize(x, dtype, margin, triton=False)
+        done = x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
+    if history is not None and x.numel():
+        history.start(x)
+    return done  # type: ignore[return-value]
 
 
 def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Triton kernels of FP8 current scaling: the amax and scale, and the cast with its transpose.
+"""Triton kernels of FP8 scaling: the amax and scale, the cast with its transpose, and delayed
+scaling's history.
 
-Imported lazily by :mod:`megatron_rocm.runtime.kernels.fp8`. A GPU quantizes in three launches:
+Imported lazily by :mod:`megatron_rocm.runtime.kernels.fp8`. Under current scaling a GPU
+quantizes in three launches:
 ``_partial_amax`` (each program the largest ``|x|`` of its slice, as fp32 bits), ``_finalize_scale``
 (one program: the amax, the scale and its inverse, torch's operations in torch's order, so the
 bits are eager ``fp8._scale``'s), and ``_cast_transpose``: few launches and no host sync,
@@ -23,9 +25,16 @@ the outputs are the FP8 tensors' bytes. Bitwise torch's conversion, NaN and sign
 included: OCP formats keep the sign of zero and encode NaN as 0x7F with the sign of the fp32
 NaN (which the device's multiply by the scale decides: a GPU returns its canonical NaN), ``fnuz``
 ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``quantize``).
+
+Delayed scaling quantizes in two launches and one read of ``x``: ``_delayed_update`` (one
+program: the previous quantize's amax into the history, the scale from the history) and
+``_cast_transpose`` with ``RECORD``, which raises the tensor's current amax with one atomic max
+per tile as it casts.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -41,6 +50,10 @@ NUM_WARPS = 4
 AMAX_BLOCK = 4096
 AMAX_PROGRAMS = 1024
 AMAX_WARPS = 8
+# delayed scaling's history (upstream's --fp8-amax-history-len, 1024 in its 8B example):
+# read HISTORY_BLOCK entries a step by one program
+HISTORY_BLOCK = 1024
+HISTORY_WARPS = 4
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # fp32 largest; a jit global must be constexpr
 
 # (mantissa bits, exponent bias, fnuz) of each FP8 dtype
@@ -103,20 +116,62 @@ def _partial_amax(x, partials, n, blocks_per_program, BLOCK: tl.constexpr, WIDE:
 
 
 @triton.jit
+def _scale_of(bits, fp8_max, margin_factor, fallback):
+    """``fp8._scale`` of an amax given as its fp32 bits: ``fallback`` where the amax is zero,
+    inf or NaN. torch's ``fp8_max / t`` is ``t.reciprocal() * fp8_max``
+    (``Tensor.__rdiv__``), both correctly rounded: ``div_rn``, not Triton's approximate ``/``."""
+    usable = (bits > 0) & (bits < 0x7F800000)  # not zero, not inf or NaN
+    t = bits.to(tl.float32, bitcast=True) * margin_factor
+    scale = tl.where(usable, tl.math.div_rn(1.0, t) * fp8_max, fallback)
+    return tl.minimum(scale, FLT_MAX)
+
+
+@triton.jit
 def _finalize_scale(
     partials, count, scale_out, inverse_out, fp8_max, margin_factor, PARTIALS: tl.constexpr
 ):
-    """``scale_out``: ``fp8._scale`` of the amax, ``inverse_out``: its reciprocal. torch's
-    ``fp8_max / t`` is ``t.reciprocal() * fp8_max`` (``Tensor.__rdiv__``), both correctly
-    rounded: ``div_rn``, not Triton's approximate ``/``."""
+    """``scale_out``: ``fp8._scale`` of the amax, ``inverse_out``: its reciprocal."""
     offs = tl.arange(0, PARTIALS)
     bits = tl.max(tl.load(partials + offs, mask=offs < count, other=0), axis=0)
-    usable = (bits > 0) & (bits < 0x7F800000)  # not zero, not inf or NaN
-    t = bits.to(tl.float32, bitcast=True) * margin_factor
-    scale = tl.where(usable, tl.math.div_rn(1.0, t) * fp8_max, 1.0)
-    scale = tl.minimum(scale, FLT_MAX)
+    scale = _scale_of(bits, fp8_max, margin_factor, 1.0)
     tl.store(scale_out, scale)
     tl.store(inverse_out, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
+def _delayed_update(
+    history,
+    current,
+    pos,
+    scale,
+    inverse,
+    length,
+    fp8_max,
+    margin_factor,
+    MOST_RECENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Delayed scaling's step between two quantizes of one tensor (one program;
+    ``fp8.AmaxHistory.advance`` in torch): the last quantize's amax (``current``, fp32 bits)
+    goes into ``history`` at ``pos``, the scale follows from the history's largest entry
+    (``MOST_RECENT``: from that amax alone), kept where that amax is zero or not finite;
+    ``pos`` moves on and ``current`` starts again from zero."""
+    p = tl.load(pos)
+    newest = tl.load(current)
+    tl.store(history + p, newest)
+    bits = newest
+    if not MOST_RECENT:  # the slot just written is read as ``newest``: no store-load race
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, length, BLOCK):
+            o = start + tl.arange(0, BLOCK)
+            h = tl.load(history + o, mask=(o < length) & (o != p), other=0)
+            acc = tl.maximum(acc, h)
+        bits = tl.maximum(tl.max(acc, axis=0), newest)
+    s = _scale_of(bits, fp8_max, margin_factor, tl.load(scale))
+    tl.store(scale, s)
+    tl.store(inverse, tl.math.div_rn(1.0, s))
+    tl.store(pos, (p + 1) % length)
+    tl.store(current, 0)
 
 
 @triton.jit
@@ -125,6 +180,7 @@ def _cast_transpose(
     scale,
     y,
     yt,
+    amax_out,
     rows,
     cols,
     ld_t,
@@ -136,6 +192,7 @@ def _cast_transpose(
     BLOCK_C: tl.constexpr,
     WIDE: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    RECORD: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -144,7 +201,11 @@ def _cast_transpose(
         c = c.to(tl.int64)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     s = tl.load(scale)
-    v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32) * s
+    v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RECORD:  # delayed scaling: this tile's largest |x| into the amax (fp32 bits, int32)
+        tile = tl.max(tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        tl.atomic_max(amax_out, tile)
+    v = v * s
     v = tl.minimum(tl.maximum(v, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
                    propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     q = _encode(v, MANTISSA, BIAS, FNUZ).to(tl.uint8)
@@ -207,10 +268,12 @@ def cast_transpose(
     dtype: torch.dtype,
     fp8_max: float,
     ld_t: int | None,
+    amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, yt)``: ``x`` [R, C] (contiguous) scaled by ``scale`` (a 0-d fp32 tensor) and
     cast to the FP8 ``dtype``, as it is (``y``) and transposed into ``yt`` [C, ld_t] (zeros past
-    R); ``ld_t=None``: ``y`` alone, ``yt`` None."""
+    R); ``ld_t=None``: ``y`` alone, ``yt`` None. ``amax_out`` (a 0-d fp32 tensor, delayed
+    scaling's current amax): raised to ``x``'s largest ``|x|`` in the same pass."""
     rows, cols = x.shape
     if not x.is_contiguous() or (ld_t is not None and ld_t < rows):
         raise ValueError(f"cast_transpose takes a contiguous x and ld_t >= rows ({ld_t} < {rows})")
@@ -222,13 +285,34 @@ def cast_transpose(
     if x.numel():
         grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
         y_bytes = y.view(torch.uint8)
+        record = amax_out is not None
         _cast_transpose[grid](
-            x, scale, y_bytes, y_bytes if yt is None else yt.view(torch.uint8), rows, cols,
+            x, scale, y_bytes, y_bytes if yt is None else yt.view(torch.uint8),
+            (amax_out if record else scale).view(torch.int32), rows, cols,
             rows if ld_t is None else ld_t, fp8_max, MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
             BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, ld_t or rows),
-            TRANSPOSE=yt is not None, num_warps=NUM_WARPS,
+            TRANSPOSE=yt is not None, RECORD=record, num_warps=NUM_WARPS,
         )  # fmt: skip
     return y, yt
+
+
+def delayed_update(
+    history: torch.Tensor,
+    current: torch.Tensor,
+    pos: torch.Tensor,
+    scale: torch.Tensor,
+    inverse: torch.Tensor,
+    fp8_max: float,
+    margin_factor: float,
+    most_recent: bool,
+) -> None:
+    """``_delayed_update`` on one tensor's state (``fp8.AmaxHistory``), in place: one launch,
+    no host sync."""
+    _delayed_update[(1,)](
+        history.view(torch.int32), current.view(torch.int32), pos, scale, inverse,
+        history.numel(), fp8_max, margin_factor, MOST_RECENT=most_recent, BLOCK=HISTORY_BLOCK,
+        num_warps=HISTORY_WARPS,
+    )  # fmt: skip
 
 
 def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
@@ -252,14 +336,17 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
             )
         for mantissa, bias, fnuz in FORMATS.values():
             for wide in sorted({needs_int64(rows, widest, rows), False}):
-                for transpose in (True, False):
+                for transpose, record in itertools.product((True, False), repeat=2):
                     consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK_R=BLOCK_R,
-                                  BLOCK_C=BLOCK_C, WIDE=wide, TRANSPOSE=transpose)  # fmt: skip
+                                  BLOCK_C=BLOCK_C, WIDE=wide, TRANSPOSE=transpose,
+                                  RECORD=record)  # fmt: skip
                     out.append(
                         aot.launch(
                             _cast_transpose,
                             consts,
-                            ptrs=dict(x=source, scale=torch.float32, y="u8", yt="u8"),
+                            ptrs=dict(
+                                x=source, scale=torch.float32, y="u8", yt="u8", amax_out="i32"
+                            ),
                             floats=("fp8_max",),
                             num_warps=NUM_WARPS,
                             grid=(triton.cdiv(rows, BLOCK_R), triton.cdiv(widest, BLOCK_C)),
@@ -275,4 +362,20 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
             num_warps=4,
         )
     )
+    for most_recent in (True, False):
+        out.append(
+            aot.launch(
+                _delayed_update,
+                dict(MOST_RECENT=most_recent, BLOCK=HISTORY_BLOCK),
+                ptrs=dict(
+                    history="i32",
+                    current="i32",
+                    pos="i32",
+                    scale=torch.float32,
+                    inverse=torch.float32,
+                ),  # fmt: skip
+                floats=("fp8_max", "margin_factor"),
+                num_warps=HISTORY_WARPS,
+            )
+        )
     return out

@@ -32,7 +32,20 @@ def test_an_enum_recipe_is_read_by_value() -> None:
     assert fp8.module_recipe("X", config(fp8_recipe=tensorwise), WEIGHT) is not None
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "blockwise"])
+def test_delayed_scaling_gives_each_linear_its_own_histories() -> None:
+    cfg = config(fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    one, two = (fp8.module_recipe("X", cfg, WEIGHT) for _ in range(2))
+    assert one.history("input") is not two.history("input")
+    for name in ("input", "weight", "grad_output"):
+        history = one.history(name)
+        assert (history.length, history.most_recent) == (1024, False)
+    assert fp8.module_recipe("X", config(), WEIGHT).history("input") is None  # tensorwise
+    upstream_default = config(fp8_recipe="delayed", fp8_amax_history_len=1,
+                              fp8_amax_compute_algo="most_recent")  # fmt: skip
+    assert fp8.module_recipe("X", upstream_default, WEIGHT).history("weight").most_recent
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise"])
 def test_other_recipes_are_refused_when_the_module_is_built(recipe) -> None:
     with pytest.raises(ValueError, match=f"{recipe} needs TransformerEngine") as info:
         fp8.module_recipe("TELinear", config(fp8_recipe=recipe), WEIGHT)

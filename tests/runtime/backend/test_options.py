@@ -187,8 +187,11 @@ def no_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_fp8_with_current_scaling_is_accepted(no_gpu, fmt) -> None:
-    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt}))
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
+    reject_te_only_options(
+        SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt, "fp8_recipe": recipe})
+    )
     selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
 
@@ -196,7 +199,6 @@ def test_fp8_with_current_scaling_is_accepted(no_gpu, fmt) -> None:
 @pytest.mark.parametrize(
     ("change", "flag", "advice"),
     [
-        ({"fp8_recipe": "delayed"}, "--fp8-recipe delayed", "amax history"),
         ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8", "Blackwell"),
         ({"fp8_recipe": "blockwise"}, "--fp8-recipe blockwise", "blockwise GEMMs"),
         ({"fp8_recipe": "custom"}, "--fp8-recipe custom", "quantizer"),

@@ -24,6 +24,7 @@ KERNEL_TESTS = {
     "test_rope.py": False,
     "test_cross_entropy.py": False,
     "test_fp8_cast_transpose.py": False,
+    "test_fp8_delayed.py": False,
     "test_norm.py": False,
     "test_swiglu.py": False,
 }

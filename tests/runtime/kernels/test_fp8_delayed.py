@@ -1,0 +1,226 @@
+"""FP8 delayed scaling (``fp8.AmaxHistory``, upstream's ``--fp8-recipe delayed``).
+
+The oracle is TE's rule written out here in float64 (``_reference_scales``): the scale of a
+tensor's quantize number t comes from the amaxes of its quantizes t-1 ... t-length (their largest
+under ``max``, the newest under ``most_recent``), the previous scale kept where that amax is zero
+or not finite, and the first quantize (no history yet) scales by its own amax. The ``triton``
+cases run the kernels (on a GPU, or under the interpreter in a child pytest) against torch's
+path bit for bit, with the launches counted so that a case torch's path answered cannot pass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from triton_interpreter import TRITON_DEVICE, triton_test  # noqa: E402
+
+from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8  # noqa: E402
+
+pytestmark = pytest.mark.torch
+TRITON_SKIPS_ALLOWED = False
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FORMATS = [E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+DEVICE = TRITON_DEVICE or "cpu"
+
+# magnitudes of successive quantizes: growth past the history (saturation), an all-zero tensor
+# (scale kept), a shrink, and enough calls to wrap a short history
+MAGNITUDES = [1.0, 3.0, 0.5, 0.0, 8.0, 0.25, 2.0, 2.0, 40.0, 1.0]
+
+
+def _tensors(seed: int = 0, shape: tuple[int, int] = (40, 48)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(shape, generator=gen) * m).to(torch.bfloat16).to(DEVICE) for m in MAGNITUDES
+    ]
+
+
+def _reference_scales(
+    amaxes: list[float], length: int, most_recent: bool, fp8_max: float, margin: int
+) -> list[float]:
+    """TE's delayed scaling in float64, with a first quantize by its own amax."""
+    scales: list[float] = []
+    for t, amax in enumerate(amaxes):
+        window = amaxes[max(0, t - length) : t] or [amax]
+        ref = window[-1] if most_recent else max(window)
+        usable = 0 < ref < math.inf
+        previous = 1.0 if t <= 1 else scales[-1]
+        scales.append(fp8_max / ref / 2**margin if usable else previous)
+    return scales
+
+
+def _run(xs: list[torch.Tensor], dtype: torch.dtype, history: fp8.AmaxHistory, margin: int = 0,
+         transpose: bool = False) -> list[tuple]:  # fmt: skip
+    out = []
+    for x in xs:
+        if transpose:
+            q, qt, inv = fp8.quantize_transposed(x, dtype, margin, history)
+        else:
+            (q, inv), qt = fp8.quantize(x, dtype, margin, history=history), None
+        out.append((q, qt, inv))
+    return out
+
+
+@pytest.mark.parametrize("most_recent", [False, True], ids=["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 3, 1024])
+@pytest.mark.parametrize("margin", [0, 1])
+def test_scales_follow_tes_rule(length: int, most_recent: bool, margin: int) -> None:
+    xs = _tensors()
+    fp8_max = torch.finfo(E4M3).max
+    got = _run(xs, E4M3, fp8.AmaxHistory(length, most_recent), margin)
+    amaxes = [x.abs().max().double().item() for x in xs]
+    want = _reference_scales(amaxes, length, most_recent, fp8_max, margin)
+    for t, ((q, _, inv), scale, x) in enumerate(zip(got, want, xs, strict=True)):
+        assert inv.item() == pytest.approx(1 / scale, rel=2**-21), t
+        # the values: x at that scale, saturated at the format's largest value, rounded to E4M3
+        expect = (x.double() * scale).clamp(-fp8_max, fp8_max) / scale
+        err = (q.double() * inv.double() - expect).abs()
+        assert (err <= expect.abs() * 2**-4 + 2**-9 / scale).all(), t
+
+
+def test_a_tensor_that_outgrows_its_history_saturates() -> None:
+    history = fp8.AmaxHistory(4, most_recent=False)
+    fp8.quantize(torch.ones(16, 16), E4M3, history=history)
+    q, inv = fp8.quantize(torch.full((16, 16), 10.0), E4M3, history=history)  # scale 448 / 1
+    assert inv.item() == pytest.approx(1 / 448) and (q.float() == 448).all()
+
+
+def test_an_unusable_amax_keeps_the_scale() -> None:
+    history = fp8.AmaxHistory(1, most_recent=True)
+    fp8.quantize(torch.full((4, 16), 2.0), E4M3, history=history)
+    _, inv = fp8.quantize(torch.full((4, 16), float("nan")), E4M3, history=history)
+    assert inv.item() == pytest.approx(2 / 448)
+    _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)  # after the NaN's amax
+    assert inv.item() == pytest.approx(2 / 448)
+    _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
+    assert inv.item() == pytest.approx(1 / 448)
+
+
+def test_the_inverse_a_linear_saved_survives_later_quantizes() -> None:
+    history = fp8.AmaxHistory(1, most_recent=True)
+    fp8.quantize(torch.ones(4, 16), E4M3, history=history)
+    _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
+    fp8.quantize(torch.full((4, 16), 7.0), E4M3, history=history)
+    fp8.quantize(torch.full((4, 16), 7.0), E4M3, history=history)
+    assert inv.item() == pytest.approx(1 / 448)
+
+
+def test_a_history_shorter_than_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="--fp8-amax-history-len 0"):
+        fp8.AmaxHistory(0, most_recent=False)
+
+
+# -- the kernels against torch's path ----------------------------------------------------------
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    calls: list[str] = []
+    for name in ("delayed_update", "cast_transpose"):
+        real = getattr(fp8_triton, name)
+
+        def spy(*args, real=real, name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            recording = name == "delayed_update" or (len(args) > 5 and args[5] is not None)
+            calls.append(name if recording else f"{name} (current scaling)")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fp8_triton, name, spy)
+    return calls
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", FORMATS, ids=lambda d: str(d).removeprefix("torch.float8_"))
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("most_recent", [False, True], ids=["max", "most_recent"])
+def test_kernels_are_torchs_path_bit_for_bit(monkeypatch, dtype, transpose, most_recent) -> None:
+    xs = _tensors(seed=1, shape=(70, 96))  # partial tiles both ways; 70 rows pad to 80
+    xs[5][3, 7] = float("nan")
+    calls = _launches(monkeypatch)
+    kernels = _run(xs, dtype, fp8.AmaxHistory(3, most_recent), 1, transpose)
+    kernel_history = fp8.AmaxHistory(3, most_recent)
+    _run(xs, dtype, kernel_history, 1, transpose)
+    assert calls.count("delayed_update") == 2 * (len(xs) - 1)
+    assert calls.count("cast_transpose") == 2 * (len(xs) - 1)
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
+    torch_history = fp8.AmaxHistory(3, most_recent)
+    eager = _run(xs, dtype, torch_history, 1, transpose)
+    for t, (k, e) in enumerate(zip(kernels, eager, strict=True)):
+        assert torch.equal(k[0].view(torch.uint8), e[0].view(torch.uint8)), t
+        if transpose:
+            assert torch.equal(k[1].view(torch.uint8), e[1].view(torch.uint8)), t
+        assert torch.equal(k[2], e[2]), t
+    for name in ("history", "current", "pos", "scale"):
+        got, want = getattr(kernel_history, name), getattr(torch_history, name)
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), name
+
+
+# -- in the linear, and across ranks -----------------------------------------------------------
+
+
+def _delayed_recipe(length: int = 16) -> backend_fp8.Fp8Recipe:
+    config = dict(fp8="hybrid", fp8_recipe="delayed", num_layers=1, fp8_margin=0,
+                  fp8_wgrad=True, first_last_layers_bf16=False, fp8_amax_history_len=length,
+                  fp8_amax_compute_algo="max")  # fmt: skip
+    from types import SimpleNamespace
+
+    return backend_fp8.module_recipe("X", SimpleNamespace(**config), torch.empty(48, 64))
+
+
+def test_a_linear_trains_its_three_tensors_on_their_histories() -> None:
+    torch.manual_seed(4)
+    recipe = _delayed_recipe()
+    w = (torch.randn(48, 64) / 8).to(torch.bfloat16).requires_grad_()
+    for step in range(4):
+        x = torch.randn(20, 64, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(20, 48, dtype=torch.bfloat16)
+        y = backend_fp8.fp8_linear(x, w, False, recipe)
+        y.backward(dy)
+        y64 = x.detach().double() @ w.detach().double().t()
+        assert ((y.double() - y64).norm() / y64.norm()).item() < 0.05, step
+        dx64 = dy.double() @ w.detach().double()
+        assert ((x.grad.double() - dx64).norm() / dx64.norm()).item() < 0.08, step
+    for name in ("input", "weight", "grad_output"):
+        assert recipe.history(name).pos.item() == 3, name  # three advances after the first
+    assert recipe.delayed.weight.group is None  # weights are alike on every rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned process
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    history = fp8.AmaxHistory(4, most_recent=False, group=dist.group.WORLD)
+    fp8.quantize(torch.full((4, 16), 1.0 + rank), E4M3, history=history)  # amaxes 1 and 2
+    _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
+    results.put((rank, inv.item()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_scale_by_the_amax_over_the_reduction_group() -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: pytest.approx(2 / 448), 1: pytest.approx(2 / 448)}
