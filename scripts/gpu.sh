@@ -22,7 +22,8 @@
 #            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
 #            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
 #            cannot memorise (FP8_DATA=mock: mock data), each FP8 run's losses against bf16's;
-#            FP8_BENCH=0 skips the tests and the benchmark
+#            FP8_BENCH=0 skips the tests and the benchmark; FP8_SIZE=8b-slice (with FP8_MBS=1,
+#            FP8_GBS=8, FP8_DATA=mock) runs eight of Llama-3 8B's layers at its sequence length
 #   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
 #            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
 #            distopt, distopt-graph): upstream's defaults, the 8B example's flags (CE fusion,
@@ -237,8 +238,8 @@ stage_fp8() {
        --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
     log "fp8 bench: exit $?"
   fi
-  local iters=${FP8_ITERS:-300} mbs=${FP8_MBS:-16}
-  local m="--preset llama --preset-size 0.85b --iters $iters --micro-batch-size $mbs --global-batch-size $mbs"
+  local iters=${FP8_ITERS:-300} mbs=${FP8_MBS:-16} size=${FP8_SIZE:-0.85b}
+  local m="--preset llama --preset-size $size --iters $iters --micro-batch-size $mbs --global-batch-size ${FP8_GBS:-$mbs}"
   if [ "${FP8_DATA:-markov}" = markov ]; then
     # the run reads iters x mbs x 2048 tokens of the 94.9% training split: 25% to spare
     if ! (cd "$HERE" && $PY -m scripts.training.markov_corpus "$W/p-$NEWEST" "$W/markov/corpus" \
@@ -257,7 +258,7 @@ stage_fp8() {
       *) log "fp8: unknown run $run (bf16, hybrid, delayed)"; continue ;;
     esac
     train "fp8-$run-$NEWEST" "$W/p-$NEWEST" $m $flags
-    log "0.85B $run: $(cat "$OUT/fp8-$run-$NEWEST.json")"
+    log "$size $run: $(cat "$OUT/fp8-$run-$NEWEST.json")"
   done
   for run in hybrid delayed; do
     [ -f "$OUT/fp8-bf16-$NEWEST.log" ] && [ -f "$OUT/fp8-$run-$NEWEST.log" ] || continue

@@ -75,6 +75,11 @@ SHAPES = {
     # parallelism can come near linear in tokens/s (on the 0.85B model even a perfect CP=2 at
     # 16k gives only 1.57x the tokens/s of CP=1 at 8k). ~2.2B parameters: fits one 80 GB GPU.
     ("llama", "70b-slice"): Shape(2, 8192, 28672, 64, 8, 8192, 1, 8, 31999, 1.5e-4),
+    # Eight of Llama-3 8B's 32 layers (hidden 4096, ffn 14336, 32 heads, 8 kv groups, seq 8192)
+    # on one GPU, which cannot hold all 32 with their Adam state: the 8B's layers at its
+    # sequence length. The 32k vocabulary keeps the output layer's share of the FLOPs at the
+    # 8B's (7%; its own 128k vocabulary over 8 layers would make it 23%).
+    ("llama", "8b-slice"): Shape(8, 4096, 14336, 32, 8, 8192, 1, 8, 31999, 3e-4),
 }
 
 

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         before = calls["n"]
         for _ in range(2):  # the same batch twice: no optimizer, the weights stay
+            block.set_is_first_microbatch()  # each a step's first micro-batch, as the schedules
             block.zero_grad(set_to_none=True)
             x = hidden.to(torch.bfloat16).requires_grad_()
             out = block(x, mask)

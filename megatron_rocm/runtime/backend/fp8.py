@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,15 +50,36 @@ class DelayedScaling:
     grad_output: AmaxHistory
 
 
+@dataclass(eq=False)
+class WeightCache:
+    """One linear's quantized weight ``(w_fp8, w_fp8_t or None, inverse_scale)``, kept for the
+    micro-batches of a step after the first (TE's parameter cache: see :func:`weight_reuse`),
+    with the weight storage it was taken from."""
+
+    quantized: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+    source: int = 0  # the weight's data_ptr
+
+    def get(self, weight: torch.Tensor, transposed: bool) -> tuple | None:
+        """The cached FP8 weight if it is ``weight``'s and has the transpose when asked."""
+        q = self.quantized
+        if q is None or self.source != weight.data_ptr() or (transposed and q[1] is None):
+            return None
+        return q
+
+    def put(self, weight: torch.Tensor, quantized: tuple) -> None:
+        self.quantized, self.source = quantized, weight.data_ptr()
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """What one native linear needs to know about the run's FP8 recipe (one per linear: a
-    delayed recipe carries the linear's own histories)."""
+    delayed recipe carries the linear's own histories, and each its weight cache)."""
 
     formats: Fp8Formats
     margin: int = 0
     wgrad_in_fp8: bool = True  # upstream's --fp8-wgrad (default on; --no-fp8-wgrad: bf16)
     delayed: DelayedScaling | None = None  # None: current scaling (tensorwise)
+    weight_cache: WeightCache = field(default_factory=WeightCache)
 
     def history(self, tensor: str) -> AmaxHistory | None:
         """The amax history of ``tensor`` (input, weight, grad_output), None under current
@@ -171,7 +192,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, fuse_wgrad, recipe, grad_enabled):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, fuse_wgrad, recipe, grad_enabled, reuse_weight=None):  # noqa: ANN001, ANN205
         fmt = recipe.formats.forward
         rows = x.reshape(-1, x.shape[-1])
         # needs_input_grad follows requires_grad even under no_grad (evaluation, a reentrant
@@ -185,11 +206,16 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:
             x_fp8, x_inv = quantize(rows, fmt, recipe.margin, history=x_history)
             saved_x = rows if need_wgrad else None
-        if need_dgrad:
+        cached = recipe.weight_cache.get(weight, need_dgrad) if reuse_weight else None
+        if cached is not None:
+            w_fp8, w_fp8_t, w_inv = cached
+        elif need_dgrad:
             w_fp8, w_fp8_t, w_inv = quantize_transposed(weight, fmt, recipe.margin, w_history)
         else:
             w_fp8, w_inv = quantize(weight, fmt, recipe.margin, history=w_history)
             w_fp8_t = None
+        if cached is None and reuse_weight is not None:
+            recipe.weight_cache.put(weight, (w_fp8, w_fp8_t, w_inv))
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
@@ -221,7 +247,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 wgrad = dy.t().float() @ saved_x.float()
             grad_weight = _deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Tensor) -> Any:
@@ -236,9 +262,35 @@ def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Ten
     return added_to_main_grad(weight, main_grad, like)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool, recipe: Fp8Recipe) -> Any:
-    """``x W^T`` on ``Fp8LinearFunction``."""
-    return Fp8LinearFunction.apply(x, weight, fuse_wgrad, recipe, torch.is_grad_enabled())
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fuse_wgrad: bool,
+    recipe: Fp8Recipe,
+    reuse_weight: bool | None = None,
+) -> Any:
+    """``x W^T`` on ``Fp8LinearFunction``. ``reuse_weight`` (``weight_reuse``): True takes
+    the FP8 weight the step's first micro-batch quantized, False quantizes and keeps it, None
+    quantizes and keeps nothing."""
+    return Fp8LinearFunction.apply(
+        x, weight, fuse_wgrad, recipe, torch.is_grad_enabled(), reuse_weight
+    )
+
+
+def weight_reuse(linear: Any) -> bool | None:
+    """Whether this forward of ``linear`` takes its FP8 weight from the step's first
+    micro-batch (True), quantizes and keeps it (False), or keeps nothing (None): TE's parameter
+    cache, driven the same way. Megatron's schedules set ``is_first_microbatch`` on every module
+    that has it before a step's first micro-batch (``MegatronModule.set_is_first_microbatch``;
+    the weights change only between steps), the linear clears it in its forward, and
+    ``--disable-parameter-transpose-cache`` turns the cache off. A forward outside the
+    schedules (nothing sets the flag again) reuses, as TE's linears do under Megatron; the
+    cache also refreshes where the weight's storage moved."""
+    first = getattr(linear, "is_first_microbatch", True)
+    linear.is_first_microbatch = False
+    if getattr(linear.config, "disable_parameter_transpose_cache", False):
+        return None
+    return not first
 
 
 def plain_gemm_problem(linear: Any) -> str | None:
@@ -274,7 +326,7 @@ def parallel_forward(linear: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         )
     weight = linear.weight
     fuse = bool(linear.gradient_accumulation_fusion) and weight.requires_grad
-    out = fp8_linear(x, weight, fuse, linear.fp8_recipe)
+    out = fp8_linear(x, weight, fuse, linear.fp8_recipe, weight_reuse(linear))
     if linear.skip_bias_add:
         return out, linear.bias
     return (out + linear.bias if linear.bias is not None else out), None

@@ -85,6 +85,7 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         self._parameters = OrderedDict(list(norm_params.items()) + list(self._parameters.items()))
         self.reset_layer_norm_parameters()
         self.fp8_recipe = module_recipe(owner, config, self.weight)
+        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
 
     def reset_layer_norm_parameters(self) -> None:
         """gamma = 1 (0 when zero-centred: the kernel uses 1 + gamma), beta = 0."""

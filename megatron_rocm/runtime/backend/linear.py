@@ -30,7 +30,12 @@ from megatron_rocm.runtime.backend._linear_function import (
     LinearFunction,
     project_attention_output,
 )
-from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, parallel_forward
+from megatron_rocm.runtime.backend.fp8 import (
+    fp8_linear,
+    module_recipe,
+    parallel_forward,
+    weight_reuse,
+)
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -94,6 +99,7 @@ class TEColumnParallelLinear(ColumnParallelLinear):
                 **extra,
             )
         self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
+        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Upstream's forward, or under ``--fp8-format`` the FP8 GEMM (``backend.fp8``)."""
@@ -142,6 +148,7 @@ class TERowParallelLinear(RowParallelLinear):
                 **extra,
             )
         self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
+        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Upstream's forward, except where the input is an a2a attention output with
@@ -247,11 +254,13 @@ class TELinear(torch.nn.Module):
                 # Sequence-parallel input: each TP rank saw a different slice of tokens.
                 param.sequence_parallel = bool(config.sequence_parallel)
         self.fp8_recipe = module_recipe(owner, config, self.weight)
+        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
         if self.fp8_recipe is not None:
-            out = fp8_linear(x, self.weight, fuse and self.weight.requires_grad, self.fp8_recipe)
+            fuse = fuse and self.weight.requires_grad
+            out = fp8_linear(x, self.weight, fuse, self.fp8_recipe, weight_reuse(self))
         else:
             out = LinearFunction.apply(x, self.weight, fuse)
         if self.bias is None:

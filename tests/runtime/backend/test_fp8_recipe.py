@@ -109,3 +109,55 @@ def test_parallel_forward_refuses_more_than_a_gemm(change, named) -> None:
     with pytest.raises(ValueError, match=named) as info:
         fp8.parallel_forward(_linear(**change), torch.randn(4, 16))
     assert "\n" not in str(info.value)
+
+
+def _weight_quantizes(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Counts the quantizes of a [32, 16] weight (the inputs are [4, 16])."""
+    calls: list[int] = []
+    for name in ("quantize", "quantize_transposed"):
+        real = getattr(fp8, name)
+
+        def spy(x, *a, real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if tuple(x.shape) == (32, 16):
+                calls.append(1)
+            return real(x, *a, **kw)
+
+        monkeypatch.setattr(fp8, name, spy)
+    return calls
+
+
+def test_later_micro_batches_reuse_the_first_ones_fp8_weight(monkeypatch) -> None:
+    """TE's parameter cache, as Megatron's schedules drive it (``is_first_microbatch``)."""
+    calls = _weight_quantizes(monkeypatch)
+    linear = _linear(is_first_microbatch=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    first, _ = fp8.parallel_forward(linear, x)
+    again, _ = fp8.parallel_forward(linear, x)  # a later micro-batch of the step
+    assert len(calls) == 1 and torch.equal(first, again)
+    again.sum().backward()  # the cached transpose serves the input gradient
+    assert x.grad is not None
+    with torch.no_grad():
+        linear.weight.mul_(2)  # the optimizer's step
+    linear.is_first_microbatch = True  # the next step's first micro-batch
+    doubled, _ = fp8.parallel_forward(linear, x)
+    assert len(calls) == 2 and torch.allclose(doubled, 2 * first, rtol=0.13)
+
+
+def test_the_cache_is_off_with_disable_parameter_transpose_cache(monkeypatch) -> None:
+    calls = _weight_quantizes(monkeypatch)
+    config = SimpleNamespace(cpu_offloading=False, disable_parameter_transpose_cache=True)
+    linear = _linear(is_first_microbatch=True, config=config)
+    for _ in range(3):
+        fp8.parallel_forward(linear, torch.randn(4, 16))
+    assert len(calls) == 3 and linear.fp8_recipe.weight_cache.quantized is None
+
+
+def test_a_moved_weight_or_a_missing_transpose_is_quantized_again(monkeypatch) -> None:
+    calls = _weight_quantizes(monkeypatch)
+    linear = _linear(is_first_microbatch=True)
+    with torch.no_grad():
+        fp8.parallel_forward(linear, torch.randn(4, 16))  # evaluation: no transpose kept
+    fp8.parallel_forward(linear, torch.randn(4, 16, requires_grad=True))  # needs it
+    linear.weight.data = linear.weight.data.clone()  # new storage
+    fp8.parallel_forward(linear, torch.randn(4, 16))
+    assert len(calls) == 3

@@ -344,4 +344,4 @@ def test_a_resumed_capturable_optimizer_keeps_its_lr_on_the_device(
     resumed.load_state_dict(torch.load(tmp_path / "opt.pt", map_location="cpu"))
     lr = resumed.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.device == cuda_device
-    assert float(lr) == HYPER["lr"]
+    assert float(lr) == torch.tensor(HYPER["lr"], dtype=torch.float32).item()  # fp32 on the GPU
