@@ -271,6 +271,14 @@ def fp8_problems(args: Any) -> list[str]:
             "checkpoint (te_checkpoint), which needs TransformerEngine; recompute core_attn "
             "only (--recompute-granularity selective) or train in bf16"
         )
+    if getattr(args, "cuda_graph_impl", "none") == "local" or getattr(
+        args, "enable_cuda_graph", False
+    ):
+        problems.append(
+            "--fp8-format with --cuda-graph-impl local: upstream's layer graphs keep FP8 state "
+            "in TE's FP8GlobalStateManager, which needs TransformerEngine; use "
+            "--cuda-graph-impl full_iteration or no CUDA graphs"
+        )
     if getattr(args, "use_megatron_fsdp", False):
         problems.append(
             "--fp8-format with --use-megatron-fsdp: without TransformerEngine the FP8 "

@@ -192,6 +192,8 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
     reject_te_only_options(
         SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt, "fp8_recipe": recipe})
     )
+    graphs = {"cuda_graph_impl": "full_iteration", "check_for_nan_in_loss_and_grad": False}
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **graphs}))
     selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
 
@@ -205,6 +207,8 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
         ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2", "use TP 1"),
         ({"num_experts": 8}, "--num-experts", "bf16"),
         ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
+        ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "full_iteration"),
+        ({"enable_cuda_graph": True}, "--cuda-graph-impl local", "FP8GlobalStateManager"),
         ({"fp8_param_gather": True}, "--fp8-param-gather", "quantize them each step"),
         ({"fp8_dot_product_attention": True}, "--fp8-dot-product-attention", "bf16"),
         ({"fp8_multi_head_attention": True}, "--fp8-multi-head-attention", "bf16"),
