@@ -6,10 +6,16 @@ One gloo rank. Builds upstream's ``TransformerBlock`` from the TE layer spec (th
 backend's linears) three times from one seed: with ``fp8="hybrid", fp8_recipe="tensorwise"``
 and ``first_last_layers_bf16`` (one layer kept in bf16 at each end); with upstream's default
 recipe, ``delayed``, at the 8B example's ``--fp8-amax-history-len 1024
---fp8-amax-compute-algo max``; and in bf16. Each block takes two steps on one batch (the
-delayed one scales its second by the first's amaxes). Records which linears got an FP8
-recipe, how many GEMMs ran through the FP8 function, where the delayed histories stand, and
-the blocks' outputs and gradients of the second step for the test to compare.
+--fp8-amax-compute-algo max``; and in bf16. Each block takes two steps, the second on a batch
+half the first's size (the delayed block scales it by the first's amaxes). Records which
+linears got an FP8 recipe, how many GEMMs ran through the FP8 function, where the delayed
+histories stand, and the blocks' outputs and gradients of the second step for the test to
+compare.
+
+Then the FP8 weight's reuse across micro-batches under upstream's own schedule
+(``get_forward_backward_func``): two iterations of two micro-batches each with an SGD step in
+between, every layer in FP8, with the reuse and with ``disable_parameter_transpose_cache``;
+records the losses, how many forwards reused the weight, and the delayed weight histories.
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ RECIPES = {
                     fp8_amax_compute_algo="max"),
     "bf16": {},
 }  # fmt: skip
+SCHEDULED = {
+    "tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise"),
+    "delayed": RECIPES["delayed"],
+}
 
 
-def build(kind: str):  # noqa: ANN201 - the block
+def build(kind: str, **overrides):  # noqa: ANN003, ANN201 - the block
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    extra = RECIPES[kind]
+    extra = {**RECIPES.get(kind, {}), **overrides}
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
         normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
@@ -52,16 +62,18 @@ def build(kind: str):  # noqa: ANN201 - the block
 
 
 def run(args: argparse.Namespace) -> dict:
-    probe_cli.one_rank_world(args, cpu=False)
+    probe_cli.one_rank_world(args)  # the schedule allocates on "cuda": cpu_shim
     import torch
 
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
 
     calls = {"n": 0}
+    reused: list[bool] = []  # per FP8 forward: did it take the step's first FP8 weight
     forward = backend_fp8.Fp8LinearFunction.forward
 
     def counted(ctx, *a):  # noqa: ANN001, ANN002, ANN202
         calls["n"] += 1
+        reused.append(len(a) > 5 and a[5] is True)
         return forward(ctx, *a)
 
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
@@ -78,10 +90,10 @@ def run(args: argparse.Namespace) -> dict:
             if mod_name.count(".") == 3 and "linear" in mod_name.rsplit(".", 1)[-1]
         }
         before = calls["n"]
-        for _ in range(2):  # the same batch twice: no optimizer, the weights stay
+        for scale in (1.0, 0.5):  # two steps, no optimizer: the weights stay
             block.set_is_first_microbatch()  # each a step's first micro-batch, as the schedules
             block.zero_grad(set_to_none=True)
-            x = hidden.to(torch.bfloat16).requires_grad_()
+            x = (hidden * scale).to(torch.bfloat16).requires_grad_()
             out = block(x, mask)
             out = out[0] if isinstance(out, tuple) else out
             (out.float() * direction).sum().backward()
@@ -98,8 +110,49 @@ def run(args: argparse.Namespace) -> dict:
             "dx": x.grad.float().tolist(),
             "fc1_grad": block.layers[1].mlp.linear_fc1.weight.grad.float().tolist(),
         }  # fmt: skip
+    for recipe, flags in SCHEDULED.items():
+        for cache in (True, False):
+            result[f"scheduled-{recipe}-{'reuse' if cache else 'no-reuse'}"] = scheduled(
+                build("", **flags, disable_parameter_transpose_cache=not cache),
+                hidden, mask, direction, reused,
+            )  # fmt: skip
     torch.distributed.destroy_process_group()
     return result
+
+
+def scheduled(block, hidden, mask, direction, reused: list) -> dict:  # noqa: ANN001
+    """Two iterations of upstream's schedule, two micro-batches each, an SGD step between."""
+    import torch
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    block.model_type = ModelType.encoder_or_decoder  # what the schedule asks of a model
+
+    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202
+        out = model(next(data_iterator).to(torch.bfloat16).requires_grad_(), mask)
+        out = out[0] if isinstance(out, tuple) else out
+
+        def loss_func(output):  # noqa: ANN001, ANN202
+            loss = (output.float() * direction).sum()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    before, losses = len(reused), []
+    for iteration in range(2):
+        batches = iter([hidden * (1 + iteration), hidden * (0.5 + iteration)])
+        for got in get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=batches, model=block,
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False,
+        ):  # fmt: skip
+            losses.append(float(got["loss"]))
+        with torch.no_grad():  # the optimizer's step: the weights change in place
+            for param in block.parameters():
+                param -= 0.005 * param.grad
+                param.grad = None
+    weights = [m.fp8_recipe.delayed.weight.pos.item() for m in block.modules()
+               if getattr(m, "fp8_recipe", None) is not None and m.fp8_recipe.delayed]  # fmt: skip
+    return {"losses": losses, "reused": sum(reused[before:]), "weight_positions": weights}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ Without the patch upstream's ``get_fp8_context`` is a null context and FP8 flags
 with it the two middle layers' linears run their GEMMs in FP8 (every layer's under ``delayed``),
 the outer ones and the bf16 block none, the delayed histories advance once a quantize after
 the first, and the FP8 blocks' outputs and gradients stay within FP8's error of the bf16
-block's.
+block's. Under upstream's schedule (two micro-batches an iteration, an SGD step between), the
+linears reuse the first micro-batch's FP8 weight on the second, refresh it after the step
+(tensorwise losses equal, bit for bit, to those of a run that re-quantizes every time), and
+the delayed weight histories advance once an iteration.
 """
 
 from __future__ import annotations
@@ -53,9 +56,26 @@ def _rel(a: list, b: list) -> float:
 
 
 # E4M3 rounds within 2^-4 of a value, E5M2 (hybrid's gradients) within 2^-3: the weight
-# gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error.
+# gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error. The delayed
+# block runs all four layers in FP8 (upstream's config refuses first/last bf16 layers with
+# delayed scaling), the tensorwise one two: layer 1's weight gradient comes through three FP8
+# backward passes instead of one.
 @pytest.mark.parametrize("recipe", ["fp8", "delayed"])
 @pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
 def test_fp8_block_stays_within_fp8_error_of_bf16(probed, recipe, what: str, bound: float) -> None:  # noqa: ANN001
     rel = _rel(probed[recipe][what], probed["bf16"][what])
+    bound = 0.25 if (recipe, what) == ("delayed", "fc1_grad") else bound
     assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error
+
+
+def test_the_schedule_reuses_the_fp8_weight_within_an_iteration_only(probed) -> None:  # noqa: ANN001
+    reuse, fresh = probed["scheduled-tensorwise-reuse"], probed["scheduled-tensorwise-no-reuse"]
+    fp8_linears = 4 * len(LINEARS)
+    assert reuse["reused"] == 2 * fp8_linears  # the second micro-batch of each iteration
+    assert fresh["reused"] == 0
+    # a stale weight after the step would change the second iteration's losses
+    assert reuse["losses"] == fresh["losses"] and len(reuse["losses"]) == 4
+    assert reuse["losses"][2] != reuse["losses"][0] * 2  # the step changed the weights
+    delayed = probed["scheduled-delayed-reuse"]["weight_positions"]
+    assert delayed == [1] * fp8_linears  # started, then one advance: once an iteration
+    assert probed["scheduled-delayed-no-reuse"]["weight_positions"] == [3] * fp8_linears

@@ -17,6 +17,7 @@ rest (``options``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +146,12 @@ def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | 
 def _delayed_scaling(config: Any) -> DelayedScaling:
     """Fresh histories from upstream's ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``;
     activations and gradients reduce their amax over upstream's amax reduction group."""
+    if int(getattr(config, "fp8_interval", 1) or 1) != 1:
+        warnings.warn(
+            "--fp8-interval is deprecated and ignored (as TransformerEngine 1.8 and later "
+            "ignore it): delayed scaling updates the scale at every quantize",
+            stacklevel=2,
+        )
     length = int(getattr(config, "fp8_amax_history_len", 1))
     algo = str(getattr(config, "fp8_amax_compute_algo", "most_recent"))
     if algo not in ("max", "most_recent"):
@@ -158,8 +165,9 @@ def _delayed_scaling(config: Any) -> DelayedScaling:
 
 
 def amax_reduction_group(config: Any) -> Any:
-    """Upstream's amax reduction group (data, tensor and context parallel ranks; tensor
-    parallel only with ``--tp-only-amax-red``) where it has more than one rank, else None."""
+    """Upstream's amax reduction group (data, tensor and context parallel ranks; tensor and
+    context parallel only with ``--tp-only-amax-red``) where it has more than one rank, else
+    None."""
     try:
         from megatron.core import parallel_state
     except ImportError:  # a model built outside Megatron (tests): one rank

@@ -185,13 +185,14 @@ class AmaxHistory:
     Each quantize first advances (:meth:`advance`): the previous quantize's amax joins the
     history and the scale becomes ``fp8_max / amax / 2**margin`` of the history's largest entry
     (``--fp8-amax-compute-algo max``) or of that amax alone (``most_recent``), kept where that
-    amax is zero or not finite; then it casts with that scale and takes the tensor's own amax
-    in the same pass. TE starts every tensor at scale 1; here a tensor's first quantize scales
-    by its own amax (current scaling), so the first step's output gradients do not flush to
-    zero in E5M2. The state lives on the device (no host sync; a CUDA graph replays it).
-    ``group``: the amax is all-reduced (max) over it before it joins the history, as TE
-    reduces over upstream's amax reduction group; None for weights (the same on every rank
-    that holds them) and single-rank groups.
+    amax is not finite; then it casts with that scale and takes the tensor's own amax in the
+    same pass. As in TE, NaN elements are left out of an amax and a zero amax changes nothing.
+    TE starts every tensor at scale 1; here a tensor's first quantize scales by its own amax
+    (current scaling), so the first step's output gradients do not flush to zero in E5M2. The
+    state lives on the device (no host sync), so a CUDA graph captured after the first
+    quantize replays it; capturing the first one raises. ``group``: the amax is all-reduced
+    (max) over it before it joins the history, as TE reduces over upstream's amax reduction
+    group; None for weights (the same on every rank that holds them) and single-rank groups.
     """
 
     length: int
@@ -216,19 +217,28 @@ class AmaxHistory:
 
     def start(self, x: torch.Tensor) -> None:
         """After a first quantize (by current scaling): ``x``'s amax is the running one."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FP8 delayed scaling: a linear's first quantize is being captured in a CUDA "
+                "graph; run at least one eager iteration first (--cuda-graph-warmup-steps)"
+            )
         self.allocate(x.device)
-        self.current.copy_(_amax(x.detach()))
+        self.current.copy_(amax_without_nan(x.detach()))
         self.started = True
+
+    def reduce(self) -> None:
+        """The running amax, all-reduced (max) over ``group``: before it joins the history."""
+        if self.group is not None:
+            torch.distributed.all_reduce(
+                self.current, op=torch.distributed.ReduceOp.MAX, group=self.group
+            )
 
     def advance(self, fp8_max: float, margin: int, triton: bool) -> torch.Tensor:
         """Fold the running amax into the history and set the scale (``fp8_triton``'s
         ``_delayed_update`` on a GPU, the same bits in torch otherwise); returns the scale's
         inverse, a new tensor (a linear saves it for its backward, by which time the state
-        may have moved on)."""
-        if self.group is not None:
-            torch.distributed.all_reduce(
-                self.current, op=torch.distributed.ReduceOp.MAX, group=self.group
-            )
+        may have moved on). A zero amax (an all-zero tensor) changes nothing, as in TE: it
+        neither joins the history nor pushes an entry out."""
         inverse = torch.empty((), dtype=torch.float32, device=self.scale.device)
         if triton:
             from megatron_rocm.runtime.kernels import fp8_triton
@@ -238,13 +248,21 @@ class AmaxHistory:
                 2.0**margin, self.most_recent,
             )  # fmt: skip
             return inverse
+        seen = self.current > 0
         at = self.pos.long().reshape(1)
-        self.history.index_copy_(0, at, self.current.reshape(1))
+        entry = torch.where(seen, self.current, self.history[at].reshape(()))
+        self.history.index_copy_(0, at, entry.reshape(1))
         amax = self.current if self.most_recent else self.history.max()
-        self.scale.copy_(_scale(amax, fp8_max, margin, self.scale))
-        self.pos.copy_((self.pos + 1) % self.length)
+        self.scale.copy_(torch.where(seen, _scale(amax, fp8_max, margin, self.scale), self.scale))
+        self.pos.copy_(torch.where(seen, (self.pos + 1) % self.length, self.pos))
         self.current.zero_()
         return inverse.copy_(self.scale.reciprocal())
+
+
+def amax_without_nan(x: torch.Tensor) -> torch.Tensor:
+    """The largest ``|x|`` in fp32 with NaN elements left out (TE's amax under delayed
+    scaling, ``fmaxf``: one NaN must not freeze a history's scale for its whole length)."""
+    return torch.where(x.isnan(), 0, x.abs()).amax().float()
 
 
 def _quantize_delayed(
@@ -263,6 +281,7 @@ def _quantize_delayed(
 
             triton = fp8_triton.fits_grid(*x.shape)
             x = x.contiguous()
+        history.reduce()  # a collective: outside the kernels' fallback, issued once
         inverse = None
         if triton:
             inverse = _launch_or_none(key, lambda: history.advance(fp8_max, margin, True))
@@ -277,7 +296,7 @@ def _quantize_delayed(
                 ),
             )
         if cast is None:
-            torch.maximum(history.current, _amax(x), out=history.current)
+            torch.maximum(history.current, amax_without_nan(x), out=history.current)
             x_fp8 = _apply(x, history.scale, dtype, fp8_max)
             cast = (x_fp8, None if ld_t is None else pad_rows(x_fp8).t().contiguous())
     return cast[0], cast[1], inverse
@@ -299,7 +318,8 @@ def quantize(
     eager path; True asks for it without the checks, as the benchmark and the tests do); None
     (the default) takes it on a GPU unless ``MEGATRON_ROCM_KERNELS`` names ``fp8`` for the
     reference path or the kernels failed once (logged). ``history``: delayed scaling (the
-    scale from ``x``'s earlier amaxes, :class:`AmaxHistory`) instead of ``x``'s own amax."""
+    scale from ``x``'s earlier amaxes, :class:`AmaxHistory`) instead of ``x``'s own amax; after
+    its first quantize the kernels are chosen as with ``triton=None``."""
     fp8_max = float(torch.finfo(dtype).max)
     if x.numel() == 0:  # no amax to take
         return x.detach().to(dtype), torch.ones((), device=x.device)

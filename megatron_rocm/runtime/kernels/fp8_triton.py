@@ -29,7 +29,7 @@ ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``qua
 Delayed scaling quantizes in two launches and one read of ``x``: ``_delayed_update`` (one
 program: the previous quantize's amax into the history, the scale from the history) and
 ``_cast_transpose`` with ``RECORD``, which raises the tensor's current amax with one atomic max
-per tile as it casts.
+per tile as it casts (NaN elements left out, as TE's ``fmaxf`` leaves them).
 """
 
 from __future__ import annotations
@@ -154,11 +154,12 @@ def _delayed_update(
     """Delayed scaling's step between two quantizes of one tensor (one program;
     ``fp8.AmaxHistory.advance`` in torch): the last quantize's amax (``current``, fp32 bits)
     goes into ``history`` at ``pos``, the scale follows from the history's largest entry
-    (``MOST_RECENT``: from that amax alone), kept where that amax is zero or not finite;
-    ``pos`` moves on and ``current`` starts again from zero."""
+    (``MOST_RECENT``: from that amax alone), kept where that amax is not finite; ``pos`` moves
+    on and ``current`` starts again from zero. A zero amax changes nothing (TE's rule)."""
     p = tl.load(pos)
     newest = tl.load(current)
-    tl.store(history + p, newest)
+    seen = newest > 0  # a zero amax changes nothing (TE)
+    tl.store(history + p, newest, mask=seen)
     bits = newest
     if not MOST_RECENT:  # the slot just written is read as ``newest``: no store-load race
         acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -167,10 +168,11 @@ def _delayed_update(
             h = tl.load(history + o, mask=(o < length) & (o != p), other=0)
             acc = tl.maximum(acc, h)
         bits = tl.maximum(tl.max(acc, axis=0), newest)
-    s = _scale_of(bits, fp8_max, margin_factor, tl.load(scale))
+    old = tl.load(scale)
+    s = tl.where(seen, _scale_of(bits, fp8_max, margin_factor, old), old)
     tl.store(scale, s)
     tl.store(inverse, tl.math.div_rn(1.0, s))
-    tl.store(pos, (p + 1) % length)
+    tl.store(pos, tl.where(seen, (p + 1) % length, p))
     tl.store(current, 0)
 
 
@@ -203,8 +205,9 @@ def _cast_transpose(
     s = tl.load(scale)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if RECORD:  # delayed scaling: this tile's largest |x| into the amax (fp32 bits, int32)
-        tile = tl.max(tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
-        tl.atomic_max(amax_out, tile)
+        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        bits = tl.where(bits > 0x7F800000, 0, bits)  # NaN left out (TE's fmaxf); inf kept
+        tl.atomic_max(amax_out, tl.max(tl.max(bits, axis=1), axis=0))
     v = v * s
     v = tl.minimum(tl.maximum(v, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
                    propagate_nan=tl.PropagateNan.ALL)  # fmt: skip

@@ -161,3 +161,10 @@ def test_a_moved_weight_or_a_missing_transpose_is_quantized_again(monkeypatch) -
     linear.weight.data = linear.weight.data.clone()  # new storage
     fp8.parallel_forward(linear, torch.randn(4, 16))
     assert len(calls) == 3
+
+
+def test_fp8_interval_is_ignored_with_a_warning_as_te_does() -> None:
+    cfg = config(fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
+                 fp8_interval=2)  # fmt: skip
+    with pytest.warns(UserWarning, match="--fp8-interval is deprecated and ignored"):
+        assert fp8.module_recipe("X", cfg, WEIGHT).history("input").length == 4
