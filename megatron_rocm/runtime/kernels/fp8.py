@@ -217,7 +217,7 @@ class AmaxHistory:
 
     def start(self, x: torch.Tensor) -> None:
         """After a first quantize (by current scaling): ``x``'s amax is the running one."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing(x):
             raise RuntimeError(
                 "FP8 delayed scaling: a linear's first quantize is being captured in a CUDA "
                 "graph; run at least one eager iteration first (--cuda-graph-warmup-steps)"
@@ -257,6 +257,11 @@ class AmaxHistory:
         self.pos.copy_(torch.where(seen, (self.pos + 1) % self.length, self.pos))
         self.current.zero_()
         return inverse.copy_(self.scale.reciprocal())
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s GPU stream is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def amax_without_nan(x: torch.Tensor) -> torch.Tensor:
