@@ -17,7 +17,8 @@
 #   profile  scripts/training/profile_step.py: local spec vs TE spec, SDPA kernel choices (PROFILE_MBS)
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
-#   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py)
+#   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py;
+#            TRACE_SIZE=8b-slice BENCH_MBS=1 TRACE_FLAGS="--fp8-format hybrid ..." for the 8B's layers in FP8)
 #   fp8      FP8: the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B Llama in the
 #            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
 #            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
@@ -288,8 +289,9 @@ profiled() {  # profiled NAME GAPS TRAIN_SMALL_ARGS... -- MEGATRON_ARGS... -> OU
 }
 
 stage_trace() {
-  # One profiled iteration of the 0.85B benchmark per spec (profiled above).
-  local size="--preset llama --preset-size 0.85b --micro-batch-size ${BENCH_MBS:-16}"
+  # One profiled iteration of the 0.85B benchmark (TRACE_SIZE: another preset size) per spec
+  # (profiled above).
+  local size="--preset llama --preset-size ${TRACE_SIZE:-0.85b} --micro-batch-size ${BENCH_MBS:-16}"
   for impl in ${TRACE_IMPLS:-transformer_engine local}; do
     profiled "trace-$impl" 20 $size --transformer-impl "$impl" -- \
       ${TRACE_FLAGS:---cross-entropy-loss-fusion --manual-gc}
