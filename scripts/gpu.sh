@@ -250,8 +250,8 @@ stage_fp8() {
     log "fp8 corpus: $(cat "$OUT/fp8-corpus.json")"
     m="$m --data-path $W/markov/corpus"
   fi
-  local run flags
-  for run in ${FP8_RUNS-bf16 hybrid delayed}; do
+  local run flags runs=${FP8_RUNS-bf16 hybrid delayed}
+  for run in $runs; do
     case $run in
       bf16) flags= ;;
       hybrid) flags="-- --fp8-format hybrid --fp8-recipe tensorwise" ;;
@@ -261,8 +261,8 @@ stage_fp8() {
     train "fp8-$run-$NEWEST" "$W/p-$NEWEST" $m $flags
     log "$size $run: $(cat "$OUT/fp8-$run-$NEWEST.json")"
   done
-  for run in hybrid delayed; do
-    [ -f "$OUT/fp8-bf16-$NEWEST.log" ] && [ -f "$OUT/fp8-$run-$NEWEST.log" ] || continue
+  for run in $runs; do
+    [ "$run" != bf16 ] && [ -f "$OUT/fp8-bf16-$NEWEST.log" ] && [ -f "$OUT/fp8-$run-$NEWEST.log" ] || continue
     (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
        "$OUT/fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8-compare-$run.txt" 2>&1)
     log "fp8 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare-$run.txt")"
