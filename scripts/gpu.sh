@@ -105,13 +105,23 @@
 #            docs/smoke.md (scripts/smoke_table.py). Switches: WHEELS="DIR ..." (pip find-links;
 #            from scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"), SKIP_INSTALL=1,
 #            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
+#   example8b upstream's Llama-3 8B example (examples/llama/train_llama3_8b_h100_fp8.sh) on the
+#            newest ref, changed only where the box forces it: every GPU of the box, data-parallel;
+#            8 micro-batches a GPU a step (global batch 8 x GPUs); EX8B_ITERS iterations (default
+#            16); no eval, save, load or profile. One run per word of EX8B_RUNS (default "bf16
+#            fp8"): bf16 (DTYPE="bf16"), fp8 (the example's own FP8 flags, delayed scaling, with
+#            --fp8-param-gather dropped: refused without TE), fp8-tensorwise (fp8 with
+#            --fp8-recipe tensorwise). An edit that finds nothing to change (upstream rewrote the
+#            example) stops that run. OUT/example8b-RUN.{sh,diff,log,json}: the script run, its
+#            diff from upstream's, the log, scripts/training/example_summary.py's line. The 8B's
+#            weights, gradients and Adam state need two H200s or four H100s at least
 #   pack     everything under OUT into OUT/all.tgz (last: the device tool brings back only a
 #            few files of a call, and one archive holds them all)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
 #
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b
 #   4 GPUs: setup par4 scale4
 set -u
 OUT=$1; shift
@@ -266,6 +276,51 @@ stage_fp8() {
     (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
        "$OUT/fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8-compare-$run.txt" 2>&1)
     log "fp8 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare-$run.txt")"
+  done
+}
+
+stage_example8b() {
+  local src="$W/p-$NEWEST/examples/llama/train_llama3_8b_h100_fp8.sh" gpus run e
+  [ -f "$src" ] || { log "example8b: no $src (run setup first)"; return; }
+  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+  local iters=${EX8B_ITERS:-16} batch=$((8 * gpus))
+  local common=(
+    "s/^GPUS_PER_NODE=8\$/GPUS_PER_NODE=$gpus/"
+    "s/^GLOBAL_BATCH_SIZE=128\$/GLOBAL_BATCH_SIZE=$batch/"
+    "s/--train-samples [0-9]*/--train-samples $((iters * batch))/"
+    "s/--lr-decay-samples [0-9]*/--lr-decay-samples $((iters * batch))/"
+    "s/--lr-warmup-samples [0-9]*/--lr-warmup-samples $((2 * batch))/"
+    "s/--eval-iters [0-9]*/--eval-iters 0/"
+    '/^ *--profile/d'
+    '/^ *--save "\$CHECKPOINT_PATH"/d'
+    '/^ *--load "\$CHECKPOINT_PATH"/d'
+  )
+  for run in ${EX8B_RUNS:-bf16 fp8}; do
+    local edits=("${common[@]}")
+    case $run in
+      bf16) edits+=('s/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
+      fp8) edits+=('/^ *"--fp8-param-gather"$/d') ;;
+      fp8-tensorwise) edits+=('/^ *"--fp8-param-gather"$/d'
+                              's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
+      *) log "example8b: unknown run $run (bf16, fp8, fp8-tensorwise)"; continue ;;
+    esac
+    local name="example8b-$run" ok=1
+    cp "$src" "$OUT/$name.sh"
+    for e in "${edits[@]}"; do
+      sed -e "$e" "$OUT/$name.sh" > "$OUT/$name.sh.next"
+      if cmp -s "$OUT/$name.sh" "$OUT/$name.sh.next"; then
+        log "$name: upstream's example has no line for the edit '$e'; not run"; ok=0; break
+      fi
+      mv "$OUT/$name.sh.next" "$OUT/$name.sh"
+    done
+    rm -f "$OUT/$name.sh.next"
+    [ "$ok" = 1 ] || continue
+    diff "$src" "$OUT/$name.sh" > "$OUT/$name.diff"
+    (cd "$W/p-$NEWEST" && timeout "${EX8B_TIMEOUT:-300}" bash "$OUT/$name.sh" "$W/ck-$name" \
+       "$W/tb-$name" > "$OUT/$name.log" 2>&1)
+    local rc=$?
+    (cd "$HERE" && $PY -m scripts.training.example_summary "$OUT/$name.log" > "$OUT/$name.json")
+    log "$name ($gpus GPUs, global batch $batch): exit $rc $(cat "$OUT/$name.json")"
   done
 }
 

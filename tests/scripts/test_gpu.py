@@ -44,6 +44,8 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
         "#!/usr/bin/env bash\n"
         f'echo "kernel=${{MEGATRON_ROCM_CP_KERNEL:-auto}} $*" >> {calls}\n'
         f'echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {calls}.gpus\n'
+        # with FAKE_GPUS=N a `python -c` (a stage asking torch for the GPU count) answers N
+        'if [ "$1" = -c ] && [ -n "${FAKE_GPUS:-}" ]; then echo "$FAKE_GPUS"; exit 0; fi\n'
         # with FAKE_MEET=N a run on a named GPU waits (up to 20 s) until N such runs have
         # started, and records whether they met: runs launched one after another never do
         'if [ -n "${FAKE_MEET:-}" ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then\n'
@@ -380,3 +382,59 @@ def _alive(pid: int, wait: float = 2.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+# A stand-in for upstream's 8B example with the lines the stage edits (the real one is upstream's
+# and is not copied here): it records the command line it would have launched.
+EXAMPLE_8B = """GPUS_PER_NODE=8
+GLOBAL_BATCH_SIZE=128
+DTYPE="fp8"
+ARGS=(
+    --train-samples 1953125000
+    --lr-decay-samples 1949218748
+    --lr-warmup-samples 3906252
+    --eval-iters 32
+    --profile
+    --profile-step-start 4
+    --save "$CHECKPOINT_PATH"
+    --load "$CHECKPOINT_PATH"
+)
+DTYPE_ARGS=()
+if [[ "$DTYPE" == "fp8" ]]; then
+    DTYPE_ARGS+=(
+        "--fp8-format hybrid"
+        "--fp8-param-gather"
+    )
+fi
+echo "$GPUS_PER_NODE $GLOBAL_BATCH_SIZE ${ARGS[@]} ${DTYPE_ARGS[@]}" >> ran.txt
+"""
+
+
+def _example_tree(tmp_path: Path, text: str) -> Path:
+    tree = tmp_path / "work/p-main"
+    (tree / "examples/llama").mkdir(parents=True)
+    (tree / "examples/llama/train_llama3_8b_h100_fp8.sh").write_text(text)
+    return tree
+
+
+def test_example8b_changes_only_what_the_box_forces(tmp_path: Path) -> None:
+    tree = _example_tree(tmp_path, EXAMPLE_8B)
+    run_stage(tmp_path, "example8b", FAKE_GPUS="2", EX8B_ITERS="10",
+              EX8B_RUNS="bf16 fp8 fp8-tensorwise")  # fmt: skip
+    box = "2 16 --train-samples 160 --lr-decay-samples 160 --lr-warmup-samples 32 --eval-iters 0"
+    assert (tree / "ran.txt").read_text().splitlines() == [
+        box + " ",  # bf16: no FP8 flag
+        box + " --fp8-format hybrid",  # --fp8-param-gather dropped, the rest the example's
+        box + " --fp8-format hybrid --fp8-recipe tensorwise",
+    ]
+    summary = (tmp_path / "out/summary.txt").read_text()
+    assert summary.count("(2 GPUs, global batch 16): exit 0") == 3
+
+
+def test_example8b_does_not_run_an_example_upstream_has_rewritten(tmp_path: Path) -> None:
+    tree = _example_tree(tmp_path, EXAMPLE_8B.replace("--eval-iters 32", "--eval-interval 5"))
+    run_stage(tmp_path, "example8b", FAKE_GPUS="4", EX8B_RUNS="bf16 nonsense")
+    assert not (tree / "ran.txt").exists()
+    summary = (tmp_path / "out/summary.txt").read_text()
+    assert "example8b-bf16: upstream's example has no line for the edit 's/--eval-iters" in summary
+    assert "example8b: unknown run nonsense" in summary
