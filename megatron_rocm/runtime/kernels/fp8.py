@@ -18,6 +18,7 @@ and the tests run it on the CPU where torch's own kernel takes the OCP dtypes.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +227,18 @@ class AmaxHistory:
         self.current.copy_(amax_without_nan(x.detach()))
         self.started = True
 
+    def skip(self, device: torch.device, fp8_max: float, margin: int) -> None:
+        """A quantize of an empty tensor: nothing to cast, but the step the group's other
+        ranks take (their all-reduce and the history's advance, or their first quantize),
+        so every rank's collectives and history stay in step. An empty tensor adds amax 0:
+        it changes nothing (TE's rule)."""
+        if not self.started:  # the others start from their own amaxes: no collective yet
+            self.allocate(device)
+            self.started = True
+            return
+        self.reduce()
+        self.advance(fp8_max, margin, triton=False)
+
     def reduce(self) -> None:
         """The running amax, all-reduced (max) over ``group``: before it joins the history."""
         if self.group is not None:
@@ -303,8 +316,38 @@ def _quantize_delayed(
         if cast is None:
             torch.maximum(history.current, amax_without_nan(x), out=history.current)
             x_fp8 = _apply(x, history.scale, dtype, fp8_max)
-            cast = (x_fp8, None if ld_t is None else pad_rows(x_fp8).t().contiguous())
+            cast = (x_fp8, None if ld_t is None else _padded_transpose(x_fp8))
     return cast[0], cast[1], inverse
+
+
+def _padded_transpose(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8``'s transpose with its rows padded to a multiple of 16 (torch's path; on a
+    GPU the cast-transpose kernel writes it)."""
+    return pad_rows(x_fp8).t().contiguous()
+
+
+def _on_history(
+    history: AmaxHistory | None,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    delayed: Callable[[], Any],
+    current: Callable[[], Any],
+) -> Any:
+    """Delayed scaling's bookkeeping around one quantize (``quantize``, ``quantize_transposed``):
+    ``delayed()`` once ``history`` has started; else ``current()`` (current scaling), whose
+    tensor starts the history. An empty ``x`` casts by ``current()`` and keeps the history in
+    step with the reduction group's other ranks (:meth:`AmaxHistory.skip`)."""
+    if history is None:
+        return current()
+    if x.numel() == 0:
+        history.skip(x.device, float(torch.finfo(dtype).max), margin)
+        return current()
+    if history.started:
+        return delayed()
+    done = current()
+    history.start(x)
+    return done
 
 
 def quantize(
@@ -326,23 +369,23 @@ def quantize(
     scale from ``x``'s earlier amaxes, :class:`AmaxHistory`) instead of ``x``'s own amax; after
     its first quantize the kernels are chosen as with ``triton=None``."""
     fp8_max = float(torch.finfo(dtype).max)
-    if x.numel() == 0:  # no amax to take
-        return x.detach().to(dtype), torch.ones((), device=x.device)
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    if history is not None and history.started:
+
+    def delayed() -> tuple[torch.Tensor, torch.Tensor]:
         x_fp8, _, inverse = _quantize_delayed(rows, dtype, margin, None, history)
         return x_fp8.view(x.shape), inverse
-    done = None
-    if triton if triton is not None else _triton_takes(x, dtype):
-        done = _quantize_triton(rows, dtype, margin, None)
-    if done is not None:
-        done = done[0].view(x.shape), done[2]
-    else:
+
+    def current() -> tuple[torch.Tensor, Any]:
+        if x.numel() == 0:  # no amax to take
+            return x.detach().to(dtype), torch.ones((), device=x.device)
+        if triton if triton is not None else _triton_takes(x, dtype):
+            done = _quantize_triton(rows, dtype, margin, None)
+            if done is not None:
+                return done[0].view(x.shape), done[2]
         with torch.no_grad():
-            done = _quantize(x.detach(), dtype, fp8_max, margin)
-    if history is not None:
-        history.start(x)
-    return done
+            return _quantize(x.detach(), dtype, fp8_max, margin)
+
+    return _on_history(history, x, dtype, margin, delayed, current)
 
 
 def quantize_transposed(
@@ -357,15 +400,22 @@ def quantize_transposed(
     quantizes and copies. ``history``: delayed scaling, as ``quantize``."""
     rows = x.shape[0]
     ld_t = rows + (-rows % _ALIGN)
-    if history is not None and history.started and x.numel():
-        return _quantize_delayed(x, dtype, margin, ld_t, history)  # type: ignore[return-value]
-    done = _quantize_triton(x, dtype, margin, ld_t) if _triton_takes(x, dtype) else None
-    if done is None:
-        x_fp8, inverse_scale = quantize(x, dtype, margin, triton=False)
-        done = x_fp8, pad_rows(x_fp8).t().contiguous(), inverse_scale
-    if history is not None and x.numel():
-        history.start(x)
-    return done  # type: ignore[return-value]
+
+    def current() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        done = _quantize_triton(x, dtype, margin, ld_t) if _triton_takes(x, dtype) else None
+        if done is None:
+            x_fp8, inverse_scale = quantize(x, dtype, margin, triton=False)
+            done = x_fp8, _padded_transpose(x_fp8), inverse_scale
+        return done  # type: ignore[return-value]
+
+    return _on_history(
+        history,
+        x,
+        dtype,
+        margin,
+        lambda: _quantize_delayed(x, dtype, margin, ld_t, history),
+        current,
+    )
 
 
 def dequantize(x_fp8: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:

@@ -243,6 +243,48 @@ def test_ranks_scale_by_the_amax_over_the_reduction_group() -> None:
     assert got == {0: pytest.approx(2 / 448), 1: pytest.approx(2 / 448)}
 
 
+def _rank_with_empty_tensors(rank: int, port: int, results) -> None:  # noqa: ANN001
+    """Rank 1's first and third tensors are empty: it must take the same steps as rank 0
+    (no collective at the first quantize, the all-reduce and the history's step after), or
+    the two ranks' all-reduces pair up wrongly and the group hangs or drifts apart."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    history = fp8.AmaxHistory(4, most_recent=False, group=dist.group.WORLD)
+    empty = torch.empty(0, 16)
+    fp8.quantize(empty if rank else torch.ones(4, 16), E4M3, history=history)  # amax 1 / none
+    fp8.quantize(torch.full((4, 16), 3.0 - rank), E4M3, history=history)  # amaxes 3 and 2
+    fp8.quantize_transposed(empty if rank else torch.full((4, 16), 0.5), E4M3, 0, history)
+    _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
+    results.put((rank, inv.item(), history.history.tolist()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_with_empty_tensors_stays_in_step_with_its_group() -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_with_empty_tensors, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {rank: (inv, hist) for rank, inv, hist in (results.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    # the amaxes the group folded in: 1 (rank 0's first), 3 (the max of 3 and 2), 0.5
+    want = (pytest.approx(3 / 448), [1.0, 3.0, 0.5, 0.0])
+    assert got == {0: want, 1: want}
+
+
 def test_capturing_a_first_quantize_is_an_error(monkeypatch) -> None:
     """Its current scaling and the history's allocation would be frozen into the graph."""
     monkeypatch.setattr(fp8, "capturing", lambda x: True)
