@@ -75,6 +75,7 @@
 #            dist_checkpointing --suite models), unpatched vs patched newest ref, 1 rank,
 #            UPX_BUDGET seconds (default 170; the rest waits for --resume)
 #   upx2     the same at 2 ranks
+#   upx4     the same at 4 ranks (4 GPUs)
 #   paths    upstream's test files UNIT_PATHS, unpatched vs patched newest ref, UNIT_NPROC ranks
 #            (default 2), UNIT_BUDGET seconds
 #   cpscale  CP throughput (2 GPUs): CP=1 at half of CP_LENGTH and at CP_LENGTH, CP=2 at CP_LENGTH
@@ -122,7 +123,7 @@
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
 #   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b
-#   4 GPUs: setup par4 scale4
+#   4 GPUs: setup par4 scale4 upx4
 set -u
 OUT=$1; shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -507,6 +508,10 @@ stage_paths() {
 
 stage_upx2() {
   UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx2 --suite dist_checkpointing --suite models
+}
+
+stage_upx4() {
+  UNIT_NPROC=4 UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx4 --suite dist_checkpointing --suite models
 }
 
 stage_packedcp() {
