@@ -107,15 +107,18 @@
 #            from scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"), SKIP_INSTALL=1,
 #            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
 #   example8b upstream's Llama-3 8B example (examples/llama/train_llama3_8b_h100_fp8.sh) on the
-#            newest ref, changed only where the box forces it: every GPU of the box, data-parallel;
-#            8 micro-batches a GPU a step (global batch 8 x GPUs); EX8B_ITERS iterations (default
-#            16); no eval, save, load or profile. One run per word of EX8B_RUNS (default "bf16
-#            fp8"): bf16 (DTYPE="bf16"), fp8 (the example's own FP8 flags, delayed scaling, with
+#            newest ref, on every GPU of the box, data-parallel (the GPU count: what the box
+#            forces), and for a short run: 8 micro-batches a GPU a step (global batch 8 x GPUs;
+#            upstream's 128 is 16 a GPU on 8), EX8B_ITERS iterations (default 16), no eval, save,
+#            load or profile. One run per word of EX8B_RUNS (default "bf16 fp8"): bf16
+#            (DTYPE="bf16"), fp8 (the example's own FP8 flags, delayed scaling, with
 #            --fp8-param-gather dropped: refused without TE), fp8-tensorwise (fp8 with
-#            --fp8-recipe tensorwise). An edit that finds nothing to change (upstream rewrote the
-#            example) stops that run. OUT/example8b-RUN.{sh,diff,log,json}: the script run, its
-#            diff from upstream's, the log, scripts/training/example_summary.py's line. The 8B's
-#            weights, gradients and Adam state need two H200s or four H100s at least
+#            --fp8-recipe tensorwise). Each edit must find its line in upstream's script, else
+#            that run is not made (upstream rewrote the example). EX8B_TIMEOUT seconds a run
+#            (default 300; a run of 16 iterations takes about 3 minutes on 2 x H200).
+#            OUT/example8b-RUN.{sh,diff,log,json}: the script run, its diff from upstream's, the
+#            log, scripts/training/example_summary.py's line. The 8B's weights, gradients and
+#            Adam state need two H200s at least (2 x H200: 124 GiB reserved a GPU in bf16)
 #   pack     everything under OUT into OUT/all.tgz (last: the device tool brings back only a
 #            few files of a call, and one archive holds them all)
 # Results: OUT/*.json, OUT/*.log and OUT/summary.txt.
@@ -280,45 +283,51 @@ stage_fp8() {
   done
 }
 
+example8b_edit() {  # example8b_edit FILE LINE_ERE SED_EXPR: apply where LINE_ERE finds a line
+  grep -Eq -- "$2" "$1" || { log "$(basename "$1" .sh): upstream's example has no line matching '$2'; not run"; return 1; }
+  sed -i -e "$3" "$1"
+}
+
 stage_example8b() {
-  local src="$W/p-$NEWEST/examples/llama/train_llama3_8b_h100_fp8.sh" gpus run e
+  local src="$W/p-$NEWEST/examples/llama/train_llama3_8b_h100_fp8.sh" gpus run
   [ -f "$src" ] || { log "example8b: no $src (run setup first)"; return; }
-  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+  gpus=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)
+  [[ $gpus =~ ^[0-9]+$ ]] && ((gpus >= 2)) || { log "example8b: needs 2 GPUs or more (found '$gpus')"; return; }
   local iters=${EX8B_ITERS:-16} batch=$((8 * gpus))
+  # the example launches `torchrun` from PATH: the one beside $PY
+  local bin
+  bin=$(dirname "$(command -v "$PY")")
   local common=(
-    "s/^GPUS_PER_NODE=8\$/GPUS_PER_NODE=$gpus/"
-    "s/^GLOBAL_BATCH_SIZE=128\$/GLOBAL_BATCH_SIZE=$batch/"
-    "s/--train-samples [0-9]*/--train-samples $((iters * batch))/"
-    "s/--lr-decay-samples [0-9]*/--lr-decay-samples $((iters * batch))/"
-    "s/--lr-warmup-samples [0-9]*/--lr-warmup-samples $((2 * batch))/"
-    "s/--eval-iters [0-9]*/--eval-iters 0/"
-    '/^ *--profile/d'
-    '/^ *--save "\$CHECKPOINT_PATH"/d'
-    '/^ *--load "\$CHECKPOINT_PATH"/d'
+    '^GPUS_PER_NODE=[0-9]+$' "s/^GPUS_PER_NODE=[0-9][0-9]*\$/GPUS_PER_NODE=$gpus/"
+    '^GLOBAL_BATCH_SIZE=[0-9]+$' "s/^GLOBAL_BATCH_SIZE=[0-9][0-9]*\$/GLOBAL_BATCH_SIZE=$batch/"
+    '^ *--train-samples [0-9]+ *$' "s/--train-samples [0-9][0-9]*/--train-samples $((iters * batch))/"
+    '^ *--lr-decay-samples [0-9]+ *$' "s/--lr-decay-samples [0-9][0-9]*/--lr-decay-samples $((iters * batch))/"
+    '^ *--lr-warmup-samples [0-9]+ *$' "s/--lr-warmup-samples [0-9][0-9]*/--lr-warmup-samples $((2 * batch))/"
+    '^ *--eval-iters [0-9]+ *$' "s/--eval-iters [0-9][0-9]*/--eval-iters 0/"
+    '^ *--profile' '/^ *--profile/d'
+    '^ *--save "\$CHECKPOINT_PATH"' '/^ *--save "\$CHECKPOINT_PATH"/d'
+    '^ *--load "\$CHECKPOINT_PATH"' '/^ *--load "\$CHECKPOINT_PATH"/d'
   )
   for run in ${EX8B_RUNS:-bf16 fp8}; do
     local edits=("${common[@]}")
     case $run in
-      bf16) edits+=('s/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
-      fp8) edits+=('/^ *"--fp8-param-gather"$/d') ;;
-      fp8-tensorwise) edits+=('/^ *"--fp8-param-gather"$/d'
-                              's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
+      bf16) edits+=('^DTYPE="fp8"$' 's/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
+      fp8) edits+=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d') ;;
+      fp8-tensorwise)
+        grep -q -- '--fp8-recipe' "$src" && { log "example8b-$run: upstream's example sets --fp8-recipe itself; not run"; continue; }
+        edits+=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d'
+                '^ *"--fp8-format hybrid"$' 's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
       *) log "example8b: unknown run $run (bf16, fp8, fp8-tensorwise)"; continue ;;
     esac
-    local name="example8b-$run" ok=1
-    cp "$src" "$OUT/$name.sh"
-    for e in "${edits[@]}"; do
-      sed -e "$e" "$OUT/$name.sh" > "$OUT/$name.sh.next"
-      if cmp -s "$OUT/$name.sh" "$OUT/$name.sh.next"; then
-        log "$name: upstream's example has no line for the edit '$e'; not run"; ok=0; break
-      fi
-      mv "$OUT/$name.sh.next" "$OUT/$name.sh"
+    local name="example8b-$run" script="$OUT/example8b-$run.sh" ok=1 i
+    cp "$src" "$script"
+    for ((i = 0; i < ${#edits[@]}; i += 2)); do
+      example8b_edit "$script" "${edits[i]}" "${edits[i + 1]}" || { ok=0; break; }
     done
-    rm -f "$OUT/$name.sh.next"
-    [ "$ok" = 1 ] || continue
-    diff "$src" "$OUT/$name.sh" > "$OUT/$name.diff"
-    (cd "$W/p-$NEWEST" && timeout "${EX8B_TIMEOUT:-300}" bash "$OUT/$name.sh" "$W/ck-$name" \
-       "$W/tb-$name" > "$OUT/$name.log" 2>&1)
+    [ "$ok" = 1 ] || { rm -f "$script"; continue; }
+    diff "$src" "$script" > "$OUT/$name.diff"
+    (cd "$W/p-$NEWEST" && PATH="$bin:$PATH" timeout -k 60 "${EX8B_TIMEOUT:-300}" bash "$script" \
+       "$W/ck-$name" "$W/tb-$name" > "$OUT/$name.log" 2>&1)
     local rc=$?
     (cd "$HERE" && $PY -m scripts.training.example_summary "$OUT/$name.log" > "$OUT/$name.json")
     log "$name ($gpus GPUs, global batch $batch): exit $rc $(cat "$OUT/$name.json")"

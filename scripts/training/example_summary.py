@@ -4,11 +4,12 @@
 Usage: python3 -m scripts.training.example_summary RUN.log [--peak-tflops 989]
 
 The examples print their own throughput (``--log-throughput``: Megatron's model TFLOP/s per
-GPU), so nothing here recounts FLOPs: it takes the iterations ``train_small.py`` parses, drops
-the first three (warm-up: allocator, compilation, autotuning, as ``train_small`` does) and
-reports the median iteration time and Megatron's TFLOP/s at it, MFU against ``--peak-tflops``,
-the last loss, the largest ``max reserved`` memory rank 0 reported, and the last exception.
-Exit 0 with at least one timed iteration, 1 without (the JSON says why), 2 when the log is
+GPU), so nothing here recounts FLOPs: it takes the iterations ``train_small.py`` parses, leaves
+out the first ``WARM_UP`` as ``train_small`` does, and reports the median iteration time, the
+median of Megatron's per-iteration TFLOP/s and its MFU against ``--peak-tflops``, the first and
+last loss, the largest ``max reserved`` memory rank 0 reported (Megatron prints it in MiB and
+only for the first iterations), and the last exception. Exit 0 with at least one timed
+iteration and every loss finite, 1 otherwise (``problems`` says why), 2 when the log is
 missing.
 """
 
@@ -16,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
 from pathlib import Path
 
-from scripts.training.train_small import PEAK_TFLOPS, last_exception, parse_log
+from scripts.training.train_small import PEAK_TFLOPS, WARM_UP, last_exception, parse_log
 
-WARM_UP = 3
 _RESERVED = re.compile(r"max reserved:\s*([0-9.]+)")
 
 
 def summarize(lines: list[str], peak_tflops: float = PEAK_TFLOPS) -> dict:
-    """The run's summary (see the module docstring); ``ok`` false without a timed iteration."""
+    """The run's summary (see the module docstring); ``ok`` false with its ``problems``."""
     records, _ = parse_log(lines)
     timed = [r for r in records[WARM_UP:] if r.elapsed_ms is not None]
     reserved = [float(m.group(1)) for line in lines if (m := _RESERVED.search(line))]
@@ -44,10 +45,18 @@ def summarize(lines: list[str], peak_tflops: float = PEAK_TFLOPS) -> dict:
             mfu=round(median_tflops / peak_tflops, 4) if median_tflops else None,
         )
     losses = [r.loss for r in records if r.loss is not None]
+    out["first_loss"] = losses[0] if losses else None
     out["last_loss"] = losses[-1] if losses else None
-    out["max_reserved_mb"] = max(reserved) if reserved else None
+    out["max_reserved_mib"] = max(reserved) if reserved else None
     out["exception"] = last_exception(lines)
-    out["ok"] = bool(timed)
+    problems = []
+    if not timed:
+        problems.append(f"no timed iteration (after the first {WARM_UP})")
+    # Megatron logs no loss for an iteration whose loss is NaN, and counts it
+    if any(not math.isfinite(x) for x in losses) or any(r.nan_iterations for r in records):
+        problems.append("loss is not finite")
+    out["problems"] = problems
+    out["ok"] = not problems
     return out
 
 

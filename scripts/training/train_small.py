@@ -62,6 +62,7 @@ class Shape:
 
 
 PEAK_TFLOPS = 989.0  # dense bf16 per GPU, H100 SXM and H200: MFU's denominator
+WARM_UP = 3  # iterations left out of the timing: allocator, autotuning, compilation
 
 SHAPES = {
     ("gpt", "small"): Shape(12, 768, 3072, 12, 12, 1024, 8, 8, 50303, 6e-4),
@@ -279,8 +280,7 @@ def summarize(
     head, tail = _mean(losses[:k]), _mean(losses[-k:])
     if len(losses) >= 2 and not problems and not tail < head:
         problems.append(f"loss did not decrease (first {k}: {head:.4f}, last {k}: {tail:.4f})")
-    # The first iterations include warm-up (allocator, autotuning, compilation).
-    timed = [r for r in records[3:] if r.elapsed_ms is not None] or records[-1:]
+    timed = [r for r in records[WARM_UP:] if r.elapsed_ms is not None] or records[-1:]
     mean_ms = _mean([r.elapsed_ms for r in timed if r.elapsed_ms is not None])
     summary: dict = {
         "iterations": len(records),

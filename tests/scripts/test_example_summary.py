@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_log(path: Path, steps: list[tuple[float, float]], extra: list[str] = ()) -> Path:
+def write_log(path: Path, steps: list[tuple[float, float]], extra: Sequence[str] = ()) -> Path:
     """A log with one iteration line per (ms, TFLOP/s), losses falling from 10."""
     lines = ["some start-up line", *extra]
     for i, (ms, tflops) in enumerate(steps, 1):
@@ -26,6 +27,7 @@ def write_log(path: Path, steps: list[tuple[float, float]], extra: list[str] = (
 
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:
+    """The script as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "scripts.training.example_summary", *map(str, args)],
         capture_output=True,
@@ -50,8 +52,9 @@ def test_the_warm_up_is_left_out_and_the_median_reported(tmp_path: Path) -> None
     assert got["mean_iter_ms"] == 6750.0
     assert got["megatron_tflops_per_gpu"] == 557.5  # the median of the timed steps' figures
     assert got["mfu"] == 0.5575
-    assert got["max_reserved_mb"] == 127436.0
-    assert got["last_loss"] == 9.3 and got["exception"] is None and got["ok"] is True
+    assert got["max_reserved_mib"] == 127436.0
+    assert got["first_loss"] == 9.9 and got["last_loss"] == 9.3
+    assert got["exception"] is None and got["problems"] == [] and got["ok"] is True
 
 
 def test_a_run_that_stopped_before_a_timed_step_exits_1_saying_why(tmp_path: Path) -> None:
@@ -60,6 +63,7 @@ def test_a_run_that_stopped_before_a_timed_step_exits_1_saying_why(tmp_path: Pat
     assert done.returncode == 1
     got = json.loads(done.stdout)
     assert got["ok"] is False and got["timed"] == 0 and "median_iter_ms" not in got
+    assert got["problems"] == ["no timed iteration (after the first 3)"]
     assert got["exception"].startswith("torch.OutOfMemoryError: CUDA out of memory")
 
 
@@ -67,3 +71,20 @@ def test_a_missing_log_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = run(tmp_path / "nope.log")
     assert done.returncode == 2
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_whose_loss_went_nan_is_not_ok(tmp_path: Path) -> None:
+    """An FP8 run that diverged must not be recorded as a speed-up: Megatron prints no loss
+    for a NaN iteration and counts it."""
+    log = write_log(tmp_path / "a.log", [(6000.0, 560.0)] * 5)
+    text = log.read_text().splitlines()
+    text[-1] = (
+        text[-1]
+        .replace("lm loss: 9.500000E+00 | ", "")
+        .replace("number of nan iterations:   0", "number of nan iterations:   1")
+    )
+    log.write_text("\n".join(text) + "\n")
+    done = run(log)
+    assert done.returncode == 1
+    got = json.loads(done.stdout)
+    assert got["problems"] == ["loss is not finite"] and got["median_iter_ms"] == 6000.0

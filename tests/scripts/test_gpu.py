@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,9 @@ def run_stage(tmp_path: Path, stage: str, **env: str) -> list[str]:
         "#!/usr/bin/env bash\n"
         f'echo "kernel=${{MEGATRON_ROCM_CP_KERNEL:-auto}} $*" >> {calls}\n'
         f'echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {calls}.gpus\n'
+        # with FAKE_REAL=PYTHON the log summaries run for real (the stage's wiring is tested)
+        'if [ -n "${FAKE_REAL:-}" ] && [ "$2" = scripts.training.example_summary ]; then\n'
+        '  exec "$FAKE_REAL" "$@"; fi\n'
         # with FAKE_GPUS=N a `python -c` (a stage asking torch for the GPU count) answers N
         'if [ "$1" = -c ] && [ -n "${FAKE_GPUS:-}" ]; then echo "$FAKE_GPUS"; exit 0; fi\n'
         # with FAKE_MEET=N a run on a named GPU waits (up to 20 s) until N such runs have
@@ -385,56 +389,85 @@ def _alive(pid: int, wait: float = 2.0) -> bool:
 
 
 # A stand-in for upstream's 8B example with the lines the stage edits (the real one is upstream's
-# and is not copied here): it records the command line it would have launched.
-EXAMPLE_8B = """GPUS_PER_NODE=8
-GLOBAL_BATCH_SIZE=128
-DTYPE="fp8"
-ARGS=(
-    --train-samples 1953125000
-    --lr-decay-samples 1949218748
-    --lr-warmup-samples 3906252
-    --eval-iters 32
-    --profile
-    --profile-step-start 4
-    --save "$CHECKPOINT_PATH"
-    --load "$CHECKPOINT_PATH"
+# and is not copied here): it records the command line it would have launched and logs three
+# iterations in Megatron's format.
+EXAMPLE_8B = "\n".join(
+    [
+        "GPUS_PER_NODE=8",
+        "GLOBAL_BATCH_SIZE=128",
+        'DTYPE="fp8"',
+        "ARGS=(",
+        "    --train-samples 1953125000",
+        "    --lr-decay-samples 1949218748",
+        "    --lr-warmup-samples 3906252",
+        "    --eval-iters 32",
+        "    --profile",
+        "    --profile-step-start 4",
+        "    --profile-step-end 6",
+        '    --save "$CHECKPOINT_PATH"',
+        '    --load "$CHECKPOINT_PATH" ',  # upstream's line ends in a space
+        ")",
+        "DTYPE_ARGS=()",
+        'if [[ "$DTYPE" == "fp8" ]]; then',
+        "    DTYPE_ARGS+=(",
+        '        "--fp8-format hybrid"',
+        '        "--fp8-param-gather"',
+        "    )",
+        "fi",
+        'echo "$GPUS_PER_NODE $GLOBAL_BATCH_SIZE ${ARGS[@]} ${DTYPE_ARGS[@]}" >> ran.txt',
+        "for i in 1 2 3 4 5; do",
+        '  echo " iteration $i/ 5 | elapsed time per iteration (ms): $((7000 - i * 100)).0 |'
+        ' throughput per GPU (TFLOP/s/GPU): 500.0 | lm loss: 9.0E+00 |"',
+        "done",
+        "",
+    ]
 )
-DTYPE_ARGS=()
-if [[ "$DTYPE" == "fp8" ]]; then
-    DTYPE_ARGS+=(
-        "--fp8-format hybrid"
-        "--fp8-param-gather"
-    )
-fi
-echo "$GPUS_PER_NODE $GLOBAL_BATCH_SIZE ${ARGS[@]} ${DTYPE_ARGS[@]}" >> ran.txt
-"""
 
 
 def _example_tree(tmp_path: Path, text: str) -> Path:
+    """A patched tree holding only the stand-in example."""
     tree = tmp_path / "work/p-main"
     (tree / "examples/llama").mkdir(parents=True)
     (tree / "examples/llama/train_llama3_8b_h100_fp8.sh").write_text(text)
     return tree
 
 
-def test_example8b_changes_only_what_the_box_forces(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_example8b_changes_only_the_gpus_and_the_run_length(tmp_path: Path, gpus: int) -> None:
+    """Eight GPUs (upstream's own count) change GPUS_PER_NODE to what it already is: the run
+    is still made."""
     tree = _example_tree(tmp_path, EXAMPLE_8B)
-    run_stage(tmp_path, "example8b", FAKE_GPUS="2", EX8B_ITERS="10",
-              EX8B_RUNS="bf16 fp8 fp8-tensorwise")  # fmt: skip
-    box = "2 16 --train-samples 160 --lr-decay-samples 160 --lr-warmup-samples 32 --eval-iters 0"
+    run_stage(tmp_path, "example8b", FAKE_GPUS=str(gpus), EX8B_ITERS="10",
+              EX8B_RUNS="bf16 fp8 fp8-tensorwise", FAKE_REAL=sys.executable)  # fmt: skip
+    batch = 8 * gpus
+    box = (
+        f"{gpus} {batch} --train-samples {10 * batch} --lr-decay-samples {10 * batch} "
+        f"--lr-warmup-samples {2 * batch} --eval-iters 0"
+    )
     assert (tree / "ran.txt").read_text().splitlines() == [
         box + " ",  # bf16: no FP8 flag
         box + " --fp8-format hybrid",  # --fp8-param-gather dropped, the rest the example's
         box + " --fp8-format hybrid --fp8-recipe tensorwise",
     ]
     summary = (tmp_path / "out/summary.txt").read_text()
-    assert summary.count("(2 GPUs, global batch 16): exit 0") == 3
+    assert summary.count(f"({gpus} GPUs, global batch {batch}): exit 0") == 3
+    # the summary of the log the run wrote: iterations 4 and 5 after the warm-up
+    assert summary.count('"median_iter_ms": 6550.0') == 3
 
 
 def test_example8b_does_not_run_an_example_upstream_has_rewritten(tmp_path: Path) -> None:
     tree = _example_tree(tmp_path, EXAMPLE_8B.replace("--eval-iters 32", "--eval-interval 5"))
     run_stage(tmp_path, "example8b", FAKE_GPUS="4", EX8B_RUNS="bf16 nonsense")
     assert not (tree / "ran.txt").exists()
+    assert not (tmp_path / "out/example8b-bf16.sh").exists()  # no half-edited script left
     summary = (tmp_path / "out/summary.txt").read_text()
-    assert "example8b-bf16: upstream's example has no line for the edit 's/--eval-iters" in summary
+    assert "example8b-bf16: upstream's example has no line matching '^ *--eval-iters" in summary
     assert "example8b: unknown run nonsense" in summary
+
+
+@pytest.mark.parametrize("answer", ["1", "", "no GPU"])
+def test_example8b_needs_two_gpus(tmp_path: Path, answer: str) -> None:
+    tree = _example_tree(tmp_path, EXAMPLE_8B)
+    run_stage(tmp_path, "example8b", FAKE_GPUS=answer or " ")
+    assert not (tree / "ran.txt").exists()
+    assert "example8b: needs 2 GPUs or more" in (tmp_path / "out/summary.txt").read_text()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -218,26 +218,30 @@ class AmaxHistory:
 
     def start(self, x: torch.Tensor) -> None:
         """After a first quantize (by current scaling): ``x``'s amax is the running one."""
+        self._begin(x)
+        self.current.copy_(amax_without_nan(x.detach()))
+
+    def skip(self, x: torch.Tensor, fp8_max: float, margin: int) -> None:
+        """A quantize of an empty ``x`` on a rank of an amax reduction group: nothing to cast,
+        but the step the group's other ranks take (their first quantize, or their all-reduce
+        and the history's advance), so every rank's collectives and history stay in step. An
+        empty tensor adds amax 0, which changes nothing (TE's rule). Where every rank's first
+        tensor is empty, the first non-empty one casts at scale 1, TE's starting scale."""
+        if not self.started:  # the others start from their own amaxes: no collective yet
+            self._begin(x)
+            return
+        self.reduce()
+        self.advance(fp8_max, margin, triton=False)
+
+    def _begin(self, x: torch.Tensor) -> None:
+        """The state allocated on ``x``'s device, started; never inside a CUDA graph capture."""
         if capturing(x):
             raise RuntimeError(
                 "FP8 delayed scaling: a linear's first quantize is being captured in a CUDA "
                 "graph; run at least one eager iteration first (--cuda-graph-warmup-steps)"
             )
         self.allocate(x.device)
-        self.current.copy_(amax_without_nan(x.detach()))
         self.started = True
-
-    def skip(self, device: torch.device, fp8_max: float, margin: int) -> None:
-        """A quantize of an empty tensor: nothing to cast, but the step the group's other
-        ranks take (their all-reduce and the history's advance, or their first quantize),
-        so every rank's collectives and history stay in step. An empty tensor adds amax 0:
-        it changes nothing (TE's rule)."""
-        if not self.started:  # the others start from their own amaxes: no collective yet
-            self.allocate(device)
-            self.started = True
-            return
-        self.reduce()
-        self.advance(fp8_max, margin, triton=False)
 
     def reduce(self) -> None:
         """The running amax, all-reduced (max) over ``group``: before it joins the history."""
@@ -320,6 +324,9 @@ def _quantize_delayed(
     return cast[0], cast[1], inverse
 
 
+_Quantized = TypeVar("_Quantized", bound=tuple)
+
+
 def _padded_transpose(x_fp8: torch.Tensor) -> torch.Tensor:
     """``x_fp8``'s transpose with its rows padded to a multiple of 16 (torch's path; on a
     GPU the cast-transpose kernel writes it)."""
@@ -331,17 +338,19 @@ def _on_history(
     x: torch.Tensor,
     dtype: torch.dtype,
     margin: int,
-    delayed: Callable[[], Any],
-    current: Callable[[], Any],
-) -> Any:
+    delayed: Callable[[], _Quantized],
+    current: Callable[[], _Quantized],
+) -> _Quantized:
     """Delayed scaling's bookkeeping around one quantize (``quantize``, ``quantize_transposed``):
     ``delayed()`` once ``history`` has started; else ``current()`` (current scaling), whose
-    tensor starts the history. An empty ``x`` casts by ``current()`` and keeps the history in
-    step with the reduction group's other ranks (:meth:`AmaxHistory.skip`)."""
+    tensor starts the history. An empty ``x`` casts by ``current()``; on a rank of an amax
+    reduction group it keeps the history in step with the group (:meth:`AmaxHistory.skip`),
+    elsewhere it leaves the history as it was."""
     if history is None:
         return current()
     if x.numel() == 0:
-        history.skip(x.device, float(torch.finfo(dtype).max), margin)
+        if history.group is not None:
+            history.skip(x, float(torch.finfo(dtype).max), margin)
         return current()
     if history.started:
         return delayed()
@@ -369,17 +378,19 @@ def quantize(
     scale from ``x``'s earlier amaxes, :class:`AmaxHistory`) instead of ``x``'s own amax; after
     its first quantize the kernels are chosen as with ``triton=None``."""
     fp8_max = float(torch.finfo(dtype).max)
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+    def rows() -> torch.Tensor:  # 2-D, for the kernels (not for an empty x: no last dim to keep)
+        return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
     def delayed() -> tuple[torch.Tensor, torch.Tensor]:
-        x_fp8, _, inverse = _quantize_delayed(rows, dtype, margin, None, history)
+        x_fp8, _, inverse = _quantize_delayed(rows(), dtype, margin, None, history)
         return x_fp8.view(x.shape), inverse
 
     def current() -> tuple[torch.Tensor, Any]:
         if x.numel() == 0:  # no amax to take
             return x.detach().to(dtype), torch.ones((), device=x.device)
         if triton if triton is not None else _triton_takes(x, dtype):
-            done = _quantize_triton(rows, dtype, margin, None)
+            done = _quantize_triton(rows(), dtype, margin, None)
             if done is not None:
                 return done[0].view(x.shape), done[2]
         with torch.no_grad():

@@ -242,9 +242,17 @@ def test_gpu_tensors_take_the_triton_quantize_unless_reference(monkeypatch) -> N
     assert len(calls) == 1
 
 
-def test_an_empty_tensor_quantizes_with_scale_one() -> None:
-    x_fp8, inv = fp8.quantize(torch.empty(0, 16), E4M3)
-    assert x_fp8.shape == (0, 16) and x_fp8.dtype == E4M3 and inv.item() == 1.0
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0), (0,)])
+def test_an_empty_tensor_quantizes_with_scale_one(shape) -> None:
+    x_fp8, inv = fp8.quantize(torch.empty(shape), E4M3)
+    assert x_fp8.shape == shape and x_fp8.dtype == E4M3 and inv.item() == 1.0
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_an_empty_tensor_quantizes_transposed_with_scale_one(shape) -> None:
+    x_fp8, x_t, inv = fp8.quantize_transposed(torch.empty(shape), E4M3)
+    assert x_fp8.shape == shape and x_t.shape == (shape[1], 16 * -(-shape[0] // 16))
+    assert inv.item() == 1.0
 
 
 @pytest.mark.gpu

@@ -285,6 +285,25 @@ def test_a_rank_with_empty_tensors_stays_in_step_with_its_group() -> None:
     assert got == {0: want, 1: want}
 
 
+def test_an_empty_first_tensor_without_a_group_leaves_the_history_unstarted() -> None:
+    """No collective to keep in step: the first non-empty tensor still scales by its own amax
+    (a small one would flush to zero at scale 1)."""
+    history = fp8.AmaxHistory(4, most_recent=False)
+    fp8.quantize(torch.empty(0, 16), E4M3, history=history)
+    assert not history.started
+    x = torch.full((4, 16), 1e-3)
+    x_fp8, inv = fp8.quantize(x, E4M3, history=history)
+    assert history.started and inv.item() == pytest.approx(1e-3 / 448)
+    assert torch.equal(x_fp8.float() * inv, torch.full((4, 16), 1e-3))
+
+
+def test_capturing_an_empty_first_tensor_on_a_group_rank_is_an_error(monkeypatch) -> None:
+    monkeypatch.setattr(fp8, "capturing", lambda x: True)
+    history = fp8.AmaxHistory(4, most_recent=False, group=object())  # never reached: no start
+    with pytest.raises(RuntimeError, match="first quantize is being captured"):
+        fp8.quantize(torch.empty(0, 16), E4M3, history=history)
+
+
 def test_capturing_a_first_quantize_is_an_error(monkeypatch) -> None:
     """Its current scaling and the history's allocation would be frozen into the graph."""
     monkeypatch.setattr(fp8, "capturing", lambda x: True)
