@@ -23,7 +23,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from scripts.training.train_small import PEAK_TFLOPS, WARM_UP, last_exception, parse_log
+from scripts.training.train_small import (
+    PEAK_TFLOPS,
+    WARM_UP,
+    add_peak_tflops,
+    last_exception,
+    parse_log,
+)
 
 _RESERVED = re.compile(r"max reserved:\s*([0-9.]+)")
 
@@ -63,12 +69,7 @@ def summarize(lines: list[str], peak_tflops: float = PEAK_TFLOPS) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path, help="the example's pretrain_gpt.py log")
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=PEAK_TFLOPS,
-        help=f"peak dense bf16 TFLOP/s per GPU for MFU (default {PEAK_TFLOPS:g}: H100 SXM, H200)",
-    )
+    add_peak_tflops(parser)
     a = parser.parse_args(argv)
     if not a.log.is_file():
         print(f"example_summary: {a.log}: no such log", file=sys.stderr)

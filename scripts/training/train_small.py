@@ -344,6 +344,16 @@ def run_training(
     return proc.returncode, lines
 
 
+def add_peak_tflops(parser: argparse.ArgumentParser) -> None:
+    """``--peak-tflops``: MFU's denominator (train_small's runs and example_summary's logs)."""
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=PEAK_TFLOPS,
+        help=f"peak dense bf16 TFLOP/s per GPU for MFU (default {PEAK_TFLOPS:g}: H100 SXM, H200)",
+    )
+
+
 def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("tree", type=Path, help="patched Megatron-LM checkout (has pretrain_gpt.py)")
@@ -380,12 +390,7 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--micro-batch-size", type=int, help="override the preset's micro-batch")
     p.add_argument("--global-batch-size", type=int, help="override the preset's global batch")
-    p.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=PEAK_TFLOPS,
-        help=f"peak dense bf16 TFLOP/s per GPU for MFU (default {PEAK_TFLOPS:g}: H100 SXM, H200)",
-    )
+    add_peak_tflops(p)
     p.add_argument("--log", type=Path, help="log file (default train_small-<preset>-<size>.log)")
     p.add_argument("--parse-log", type=Path, help="summarise an existing log; do not train")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
