@@ -73,7 +73,9 @@
 #            ref, 2 ranks
 #   upx1     upstream's dist_checkpointing/ and models/ tests (upstream_unit_tests.py --suite
 #            dist_checkpointing --suite models), unpatched vs patched newest ref, 1 rank,
-#            UPX_BUDGET seconds (default 170; the rest waits for --resume)
+#            UPX_BUDGET seconds for both trees (default 470: at main d98e8a6 one rank took about
+#            200 s on 1 x H200, two ranks 280 s on 2 x H200; a run the budget stops is finished
+#            by hand, upstream_unit_tests.py run ... --out OUT/upxN --resume)
 #   upx2     the same at 2 ranks
 #   upx4     the same at 4 ranks (4 GPUs)
 #   paths    upstream's test files UNIT_PATHS, unpatched vs patched newest ref, UNIT_NPROC ranks
@@ -107,10 +109,11 @@
 #            from scripts/make_carry.sh: WHEELS="$PWD/.whl $PWD/.whl/build"), SKIP_INSTALL=1,
 #            JOBS=N smoke runs at once (default 2). About 3 minutes of smoke per ref on H100/H200
 #   example8b upstream's Llama-3 8B example (examples/llama/train_llama3_8b_h100_fp8.sh) on the
-#            newest ref, on every GPU of the box, data-parallel (the GPU count: what the box
-#            forces), and for a short run: 8 micro-batches a GPU a step (global batch 8 x GPUs;
-#            upstream's 128 is 16 a GPU on 8), EX8B_ITERS iterations (default 16), no eval, save,
-#            load or profile. One run per word of EX8B_RUNS (default "bf16 fp8"): bf16
+#            newest ref, data-parallel over every visible GPU (the DP size is the GPU count),
+#            and for a short run: 8 micro-batches a GPU a step (global batch 8 x GPUs;
+#            upstream's global batch 128 is 16 a GPU on 8 GPUs), EX8B_ITERS iterations (default
+#            16), no eval, save, load or profile. One run per word of EX8B_RUNS (default "bf16
+#            fp8"; "bf16 fp8 fp8-tensorwise" for the performance table's rows): bf16
 #            (DTYPE="bf16"), fp8 (the example's own FP8 flags, delayed scaling, with
 #            --fp8-param-gather dropped: refused without TE), fp8-tensorwise (fp8 with
 #            --fp8-recipe tensorwise). Each edit must find its line in upstream's script, else
@@ -505,7 +508,7 @@ stage_mimo2() {
 }
 
 stage_upx1() {
-  UNIT_NPROC=1 UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx1 --suite dist_checkpointing --suite models
+  UNIT_NPROC=1 UNIT_BUDGET=${UPX_BUDGET:-470} units_two_ranks upx1 --suite dist_checkpointing --suite models
 }
 
 stage_paths() {
@@ -516,11 +519,11 @@ stage_paths() {
 }
 
 stage_upx2() {
-  UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx2 --suite dist_checkpointing --suite models
+  UNIT_BUDGET=${UPX_BUDGET:-470} units_two_ranks upx2 --suite dist_checkpointing --suite models
 }
 
 stage_upx4() {
-  UNIT_NPROC=4 UNIT_BUDGET=${UPX_BUDGET:-170} units_two_ranks upx4 --suite dist_checkpointing --suite models
+  UNIT_NPROC=4 UNIT_BUDGET=${UPX_BUDGET:-470} units_two_ranks upx4 --suite dist_checkpointing --suite models
 }
 
 stage_packedcp() {
