@@ -183,13 +183,13 @@ def test_mimo2_compares_upstreams_mimo_tests_on_both_trees(tmp_path: Path) -> No
     assert option(compare, "--md").endswith("/mimo-compare.md")
 
 
-@pytest.mark.parametrize(("stage", "nproc"), [("upx1", "1"), ("upx2", "2")])
+@pytest.mark.parametrize(("stage", "nproc"), [("upx1", "1"), ("upx2", "2"), ("upx4", "4")])
 def test_upx_runs_upstreams_checkpointing_and_model_suites_on_both_trees(
     tmp_path: Path, stage: str, nproc: str
 ) -> None:
     run, compare = run_stage(tmp_path, stage)
     assert re.findall(r"--suite (\S+)", run) == ["dist_checkpointing", "models"]
-    assert option(run, "--nproc") == nproc and option(run, "--budget") == "170"
+    assert option(run, "--nproc") == nproc and option(run, "--budget") == "470"
     assert re.findall(r"--tree (\S+)=", run) == ["u-main", "p-main"]
     assert option(compare, "--md").endswith(f"/{stage}-compare.md")
     (tmp_path / "b").mkdir()
