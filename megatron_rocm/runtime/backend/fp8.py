@@ -143,6 +143,14 @@ def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | 
     )
 
 
+def attach_recipe(linear: Any, owner: str, config: Any) -> None:
+    """A native linear's FP8 state, set where it is built: its recipe (:func:`module_recipe`)
+    and ``is_first_microbatch``, the flag Megatron's schedules set on every module that has it
+    before a step's first micro-batch (:func:`weight_reuse`)."""
+    linear.fp8_recipe = module_recipe(owner, config, linear.weight)
+    linear.is_first_microbatch = True
+
+
 def _delayed_scaling(config: Any) -> DelayedScaling:
     """Fresh histories from upstream's ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``;
     activations and gradients reduce their amax over upstream's amax reduction group."""

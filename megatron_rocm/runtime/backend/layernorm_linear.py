@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import refuse_te_only_config
-from megatron_rocm.runtime.backend.fp8 import module_recipe, parallel_forward
+from megatron_rocm.runtime.backend.fp8 import attach_recipe, parallel_forward
 from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
 from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
@@ -84,8 +84,7 @@ class TELayerNormColumnParallelLinear(ColumnParallelLinear):
         # TE registers the norm's parameters first: keep that order (state dict, optimizer).
         self._parameters = OrderedDict(list(norm_params.items()) + list(self._parameters.items()))
         self.reset_layer_norm_parameters()
-        self.fp8_recipe = module_recipe(owner, config, self.weight)
-        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
+        attach_recipe(self, owner, config)
 
     def reset_layer_norm_parameters(self) -> None:
         """gamma = 1 (0 when zero-centred: the kernel uses 1 + gamma), beta = 0."""

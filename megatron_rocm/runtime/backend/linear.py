@@ -31,8 +31,8 @@ from megatron_rocm.runtime.backend._linear_function import (
     project_attention_output,
 )
 from megatron_rocm.runtime.backend.fp8 import (
+    attach_recipe,
     fp8_linear,
-    module_recipe,
     parallel_forward,
     weight_reuse,
 )
@@ -98,8 +98,7 @@ class TEColumnParallelLinear(ColumnParallelLinear):
                 tp_comm_buffer_name=tp_comm_buffer_name,
                 **extra,
             )
-        self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
-        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
+        attach_recipe(self, type(self).__name__, config)
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Upstream's forward, or under ``--fp8-format`` the FP8 GEMM (``backend.fp8``)."""
@@ -147,8 +146,7 @@ class TERowParallelLinear(RowParallelLinear):
                 tp_comm_buffer_name=tp_comm_buffer_name,
                 **extra,
             )
-        self.fp8_recipe = module_recipe(type(self).__name__, config, self.weight)
-        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
+        attach_recipe(self, type(self).__name__, config)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Upstream's forward, except where the input is an a2a attention output with
@@ -253,8 +251,7 @@ class TELinear(torch.nn.Module):
             if parallel_mode == "duplicated":
                 # Sequence-parallel input: each TP rank saw a different slice of tokens.
                 param.sequence_parallel = bool(config.sequence_parallel)
-        self.fp8_recipe = module_recipe(owner, config, self.weight)
-        self.is_first_microbatch = True  # Megatron's schedules set it (backend.fp8.weight_reuse)
+        attach_recipe(self, owner, config)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         fuse = bool(getattr(self.config, "gradient_accumulation_fusion", False))
