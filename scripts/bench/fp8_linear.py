@@ -15,7 +15,9 @@ A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K i
 * ``quantize``: the input's quantization, eager torch against ``fp8_triton``'s three launches
   (what a GPU runs), and with the transpose the weight gradient needs (``quantize_transposed``);
   on a GPU also under delayed scaling (``quantize_delayed_transposed``: two launches, one read,
-  with the 8B example's history of 1024 amaxes);
+  with the 8B example's history of 1024 amaxes), and the cast-transpose alone, its integer
+  encode against the hardware conversion on NVIDIA GPUs (``cast_transpose_*``; TB/s count the
+  bf16 read and both FP8 writes);
 * ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
   native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
   with the weight gradient accumulated into an fp32 ``main_grad``, under current scaling
@@ -81,6 +83,30 @@ def _history() -> fp8.AmaxHistory:
     return fp8.AmaxHistory(1024, most_recent=False)
 
 
+def _cast_transpose_ms(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    """``fp8_triton``'s cast-transpose alone (scale known, as under delayed scaling), its
+    integer encode against the hardware conversion where the GPU has one (NVIDIA, OCP
+    formats); both write the same bytes (the GPU tests)."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    fp8_max = torch.finfo(dtype).max
+    scale, _ = fp8_triton.scales(x, fp8_max, 0)
+    casts = {"cast_transpose_encode": False}
+    if fp8_triton.HARDWARE_CAST and fp8_triton.cast_kind(dtype, x.device):
+        casts["cast_transpose_hardware"] = True
+    ms = {}
+    for key, hardware in casts.items():
+        saved, fp8_triton.HARDWARE_CAST = fp8_triton.HARDWARE_CAST, hardware
+        try:
+            ms[key] = bench_timing.median_ms(
+                lambda: fp8_triton.cast_transpose(x, scale, dtype, fp8_max, x.shape[0]),
+                x.device.type,
+            )
+        finally:
+            fp8_triton.HARDWARE_CAST = saved
+    return ms
+
+
 def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
     m, n, k = shape
     dtype = torch.bfloat16
@@ -116,6 +142,7 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
         ms["quantize_delayed_transposed"] = bench_timing.median_ms(
             lambda: fp8.quantize_transposed(x, formats.forward, 0, history), device
         )
+        ms |= _cast_transpose_ms(x, formats.forward)
     xg = x.clone().requires_grad_()
     wp = torch.nn.Parameter(w.clone())
     wp.main_grad = torch.zeros(n, k, device=device, dtype=torch.float32)
@@ -142,6 +169,11 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
             "gemm": round(ms["gemm_bf16"] / ms["gemm_fp8"], 3),
             "linear": round(ms["linear_bf16"] / ms["linear_fp8"], 3),
             "linear_delayed": round(ms["linear_bf16"] / ms["linear_fp8_delayed"], 3),
+        },
+        "cast_transpose_tbs": {
+            key.removeprefix("cast_transpose_"): round(4 * m * k / v / 1e9, 2)
+            for key, v in ms.items()
+            if key.startswith("cast_transpose_")
         },
         "fp8_forward_rel_error": round(rel.item(), 5),
     }
@@ -178,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['linear_bf16']:>9} {t['linear_fp8']:>8} {s['linear']:>6} "
               f"{t['linear_fp8_delayed']:>8} {s['linear_delayed']:>6} "
               f"{r['fp8_forward_rel_error']:>8}")  # fmt: skip
+    for r in rows:
+        if r["cast_transpose_tbs"]:
+            casts = ", ".join(f"{k} {v} TB/s" for k, v in r["cast_transpose_tbs"].items())
+            print(f"{r['shape']:>18} cast-transpose of x: {casts}")
     result = {"device": gpu, "format": opts.format, "rows": rows}
     if opts.json:
         opts.json.write_text(json.dumps(result, indent=1))

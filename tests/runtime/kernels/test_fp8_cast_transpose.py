@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import TRITON_DEVICE, triton_test
+from triton_interpreter import INTERPRETER, TRITON_DEVICE, triton_test
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8
 from megatron_rocm.runtime.kernels import fp8
@@ -56,10 +56,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int], bool]]:
 
 
 @triton_test
+@pytest.mark.parametrize("hardware_cast", [True, False], ids=["hardware", "encode"])
 @pytest.mark.parametrize("dtype", FORMATS, ids=lambda d: str(d).removeprefix("torch.float8_"))
-def test_every_value_and_tie_is_torchs_byte(dtype: torch.dtype) -> None:
+def test_every_value_and_tie_is_torchs_byte(monkeypatch, dtype: torch.dtype, hardware_cast) -> None:
     from megatron_rocm.runtime.kernels import fp8_triton
 
+    monkeypatch.setattr(fp8_triton, "HARDWARE_CAST", hardware_cast)
+    kind = fp8_triton.cast_kind(dtype, torch.device(DEVICE))
+    on_nvidia = DEVICE == "cuda" and torch.version.hip is None
+    # the case checks the path it names: the hardware conversion on an NVIDIA GPU for the OCP
+    # formats, the integer encode everywhere else
+    assert (kind != 0) == (hardware_cast and on_nvidia and dtype in fp8_triton.HARDWARE_FORMATS)
     values = _every_value_and_tie(dtype)
     cols = 64
     rows = -(-values.numel() // cols)
@@ -76,6 +83,54 @@ def test_every_value_and_tie_is_torchs_byte(dtype: torch.dtype) -> None:
     assert wrong.numel() == 0, [(x[i, j].item(), want[i, j].item()) for i, j in wrong[:5].tolist()]
     assert torch.equal(yt.cpu()[:, :rows].view(torch.uint8), want.t())
     assert not yt.cpu()[:, rows:].view(torch.uint8).any()  # the padding columns are zero
+
+
+@pytest.mark.parametrize("hip", [None, "6.4"], ids=["cuda", "rocm"])
+def test_the_hardware_cast_is_chosen_on_nvidia_gpus_for_ocp_formats_only(monkeypatch, hip) -> None:
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    want = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+    for dtype in FORMATS:
+        assert fp8_triton.cast_kind(dtype, cpu) == 0
+        assert fp8_triton.cast_kind(dtype, gpu) == (0 if hip else want.get(dtype, 0)), dtype
+    monkeypatch.setattr(fp8_triton, "HARDWARE_CAST", False)
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
+
+
+@pytest.mark.skipif(INTERPRETER, reason="TRITON_INTERPRET=1 replaces the compiled kernel")
+@pytest.mark.parametrize("source", ["*bf16", "*fp32"])
+@pytest.mark.parametrize(("cast", "ptx"), [(1, "e4m3x2"), (2, "e5m2x2")], ids=["e4m3fn", "e5m2"])
+def test_the_hardware_cast_compiles_for_h100_as_inline_ptx(source: str, cast: int, ptx: str):
+    """The hardware cast compiles for sm_90 on the CPU (Triton ships ptxas) as the inline
+    ``cvt`` pairs, not Triton's own FP8 cast, whose transposed store was wrong on an H200."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    if not triton.__version__.startswith(("3.4", "3.5", "3.6")):
+        pytest.skip("ASTSource's signature format is only known for Triton 3.4-3.6")
+    fn = fp8_triton._cast_transpose
+    pointers = {"x": source, "scale": "*fp32", "y": "*u8", "yt": "*u8", "amax_out": "*i32"}
+    constants = dict(MANTISSA=3, BIAS=7, FNUZ=False, BLOCK_R=fp8_triton.BLOCK_R,
+                     BLOCK_C=fp8_triton.BLOCK_C, WIDE=False, TRANSPOSE=True, RECORD=True,
+                     CAST=cast)  # fmt: skip
+    scalars = {"fp8_max": "fp32"}
+    signature = {
+        n: pointers.get(n) or scalars.get(n) or ("constexpr" if n in constants else "i32")
+        for n in fn.arg_names
+    }
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    kernel = triton.compile(
+        ASTSource(fn, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": fp8_triton.NUM_WARPS},
+    )
+    assert f"cvt.rn.satfinite.{ptx}.f32" in kernel.asm["ptx"]
+    assert "tt.fp_to_fp" not in kernel.asm["ttgir"]
 
 
 def _amaxes() -> list[torch.Tensor]:
