@@ -18,7 +18,8 @@
 #   bench    0.85B Llama: TE spec vs local spec vs upstream with every fusion off (BENCH_MBS,
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py;
-#            TRACE_SIZE=8b-slice BENCH_MBS=1 TRACE_FLAGS="--fp8-format hybrid ..." for the 8B's layers in FP8)
+#            TRACE_SIZE=8b-slice BENCH_MBS=1 TRACE_FLAGS="--fp8-format hybrid ..." for the 8B's layers in FP8;
+#            TRACE_STACKS=0: no host call stacks, which slow the host less, for busy against span)
 #   fp8      FP8: the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B Llama in the
 #            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
 #            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
@@ -349,8 +350,8 @@ profiled() {  # profiled NAME GAPS TRAIN_SMALL_ARGS... -- MEGATRON_ARGS... -> OU
   local name=$1 gaps=$2; shift 2
   rm -rf "$W/$name" && mkdir -p "$W/$name/tb"
   train "$name-$NEWEST" "$W/p-$NEWEST" --iters 9 "$@" --profile --use-pytorch-profiler \
-    --profile-step-start 6 --profile-step-end 7 --pytorch-profiler-collect-callstack \
-    --tensorboard-dir "$W/$name/tb"
+    --profile-step-start 6 --profile-step-end 7 --tensorboard-dir "$W/$name/tb" \
+    $([ "${TRACE_STACKS:-1}" = 1 ] && echo --pytorch-profiler-collect-callstack)
   (cd "$HERE" && $PY -m scripts.training.trace_summary "$W/$name/torch_profile/rank-0.json.gz" \
      --top 40 --gaps "$gaps" > "$OUT/$name.md" 2>&1)
   log "$name: $(head -1 "$OUT/$name.md")"
