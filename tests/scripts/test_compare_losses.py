@@ -8,20 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import megatron_log
 import pytest
+from megatron_log import iteration_line
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def write_log(path: Path, losses: dict[int, str]) -> Path:
-    lines = ["some start-up line"]
-    for i, loss in losses.items():
-        lines.append(
-            f" [2026-11-26 01:00:00] iteration {i:>8}/      30 | consumed samples: {8 * i} | "
-            f"elapsed time per iteration (ms): 900.0 | lm loss: {loss} | loss scale: 1.0 |"
-        )
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    lines = (iteration_line(i, 30, loss, ms=900.0, batch=8) for i, loss in losses.items())
+    return megatron_log.write_log(path, lines)
 
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:

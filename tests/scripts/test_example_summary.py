@@ -9,21 +9,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import megatron_log
+from megatron_log import iteration_line
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def write_log(path: Path, steps: list[tuple[float, float]], extra: Sequence[str] = ()) -> Path:
     """A log with one iteration line per (ms, TFLOP/s), losses falling from 10."""
-    lines = ["some start-up line", *extra]
-    for i, (ms, tflops) in enumerate(steps, 1):
-        lines.append(
-            f" [2026-11-29 13:23:33] iteration {i:>8}/      16 | consumed samples: {16 * i} | "
-            f"elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): {tflops} | "
-            f"learning rate: 1.0E-05 | global batch size:    16 | lm loss: {10 - i / 10:.6E} | "
-            "loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |"
-        )
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    lines = [
+        iteration_line(i, 16, 10 - i / 10, ms=ms, tflops=tflops, nan=0)
+        for i, (ms, tflops) in enumerate(steps, 1)
+    ]
+    return megatron_log.write_log(path, lines, ["some start-up line", *extra])
 
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:

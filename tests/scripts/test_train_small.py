@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from megatron_log import iteration_line
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +18,7 @@ def ts():
 
 
 def iteration(i: int, loss: str, ms: float, nan: int = 0) -> str:
-    return (
-        f" [2026-11-21 18:46:43] iteration {i:>8}/      12 | consumed samples: {16 * i} | "
-        f"elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): 182.5 | "
-        f"lm loss: {loss} | loss scale: 1.0 | number of nan iterations: {nan:3} |"
-    )
+    return iteration_line(i, 12, loss, ms=ms, tflops=182.5, nan=nan)
 
 
 def summarize(ts, lines: list[str]) -> tuple[dict, list[str]]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from megatron_log import iteration_line
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 MASK = "--no-create-attention-mask-in-dataloader"
@@ -235,11 +236,7 @@ def test_the_table_names_the_preset_it_trained(vp) -> None:
 
 
 def losses_log(first: int, last: int, loss=lambda i: 10 - i / 10) -> list[str]:
-    return [
-        f" [2026-11-21 18:46:43] iteration {i:>8}/{last:>8} | consumed samples: {8 * i} | "
-        f"elapsed time per iteration (ms): 100.0 | lm loss: {loss(i):.6E} | loss scale: 1.0 |"
-        for i in range(first, last + 1)
-    ]
+    return [iteration_line(i, last, float(loss(i)), batch=8) for i in range(first, last + 1)]
 
 
 def test_a_resumed_run_is_judged_from_the_save_iteration_on(vp) -> None:
