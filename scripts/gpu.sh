@@ -19,7 +19,8 @@
 #            BENCH_ITERS, BENCH_IMPLS, BENCH_RECIPE, BENCH_REFERENCE="norm ..." for kernel A/B)
 #   trace    one profiled iteration of the 0.85B benchmark per spec (scripts/training/trace_summary.py;
 #            TRACE_SIZE=8b-slice BENCH_MBS=1 TRACE_FLAGS="--fp8-format hybrid ..." for the 8B's layers in FP8;
-#            TRACE_STACKS=0: no host call stacks, which slow the host less, for busy against span)
+#            TRACE_STACKS=0: no host call stacks, which slow the host less, for busy against span;
+#            it applies to mfu's trace too)
 #   fp8      FP8: the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B Llama in the
 #            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
 #            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it

@@ -90,7 +90,7 @@ def _cast_transpose_ms(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
     from megatron_rocm.runtime.kernels import fp8_triton
 
     fp8_max = torch.finfo(dtype).max
-    scale, _ = fp8_triton.scales(x, fp8_max, 0)
+    scale, _ = fp8_triton.scales(x, fp8_max, 1.0)  # margin 0: a factor of 2**0
     casts = {"cast_transpose_encode": False}
     if fp8_triton.HARDWARE_CAST and fp8_triton.cast_kind(dtype, x.device):
         casts["cast_transpose_hardware"] = True

@@ -28,8 +28,8 @@ ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``qua
 
 On NVIDIA GPUs the OCP formats cast in hardware instead (``_hardware_cast``: one
 ``cvt.rn.satfinite`` for two values, where ``_encode`` spends about forty integer operations on
-each; with the encode the cast-transpose is bound by integer throughput, not memory, and the
-hardware cast takes it 1.7x faster on an H200). The GPU tests hold it to torch's bytes for every
+each: on an H200 the cast-transpose reaches 1.7 TB/s with the encode, 2.8-3.1 TB/s with the
+hardware cast). The GPU tests hold it to torch's bytes for every
 value and tie, as the encode. ROCm keeps the encode until the tests have run on gfx942 and
 gfx950 hardware; the fnuz formats and Triton's interpreter always use it.
 
@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
+from megatron_rocm.runtime.kernels.launch import interpreting
 
 BLOCK_R = 64
 BLOCK_C = 64
@@ -192,21 +193,21 @@ def _delayed_update(
 def _hardware_cast(v, CAST: tl.constexpr):
     """The FP8 bytes of ``v`` (clamped to the format's range, or NaN) by the GPU's
     conversion: ``cvt.rn.satfinite`` (two values an instruction) in inline PTX, four bytes to a
-    32-bit register. Not ``v.to(tl.float8e4nv)``: with Triton 3.6 on an H200 that cast's
-    transposed store held wrong bytes for fp32 inputs (where Triton moves the cast's bytes through
-    shared memory to transpose them; the row-major store right, bf16 and fp16 inputs right).
-    The GPU tests check this form for all three input dtypes."""
+    32-bit register. Not Triton's own cast (``v.to(tl.float8e4nv)``): with Triton 3.6 on an
+    H200 it stores wrong transposed bytes for fp32 inputs, whether the clamp is min/max
+    (triton-lang/triton#11111) or selects; the row-major bytes, and bf16 and fp16 inputs, come
+    out right. The GPU tests check this form for all three input dtypes."""
     if CAST == 1:
         q = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;"
             " cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-            "=r,f,f,f,f", [v], dtype=tl.uint8, is_pure=False, pack=4,
+            "=r,f,f,f,f", [v], dtype=tl.uint8, is_pure=True, pack=4,
         )  # fmt: skip
     else:
         q = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1;"
             " cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-            "=r,f,f,f,f", [v], dtype=tl.uint8, is_pure=False, pack=4,
+            "=r,f,f,f,f", [v], dtype=tl.uint8, is_pure=True, pack=4,
         )  # fmt: skip
     return q
 
@@ -260,9 +261,13 @@ def _cast_transpose(
 
 def cast_kind(dtype: torch.dtype, device: torch.device) -> int:
     """``_cast_transpose``'s CAST for ``dtype`` on ``device``: the hardware conversion on an
-    NVIDIA GPU for the OCP formats, else 0 (the integer encode)."""
-    on_nvidia = device.type == "cuda" and torch.version.hip is None
-    return HARDWARE_FORMATS.get(dtype, 0) if HARDWARE_CAST and on_nvidia else 0
+    NVIDIA GPU of compute capability 8.9 or later (the first with FP8 ``cvt``) for the OCP
+    formats, else 0 (the integer encode; also under Triton's interpreter, which runs no PTX)."""
+    if not HARDWARE_CAST or dtype not in HARDWARE_FORMATS or interpreting():
+        return 0
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 0
+    return HARDWARE_FORMATS[dtype] if torch.cuda.get_device_capability(device) >= (8, 9) else 0
 
 
 def needs_int64(rows: int, cols: int, ld_t: int) -> bool:

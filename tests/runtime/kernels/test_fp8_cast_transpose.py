@@ -12,6 +12,8 @@ CPU box: ``test_triton_interpreter_runs.py``); the others run torch's path.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from triton_interpreter import INTERPRETER, TRITON_DEVICE, triton_test
@@ -55,18 +57,30 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int], bool]]:
     return calls
 
 
+# the hardware cast runs only compiled on an NVIDIA GPU: elsewhere a "hardware" case would run
+# the encode a second time (and this file allows no skip)
+HARDWARE_CASES = [True, False] if TRITON_DEVICE == "cuda" and not INTERPRETER else [False]
+
+
 @triton_test
-@pytest.mark.parametrize("hardware_cast", [True, False], ids=["hardware", "encode"])
+@pytest.mark.parametrize(
+    "hardware_cast", HARDWARE_CASES, ids=lambda h: "hardware" if h else "encode"
+)
 @pytest.mark.parametrize("dtype", FORMATS, ids=lambda d: str(d).removeprefix("torch.float8_"))
 def test_every_value_and_tie_is_torchs_byte(monkeypatch, dtype: torch.dtype, hardware_cast) -> None:
     from megatron_rocm.runtime.kernels import fp8_triton
 
     monkeypatch.setattr(fp8_triton, "HARDWARE_CAST", hardware_cast)
     kind = fp8_triton.cast_kind(dtype, torch.device(DEVICE))
-    on_nvidia = DEVICE == "cuda" and torch.version.hip is None
-    # the case checks the path it names: the hardware conversion on an NVIDIA GPU for the OCP
-    # formats, the integer encode everywhere else
-    assert (kind != 0) == (hardware_cast and on_nvidia and dtype in fp8_triton.HARDWARE_FORMATS)
+    fp8_gpu = (
+        DEVICE == "cuda"
+        and torch.version.hip is None
+        and not INTERPRETER
+        and torch.cuda.get_device_capability() >= (8, 9)
+    )
+    # the case checks the path it names: the hardware conversion on an NVIDIA GPU with FP8
+    # for the OCP formats, the integer encode everywhere else
+    assert (kind != 0) == (hardware_cast and fp8_gpu and dtype in fp8_triton.HARDWARE_FORMATS)
     values = _every_value_and_tie(dtype)
     cols = 64
     rows = -(-values.numel() // cols)
@@ -86,15 +100,28 @@ def test_every_value_and_tie_is_torchs_byte(monkeypatch, dtype: torch.dtype, har
 
 
 @pytest.mark.parametrize("hip", [None, "6.4"], ids=["cuda", "rocm"])
-def test_the_hardware_cast_is_chosen_on_nvidia_gpus_for_ocp_formats_only(monkeypatch, hip) -> None:
+def test_the_hardware_cast_is_chosen_on_nvidia_gpus_with_fp8_for_ocp_formats_only(
+    monkeypatch, hip
+) -> None:
+    pytest.importorskip("triton")
     from megatron_rocm.runtime.kernels import fp8_triton
 
     monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     want = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
     for dtype in FORMATS:
         assert fp8_triton.cast_kind(dtype, cpu) == 0
         assert fp8_triton.cast_kind(dtype, gpu) == (0 if hip else want.get(dtype, 0)), dtype
+    capability[0] = (8, 6)  # an A10/A100-class GPU: no FP8 cvt
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
+    capability[0] = (8, 9)
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == (0 if hip else 1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(fp8_triton, "HARDWARE_CAST", False)
     assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
 
@@ -104,8 +131,10 @@ def test_the_hardware_cast_is_chosen_on_nvidia_gpus_for_ocp_formats_only(monkeyp
 @pytest.mark.parametrize(("cast", "ptx"), [(1, "e4m3x2"), (2, "e5m2x2")], ids=["e4m3fn", "e5m2"])
 def test_the_hardware_cast_compiles_for_h100_as_inline_ptx(source: str, cast: int, ptx: str):
     """The hardware cast compiles for sm_90 on the CPU (Triton ships ptxas) as the inline
-    ``cvt`` pairs, not Triton's own FP8 cast, whose transposed store was wrong on an H200."""
-    import triton
+    ``cvt`` pairs, not Triton's own FP8 cast, whose transposed store is wrong on an H200."""
+    triton = pytest.importorskip("triton")
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton build has no NVIDIA backend")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
