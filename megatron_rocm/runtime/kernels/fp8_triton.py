@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import interpreting
+from megatron_rocm.runtime.kernels.launch import cdiv, interpreting
 
 BLOCK_R = 64
 BLOCK_C = 64
@@ -277,9 +277,9 @@ def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
 
 def amax_programs(n: int) -> tuple[int, int]:
     """(programs, blocks per program) of ``_partial_amax`` for ``n`` elements."""
-    blocks = triton.cdiv(n, AMAX_BLOCK)
-    per_program = triton.cdiv(blocks, AMAX_PROGRAMS)
-    return triton.cdiv(blocks, per_program), per_program
+    blocks = cdiv(n, AMAX_BLOCK)
+    per_program = cdiv(blocks, AMAX_PROGRAMS)
+    return cdiv(blocks, per_program), per_program
 
 
 def amax_needs_int64(n: int) -> bool:
@@ -291,7 +291,7 @@ def amax_needs_int64(n: int) -> bool:
 def fits_grid(rows: int, cols: int) -> bool:
     """Whether ``_cast_transpose``'s grid fits the GPU's limits (its second axis: 65,535 tiles
     of columns on CUDA and ROCm alike)."""
-    return triton.cdiv(cols, BLOCK_C) <= 65535 and triton.cdiv(rows, BLOCK_R) < 2**31
+    return cdiv(cols, BLOCK_C) <= 65535 and cdiv(rows, BLOCK_R) < 2**31
 
 
 def scales(
@@ -339,7 +339,7 @@ def cast_transpose(
     if yt is not None and ld_t > rows:
         yt[:, rows:].view(torch.uint8).zero_()
     if x.numel():
-        grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
+        grid = (cdiv(rows, BLOCK_R), cdiv(cols, BLOCK_C))
         y_bytes = y.view(torch.uint8)
         record = amax_out is not None
         _cast_transpose[grid](
@@ -406,7 +406,7 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                             ),
                             floats=("fp8_max",),
                             num_warps=NUM_WARPS,
-                            grid=(triton.cdiv(rows, BLOCK_R), triton.cdiv(widest, BLOCK_C)),
+                            grid=(cdiv(rows, BLOCK_R), cdiv(widest, BLOCK_C)),
                             neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
                         )
                     )

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import interpreting, is_hip
+from megatron_rocm.runtime.kernels.launch import cdiv, interpreting, is_hip
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ def gmm(
     k, n = b_shape
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
     t = _tiles("gmm", a.dtype)
-    tiles = sum(triton.cdiv(m, t.bm) for m in splits) * triton.cdiv(n, t.bn)
+    tiles = sum(cdiv(m, t.bm) for m in splits) * cdiv(n, t.bn)
     if tiles == 0:
         return out
     _gmm_kernel[(tiles,)](
@@ -268,7 +268,7 @@ def gmm_wgrad(
     """``C_g (+)= dy[rows of g]^T @ x[rows of g]`` for every group; empty groups give zeros."""
     n, k = dy.shape[1], x.shape[1]
     t = _tiles("wgrad", dy.dtype, accumulate)
-    grid = groups * triton.cdiv(n, t.bn) * triton.cdiv(k, t.bk)
+    grid = groups * cdiv(n, t.bn) * cdiv(k, t.bk)
     if grid == 0:
         return
     _wgrad_kernel[(grid,)](

@@ -30,6 +30,12 @@ def triton_available() -> bool:
     return True
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids: ``triton.cdiv`` in host code is a constexpr function
+    call of a few microseconds, paid on every launch."""
+    return -(-a // b)
+
+
 def interpreting() -> bool:
     """``TRITON_INTERPRET=1`` runs Triton kernels on the CPU (used by CI parity tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

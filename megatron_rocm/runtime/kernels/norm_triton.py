@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import is_hip, sm_count
+from megatron_rocm.runtime.kernels.launch import cdiv, is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One row per block: a wider row would spill registers (hidden sizes of real models are far
@@ -211,7 +211,7 @@ def norm_backward(
         dw_part,
         db_part,
         rows,
-        triton.cdiv(rows, programs),
+        cdiv(rows, programs),
         dy2d.stride(0),
         x2d.stride(0),
         dx.stride(0),

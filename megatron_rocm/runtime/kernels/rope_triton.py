@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice  # dispatches to CUDA's libdevice or ROCm's ocml
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import interpreting, is_hip, sm_count
+from megatron_rocm.runtime.kernels.launch import cdiv, interpreting, is_hip, sm_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -194,8 +194,8 @@ def plan(
     t = tuning or _tuning
     rb = 1
     if shared_angles:  # the batch shares each angle row: split it only to fill the GPU
-        splits = min(r2, triton.cdiv(sms * t.programs_per_sm, max(r1, 1)))
-        rb = triton.cdiv(r2, splits)
+        splits = min(r2, cdiv(sms * t.programs_per_sm, max(r1, 1)))
+        rb = cdiv(r2, splits)
     width = 2 * triton.next_power_of_2(max(rot_dim // 2, 1))
     if head_dim > rot_dim:
         width += triton.next_power_of_2(head_dim - rot_dim)
@@ -231,7 +231,7 @@ def rotate(
     sf1 = angles.stride(1) if angles.shape[1] > 1 else 0
     shared = sf1 == 0 and pos is None
     p = plan(r1, r2, heads, head_dim, rot, shared, sm_count(x.device))
-    grid = (r1, triton.cdiv(r2, p.rows_per_program))
+    grid = (r1, cdiv(r2, p.rows_per_program))
     _rope_kernel[grid](
         x,
         angles,
@@ -283,7 +283,7 @@ def aot_configs(shapes: aot.Shapes, sms: int = 304) -> list[aot.Launch]:
             for thd in (False, True):
                 r1, r2 = (seq * b, 1) if thd else (seq, b)
                 p = plan(r1, r2, heads, head_dim, rot, not thd, sms)
-                grid = (r1, triton.cdiv(r2, p.rows_per_program))
+                grid = (r1, cdiv(r2, p.rows_per_program))
                 model = seq in shapes.model_seq_lens
                 for inter, inv in itertools.product((False, True), (False, True)):
                     out.append(

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import is_hip, sm_count
+from megatron_rocm.runtime.kernels.launch import cdiv, is_hip, sm_count
 
 PLAIN, CAUSAL, MASKED = 0, 1, 2
 
@@ -100,7 +100,7 @@ def plan(
         elems = t.long_causal_fwd_elems
     warps = (block * rows) // (warp_size * elems)
     warps = max(1, min(t.max_warps or hw_warps, hw_warps, triton.next_power_of_2(max(warps, 1))))
-    grid = triton.cdiv(n_rows, rows)
+    grid = cdiv(n_rows, rows)
     if looped and t.loop_programs_per_sm > 0:
         grid = min(grid, sms * t.loop_programs_per_sm)
     head_fastest = mode == MASKED and sk >= t.head_fastest_min_sk

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
+from megatron_rocm.runtime.kernels.launch import cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,7 +73,7 @@ def needs_int64(n: int) -> bool:
 
 
 def _launch(kernel: triton.JITFunction, n: int, *args: object) -> None:
-    kernel[(triton.cdiv(n, BLOCK),)](*args, BLOCK=BLOCK, WIDE=needs_int64(n), num_warps=4)
+    kernel[(cdiv(n, BLOCK),)](*args, BLOCK=BLOCK, WIDE=needs_int64(n), num_warps=4)
 
 
 def _require_contiguous(*tensors: torch.Tensor) -> None:
@@ -107,7 +108,7 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
         n = max(shapes.seq_lens) * max(shapes.batch) * ffn
         for wide in sorted({needs_int64(n), False}):
             consts = dict(BLOCK=BLOCK, WIDE=wide)
-            grid = (triton.cdiv(n, BLOCK),)
+            grid = (cdiv(n, BLOCK),)
             out.append(
                 aot.launch(_forward, consts, ptrs=dict(y=dt, out=dt), num_warps=4, grid=grid)
             )
