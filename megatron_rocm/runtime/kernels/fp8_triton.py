@@ -29,9 +29,9 @@ ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``qua
 On NVIDIA GPUs the OCP formats cast in hardware instead (``_hardware_cast``: one
 ``cvt.rn.satfinite`` for two values, where ``_encode`` spends about forty integer operations on
 each: on an H200 the cast-transpose reaches 1.7 TB/s with the encode, 2.8-3.1 TB/s with the
-hardware cast). The GPU tests hold it to torch's bytes for every
-value and tie, as the encode. ROCm keeps the encode until the tests have run on gfx942 and
-gfx950 hardware; the fnuz formats and Triton's interpreter always use it.
+hardware cast). The GPU tests hold it to torch's bytes for every value and tie, as the encode.
+ROCm uses the encode (the hardware conversion has not run on gfx942 or gfx950), and so do the
+fnuz formats, GPUs before compute capability 8.9 and Triton's interpreter.
 
 Delayed scaling quantizes in two launches and one read of ``x``: ``_delayed_update`` (one
 program: the previous quantize's amax into the history, the scale from the history) and
