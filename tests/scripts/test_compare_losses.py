@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import megatron_log
 import pytest
 from megatron_log import iteration_line
-
-REPO = Path(__file__).resolve().parents[2]
+from script_run import run_module
 
 
 def write_log(path: Path, losses: dict[int, str]) -> Path:
@@ -21,12 +19,7 @@ def write_log(path: Path, losses: dict[int, str]) -> Path:
 
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.training.compare_losses", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    return run_module("scripts.training.compare_losses", *args)
 
 
 def test_the_early_span_and_the_whole_run_are_reported_apart(tmp_path: Path) -> None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import megatron_log
 from megatron_log import iteration_line
-
-REPO = Path(__file__).resolve().parents[2]
+from script_run import run_module
 
 
 def write_log(path: Path, steps: list[tuple[float, float]], extra: Sequence[str] = ()) -> Path:
@@ -25,13 +23,7 @@ def write_log(path: Path, steps: list[tuple[float, float]], extra: Sequence[str]
 
 
 def run(*args: Path | str) -> subprocess.CompletedProcess:
-    """The script as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.training.example_summary", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    return run_module("scripts.training.example_summary", *args)
 
 
 def test_the_warm_up_is_left_out_and_the_median_reported(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from script_run import run_module
 
 from scripts.training import markov_corpus as mc
 
@@ -77,12 +78,7 @@ def test_the_corpus_is_a_function_of_the_seed() -> None:
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "megatron" / "core" / "datasets").mkdir(parents=True)
     (tmp_path / "megatron" / "core" / "datasets" / "indexed_dataset.py").write_text("")
-    done = subprocess.run(
-        [sys.executable, "-m", "scripts.training.markov_corpus", str(tmp_path), "x", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    done = run_module("scripts.training.markov_corpus", tmp_path, "x", *args)
     assert done.returncode == 2 and message in done.stderr.splitlines()[-1]
 
 
