@@ -313,14 +313,16 @@ stage_example8b() {
     '^ *--save "\$CHECKPOINT_PATH"' '/^ *--save "\$CHECKPOINT_PATH"/d'
     '^ *--load "\$CHECKPOINT_PATH"' '/^ *--load "\$CHECKPOINT_PATH"/d'
   )
+  # FP8 runs drop --fp8-param-gather (refused without TE)
+  local no_param_gather=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d')
   for run in ${EX8B_RUNS:-bf16 fp8}; do
     local edits=("${common[@]}")
     case $run in
       bf16) edits+=('^DTYPE="fp8"$' 's/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
-      fp8) edits+=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d') ;;
+      fp8) edits+=("${no_param_gather[@]}") ;;
       fp8-tensorwise)
         grep -q -- '--fp8-recipe' "$src" && { log "example8b-$run: upstream's example sets --fp8-recipe itself; not run"; continue; }
-        edits+=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d'
+        edits+=("${no_param_gather[@]}"
                 '^ *"--fp8-format hybrid"$' 's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
       *) log "example8b: unknown run $run (bf16, fp8, fp8-tensorwise)"; continue ;;
     esac
