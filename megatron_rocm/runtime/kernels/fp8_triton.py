@@ -41,6 +41,7 @@ per tile as it casts (NaN elements left out, as TE's ``fmaxf`` leaves them).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -267,7 +268,14 @@ def cast_kind(dtype: torch.dtype, device: torch.device) -> int:
         return 0
     if device.type != "cuda" or torch.version.hip is not None:
         return 0
-    return HARDWARE_FORMATS[dtype] if torch.cuda.get_device_capability(device) >= (8, 9) else 0
+    return HARDWARE_FORMATS[dtype] if has_fp8_conversion(device) else 0
+
+
+@functools.lru_cache(maxsize=16)
+def has_fp8_conversion(device: torch.device) -> bool:
+    """Whether an NVIDIA GPU converts to FP8 in hardware (compute capability 8.9 or later);
+    asked once per device, not on every launch."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def needs_int64(rows: int, cols: int, ld_t: int) -> bool:

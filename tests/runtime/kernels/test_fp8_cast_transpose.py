@@ -101,24 +101,25 @@ def test_every_value_and_tie_is_torchs_byte(monkeypatch, dtype: torch.dtype, har
 
 @pytest.mark.parametrize("hip", [None, "6.4"], ids=["cuda", "rocm"])
 def test_the_hardware_cast_is_chosen_on_nvidia_gpus_with_fp8_for_ocp_formats_only(
-    monkeypatch, hip
+    monkeypatch, request, hip
 ) -> None:
     pytest.importorskip("triton")
     from megatron_rocm.runtime.kernels import fp8_triton
 
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    # cuda:0 an H100/H200, cuda:1 an A10/A100-class GPU (no FP8 cvt), cuda:2 an L40 (8.9)
+    capability = {0: (9, 0), 1: (8, 6), 2: (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[d.index])
+    fp8_triton.has_fp8_conversion.cache_clear()  # asked once per device: not a real GPU's
+    request.addfinalizer(fp8_triton.has_fp8_conversion.cache_clear)
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     want = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
     for dtype in FORMATS:
         assert fp8_triton.cast_kind(dtype, cpu) == 0
         assert fp8_triton.cast_kind(dtype, gpu) == (0 if hip else want.get(dtype, 0)), dtype
-    capability[0] = (8, 6)  # an A10/A100-class GPU: no FP8 cvt
-    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
-    capability[0] = (8, 9)
-    assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == (0 if hip else 1)
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, torch.device("cuda", 1)) == 0
+    assert fp8_triton.cast_kind(torch.float8_e4m3fn, torch.device("cuda", 2)) == (0 if hip else 1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
     assert fp8_triton.cast_kind(torch.float8_e4m3fn, gpu) == 0
     monkeypatch.delenv("TRITON_INTERPRET")
