@@ -5,8 +5,9 @@ CUDA-graph replays, which leave out the host's launch overhead); the ``--smoke``
 under the Triton interpreter take one wall-clock sample after a warm-up call, to check the
 script works. ``sampled_ms`` (the attention, GEMM and patch-tool benchmarks): the median of
 ``iters`` calls, each between two CUDA events on a GPU or on the wall clock elsewhere.
-``environment`` sets the runtime's selector variables (``MEGATRON_ROCM_KERNELS``, ...) for one
-provider's timings and puts them back.
+``host_us`` (the host-time benchmark): microseconds a call on the wall clock, many calls
+between two synchronizations. ``environment`` sets the runtime's selector variables
+(``MEGATRON_ROCM_KERNELS``, ...) for one provider's timings and puts them back.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def sampled_ms(fn: Callable[[], object], iters: int, device: Any = "cpu", warmup
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
+
+
+def host_us(fn: Callable[[], object], calls: int, device: str) -> float:
+    """Microseconds one call of ``fn`` takes on the wall clock, ``calls`` in a row after 20
+    warm-up calls, the device synchronized once before and once after: the host's cost where
+    ``fn``'s kernels are shorter than their launches (``fp8_host.py``)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(20):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 @contextlib.contextmanager

@@ -70,3 +70,15 @@ def test_the_patch_tool_benchmark_times_without_torch() -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_host_time_averages_the_timed_calls_after_the_warm_up() -> None:
+    calls = []
+
+    def two_ms_after_the_warm_up() -> None:
+        calls.append(1)
+        if len(calls) > 20:
+            time.sleep(0.002)
+
+    us = bench_timing.host_us(two_ms_after_the_warm_up, 5, "cpu")
+    assert len(calls) == 25 and 1900 < us < 200_000
