@@ -4,8 +4,9 @@
     python -m scripts.bench.fp8_host [--calls 2000] [--json F]
     python -m scripts.bench.fp8_host --smoke   # tiny CPU run, checks it works
 
-A training step whose GPU kernels are short waits on the host (the 8b-slice's FP8 step idles
-15% of its span, bf16's 6%: ``trace_summary.py``). Here every piece runs on 64 x 64 tensors,
+Where a step's kernels are shorter than their launches the GPU waits on the host, and a
+profiled step (``trace_summary.py``) cannot say how much of its idle is the profiler's own host
+time; this benchmark measures the host alone. Every piece runs on 64 x 64 tensors,
 whose kernels take a few microseconds, so the wall time of ``calls`` back-to-back calls (one
 synchronize at the end) is the host's: the Triton launches (an empty kernel's launch is the
 yardstick), ``torch._scaled_mm``, one quantize under delayed scaling, and the forward and
@@ -47,6 +48,11 @@ def _empty_kernel() -> Callable[[torch.Tensor], None] | None:
     return lambda t: _empty[(1,)](t)
 
 
+def _history_of_8b() -> fp8.AmaxHistory:
+    """An amax history as upstream's 8B example configures it (1024 amaxes, ``max``)."""
+    return fp8.AmaxHistory(1024, most_recent=False)
+
+
 def _linear_step(x, w, dy, recipe, reuse):  # noqa: ANN001, ANN202
     from megatron_rocm.runtime.backend._linear_function import LinearFunction
 
@@ -76,7 +82,7 @@ def measure(calls: int, device: str) -> dict[str, float]:
     if on_gpu:
         from megatron_rocm.runtime.kernels import fp8_triton
 
-        history = fp8.AmaxHistory(1024, most_recent=False)
+        history = _history_of_8b()
         fp8.quantize_transposed(x, fwd, 0, history)  # the first quantize starts the history
         fp8_max = float(torch.finfo(fwd).max)
         us["delayed_update"] = host_us(
@@ -99,13 +105,10 @@ def measure(calls: int, device: str) -> dict[str, float]:
     wp.main_grad = torch.zeros(SIZE, SIZE, device=device, dtype=torch.float32)
     dy = torch.randn(SIZE, SIZE, device=device, dtype=dtype)
 
-    def history_of_8b() -> fp8.AmaxHistory:
-        return fp8.AmaxHistory(1024, most_recent=False)
-
     current = backend_fp8.Fp8Recipe(formats=fmts)
     delayed = backend_fp8.Fp8Recipe(
         formats=fmts,
-        delayed=backend_fp8.DelayedScaling(history_of_8b(), history_of_8b(), history_of_8b()),
+        delayed=backend_fp8.DelayedScaling(_history_of_8b(), _history_of_8b(), _history_of_8b()),
     )
     us["linear_bf16"] = host_us(_linear_step(xg, wp, dy, None, None), calls, device)
     for name, recipe in (("linear_fp8", current), ("linear_fp8_delayed", delayed)):
