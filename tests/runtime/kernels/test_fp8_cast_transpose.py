@@ -42,16 +42,18 @@ def _every_value_and_tie(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int], bool]]:
-    """Records each cast launch (its input's shape, whether it transposed): a case that ran
-    torch's path instead cannot pass."""
+    """Records each cast launch that returned (its input's shape, whether it transposed): a
+    case that ran torch's path instead, or fell back to it after the launch raised, cannot
+    pass."""
     from megatron_rocm.runtime.kernels import fp8_triton
 
     calls: list[tuple[tuple[int, int], bool]] = []
     real = fp8_triton.cast_transpose
 
     def spy(x, *args):  # noqa: ANN001, ANN202
+        done = real(x, *args)
         calls.append((tuple(x.shape), args[-1] is not None))
-        return real(x, *args)
+        return done
 
     monkeypatch.setattr(fp8_triton, "cast_transpose", spy)
     return calls
