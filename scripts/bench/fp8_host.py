@@ -28,18 +28,16 @@ from pathlib import Path
 import torch
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8
-from megatron_rocm.runtime.kernels import fp8
+from megatron_rocm.runtime.kernels import fp8, launch
+from scripts.bench.fp8_linear import example_history
 from scripts.bench.timing import host_us
 
 SIZE = 64
 
 
-def _empty_kernel() -> Callable[[torch.Tensor], None] | None:
+def _empty_kernel() -> Callable[[torch.Tensor], None]:
     """An empty Triton kernel's launcher (one pointer): what any launch costs at least."""
-    try:
-        import triton
-    except ImportError:
-        return None
+    import triton
 
     @triton.jit
     def _empty(x):
@@ -48,12 +46,16 @@ def _empty_kernel() -> Callable[[torch.Tensor], None] | None:
     return lambda t: _empty[(1,)](t)
 
 
-def _history_of_8b() -> fp8.AmaxHistory:
-    """An amax history as upstream's 8B example configures it (1024 amaxes, ``max``)."""
-    return fp8.AmaxHistory(1024, most_recent=False)
-
-
-def _linear_step(x, w, dy, recipe, reuse):  # noqa: ANN001, ANN202
+def _linear_step(
+    x: torch.Tensor,
+    w: torch.nn.Parameter,
+    dy: torch.Tensor,
+    recipe: backend_fp8.Fp8Recipe | None,
+    reuse: bool | None,
+) -> Callable[[], None]:
+    """One forward and backward of the linear (bf16 where ``recipe`` is None). ``x`` is a leaf
+    whose gradient accumulates across calls: one add a step, in place of the gradient a layer
+    hands back to the one before it."""
     from megatron_rocm.runtime.backend._linear_function import LinearFunction
 
     def step() -> None:
@@ -67,6 +69,8 @@ def _linear_step(x, w, dy, recipe, reuse):  # noqa: ANN001, ANN202
 
 
 def measure(calls: int, device: str) -> dict[str, float]:
+    """Host microseconds a call of each piece on ``device``; the Triton pieces on a GPU only
+    (the interpreter's speed says nothing about a launch)."""
     dtype = torch.bfloat16
     fmts = fp8.formats("hybrid")
     fwd = fmts.forward
@@ -75,14 +79,13 @@ def measure(calls: int, device: str) -> dict[str, float]:
     x8, x_inv = fp8.quantize(x, fwd)
     w8, w_inv = fp8.quantize(w, fwd)
     us: dict[str, float] = {}
-    on_gpu = device == "cuda"
-    empty = _empty_kernel() if on_gpu else None
-    if empty is not None:
-        us["triton_empty_launch"] = host_us(lambda: empty(x), calls, device)
+    on_gpu = device == "cuda" and launch.triton_available()
     if on_gpu:
+        empty = _empty_kernel()
+        us["triton_empty_launch"] = host_us(lambda: empty(x), calls, device)
         from megatron_rocm.runtime.kernels import fp8_triton
 
-        history = _history_of_8b()
+        history = example_history()
         fp8.quantize_transposed(x, fwd, 0, history)  # the first quantize starts the history
         fp8_max = float(torch.finfo(fwd).max)
         us["delayed_update"] = host_us(
@@ -108,7 +111,7 @@ def measure(calls: int, device: str) -> dict[str, float]:
     current = backend_fp8.Fp8Recipe(formats=fmts)
     delayed = backend_fp8.Fp8Recipe(
         formats=fmts,
-        delayed=backend_fp8.DelayedScaling(_history_of_8b(), _history_of_8b(), _history_of_8b()),
+        delayed=backend_fp8.DelayedScaling(example_history(), example_history(), example_history()),
     )
     us["linear_bf16"] = host_us(_linear_step(xg, wp, dy, None, None), calls, device)
     for name, recipe in (("linear_fp8", current), ("linear_fp8_delayed", delayed)):
@@ -121,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls timed per piece (default 2000)")
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the script works")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny CPU run (10 calls a piece): checks it works"
+    )
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also print cProfile's top functions of the measurement",
+        help="then measure again under cProfile and print its top functions (the figures "
+        "reported are the first, unprofiled measurement's)",
     )
     opts = p.parse_args(argv)
     if opts.calls < 1:
@@ -135,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("bench_fp8_host: no GPU (use --smoke on a CPU)", file=sys.stderr)
         return 3
+    if device == "cuda" and (reason := fp8.unsupported_gpu_reason()) is not None:
+        print(f"bench_fp8_host: this GPU: {reason}", file=sys.stderr)
+        return 3
     calls = 10 if opts.smoke else opts.calls
-    profiler = cProfile.Profile() if opts.profile else None
-    if profiler is not None:
-        profiler.enable()
     us = measure(calls, device)
-    if profiler is not None:
-        profiler.disable()
+    if opts.profile:  # a second pass: cProfile's own cost stays out of the figures
+        profiler = cProfile.Profile()
+        profiler.runcall(measure, calls, device)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{gpu}: host microseconds a call ({SIZE} x {SIZE} tensors)")

@@ -78,7 +78,7 @@ def _linear_step(x, w, dy, fp8_recipe):  # noqa: ANN001, ANN202
     return step
 
 
-def _history() -> fp8.AmaxHistory:
+def example_history() -> fp8.AmaxHistory:
     """An amax history as upstream's 8B example configures it (1024 amaxes, ``max``)."""
     return fp8.AmaxHistory(1024, most_recent=False)
 
@@ -137,7 +137,7 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
         ms["quantize_transposed"] = bench_timing.median_ms(
             lambda: fp8.quantize_transposed(x, formats.forward), device
         )
-        history = _history()
+        history = example_history()
         fp8.quantize_transposed(x, formats.forward, 0, history)  # the first: current scaling
         ms["quantize_delayed_transposed"] = bench_timing.median_ms(
             lambda: fp8.quantize_transposed(x, formats.forward, 0, history), device
@@ -150,7 +150,8 @@ def bench_shape(shape: tuple[int, int, int], fmt: str, device: str) -> dict:
     ms["linear_bf16"] = bench_timing.median_ms(_linear_step(xg, wp, dy, None), device)
     ms["linear_fp8"] = bench_timing.median_ms(_linear_step(xg, wp, dy, recipe), device)
     delayed = backend_fp8.Fp8Recipe(
-        formats=formats, delayed=backend_fp8.DelayedScaling(_history(), _history(), _history())
+        formats=formats,
+        delayed=backend_fp8.DelayedScaling(example_history(), example_history(), example_history()),
     )
     ms["linear_fp8_delayed"] = bench_timing.median_ms(_linear_step(xg, wp, dy, delayed), device)
     out = backend_fp8.fp8_linear(x, w, False, recipe)

@@ -31,3 +31,9 @@ def test_smoke_run_times_every_piece_a_cpu_has(tmp_path: Path) -> None:
 def test_a_call_count_below_one_is_a_usage_error(capsys) -> None:
     assert bench_fp8_host.main(["--calls", "0"]) == 2
     assert capsys.readouterr().err.strip() == "bench_fp8_host: --calls must be 1 or more"
+
+
+def test_no_gpu_without_smoke_exits_3(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_fp8_host.main([]) == 3
+    assert capsys.readouterr().err.strip() == "bench_fp8_host: no GPU (use --smoke on a CPU)"
