@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
-from megatron_rocm.runtime.kernels.launch import cdiv, interpreting
+from megatron_rocm.runtime.kernels.launch import cdiv, interpreting, is_hip
 
 BLOCK_R = 64
 BLOCK_C = 64
@@ -266,7 +266,7 @@ def cast_kind(dtype: torch.dtype, device: torch.device) -> int:
     formats, else 0 (the integer encode; also under Triton's interpreter, which runs no PTX)."""
     if not HARDWARE_CAST or dtype not in HARDWARE_FORMATS or interpreting():
         return 0
-    if device.type != "cuda" or torch.version.hip is not None:
+    if device.type != "cuda" or is_hip():
         return 0
     return HARDWARE_FORMATS[dtype] if has_fp8_conversion(device) else 0
 
