@@ -16,7 +16,8 @@ A shape ``MxNxK`` is ``y[M, N] = x[M, K] W[N, K]^T``: M tokens, N output and K i
   (what a GPU runs), and with the transpose the weight gradient needs (``quantize_transposed``);
   on a GPU also under delayed scaling (``quantize_delayed_transposed``: two launches, one read,
   with the 8B example's history of 1024 amaxes), and the cast-transpose alone, its integer
-  encode against the hardware conversion on NVIDIA GPUs (``cast_transpose_*``; TB/s count the
+  encode against the hardware conversion on NVIDIA GPUs and, with the GPU's default cast,
+  recording the input's amax as delayed scaling does (``cast_transpose_*``; TB/s count the
   bf16 read and both FP8 writes);
 * ``linear``: forward and backward of one linear (three GEMMs) as training runs it, the
   native ``LinearFunction`` in bf16 against ``Fp8LinearFunction`` (quantization included),
@@ -86,7 +87,8 @@ def example_history() -> fp8.AmaxHistory:
 def _cast_transpose_ms(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
     """``fp8_triton``'s cast-transpose alone (scale known, as under delayed scaling), its
     integer encode against the hardware conversion where the GPU has one (NVIDIA, OCP
-    formats); both write the same bytes (the GPU tests)."""
+    formats; both write the same bytes, the GPU tests), and the default cast recording the
+    amax (``RECORD``: what delayed scaling runs)."""
     from megatron_rocm.runtime.kernels import fp8_triton
 
     fp8_max = torch.finfo(dtype).max
@@ -104,6 +106,11 @@ def _cast_transpose_ms(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
             )
         finally:
             fp8_triton.HARDWARE_CAST = saved
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    ms["cast_transpose_record"] = bench_timing.median_ms(  # delayed scaling's: amax recorded
+        lambda: fp8_triton.cast_transpose(x, scale, dtype, fp8_max, x.shape[0], amax),
+        x.device.type,
+    )
     return ms
 
 

@@ -242,10 +242,9 @@ def _cast_transpose(
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     s = tl.load(scale)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    if RECORD:  # delayed scaling: this tile's largest |x| into the amax (fp32 bits, int32)
+    if RECORD:  # delayed scaling: this tile's |x| as fp32 bits (int32), reduced after the stores
         bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         bits = tl.where(bits > 0x7F800000, 0, bits)  # NaN left out (TE's fmaxf); inf kept
-        tl.atomic_max(amax_out, tl.max(tl.max(bits, axis=1), axis=0))
     v = v * s
     # the clamp as selects (NaN compares false, so it stays NaN), not min/max with
     # PropagateNan.ALL, which corrupts a transposed FP8 store in triton-lang/triton#11111
@@ -258,6 +257,12 @@ def _cast_transpose(
     tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
+    if RECORD:
+        # after the stores, one flat reduction and a relaxed atomic: the amax is read by a later
+        # launch only (stream order), so it needs no ordering against this program's stores,
+        # and the default acq_rel atomic's fence cost the cast about 30% on an H200
+        tile_max = tl.max(tl.reshape(bits, [BLOCK_R * BLOCK_C]), axis=0)
+        tl.atomic_max(amax_out, tile_max, sem="relaxed")
 
 
 def cast_kind(dtype: torch.dtype, device: torch.device) -> int:
