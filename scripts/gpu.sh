@@ -116,8 +116,9 @@
 #            upstream's global batch 128 is 16 a GPU on 8 GPUs), EX8B_ITERS iterations (default
 #            16), no eval, save, load or profile. One run per word of EX8B_RUNS (default "bf16
 #            fp8"; "bf16 fp8 fp8-tensorwise" for the performance table's rows): bf16
-#            (DTYPE="bf16"), fp8 (the example's own FP8 flags, delayed scaling, with
-#            --fp8-param-gather dropped: refused without TE), fp8-tensorwise (fp8 with
+#            (DTYPE="bf16"), fp8 (the example's own FP8 flags: delayed scaling,
+#            --fp8-param-gather), fp8-no-param-gather (fp8 without --fp8-param-gather: the
+#            distributed optimizer gathers bf16 weights), fp8-tensorwise (fp8 with
 #            --fp8-recipe tensorwise). Each edit must find its line in upstream's script, else
 #            that run is not made (upstream rewrote the example). EX8B_TIMEOUT seconds a run
 #            (default 300; a run of 16 iterations takes about 3 minutes on 2 x H200).
@@ -313,18 +314,18 @@ stage_example8b() {
     '^ *--save "\$CHECKPOINT_PATH"' '/^ *--save "\$CHECKPOINT_PATH"/d'
     '^ *--load "\$CHECKPOINT_PATH"' '/^ *--load "\$CHECKPOINT_PATH"/d'
   )
-  # FP8 runs drop --fp8-param-gather (refused without TE)
+  # fp8-no-param-gather: the FP8 run with the distributed optimizer gathering bf16 weights
   local no_param_gather=('^ *"--fp8-param-gather"$' '/^ *"--fp8-param-gather"$/d')
   for run in ${EX8B_RUNS:-bf16 fp8}; do
     local edits=("${common[@]}")
     case $run in
       bf16) edits+=('^DTYPE="fp8"$' 's/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
-      fp8) edits+=("${no_param_gather[@]}") ;;
+      fp8) ;;
+      fp8-no-param-gather) edits+=("${no_param_gather[@]}") ;;
       fp8-tensorwise)
         grep -q -- '--fp8-recipe' "$src" && { log "example8b-$run: upstream's example sets --fp8-recipe itself; not run"; continue; }
-        edits+=("${no_param_gather[@]}"
-                '^ *"--fp8-format hybrid"$' 's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
-      *) log "example8b: unknown run $run (bf16, fp8, fp8-tensorwise)"; continue ;;
+        edits+=('^ *"--fp8-format hybrid"$' 's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
+      *) log "example8b: unknown run $run (bf16, fp8, fp8-no-param-gather, fp8-tensorwise)"; continue ;;
     esac
     local name="example8b-$run" script="$OUT/example8b-$run.sh" ok=1 i
     cp "$src" "$script"

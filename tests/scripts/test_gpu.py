@@ -438,7 +438,8 @@ def test_example8b_changes_only_the_gpus_and_the_run_length(tmp_path: Path, gpus
     is still made."""
     tree = _example_tree(tmp_path, EXAMPLE_8B)
     run_stage(tmp_path, "example8b", FAKE_GPUS=str(gpus), EX8B_ITERS="10",
-              EX8B_RUNS="bf16 fp8 fp8-tensorwise", FAKE_REAL=sys.executable)  # fmt: skip
+              EX8B_RUNS="bf16 fp8 fp8-no-param-gather fp8-tensorwise",
+              FAKE_REAL=sys.executable)  # fmt: skip
     batch = 8 * gpus
     box = (
         f"{gpus} {batch} --train-samples {10 * batch} --lr-decay-samples {10 * batch} "
@@ -446,13 +447,14 @@ def test_example8b_changes_only_the_gpus_and_the_run_length(tmp_path: Path, gpus
     )
     assert (tree / "ran.txt").read_text().splitlines() == [
         box + " ",  # bf16: no FP8 flag
-        box + " --fp8-format hybrid",  # --fp8-param-gather dropped, the rest the example's
-        box + " --fp8-format hybrid --fp8-recipe tensorwise",
+        box + " --fp8-format hybrid --fp8-param-gather",  # the example's own FP8 flags
+        box + " --fp8-format hybrid",  # --fp8-param-gather dropped
+        box + " --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather",
     ]
     summary = (tmp_path / "out/summary.txt").read_text()
-    assert summary.count(f"({gpus} GPUs, global batch {batch}): exit 0") == 3
+    assert summary.count(f"({gpus} GPUs, global batch {batch}): exit 0") == 4
     # the summary of the log the run wrote: iterations 4 and 5 after the warm-up
-    assert summary.count('"median_iter_ms": 6550.0') == 3
+    assert summary.count('"median_iter_ms": 6550.0') == 4
 
 
 def test_example8b_does_not_run_an_example_upstream_has_rewritten(tmp_path: Path) -> None:

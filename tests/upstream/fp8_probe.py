@@ -12,7 +12,8 @@ linears got an FP8 recipe, how many GEMMs ran through the FP8 function, where th
 histories stand, and the blocks' outputs and gradients of the second step for the test to
 compare.
 
-Then the FP8 weight's reuse across micro-batches under upstream's own schedule
+Then each FP8 block built with ``fp8_param`` (``--fp8-param-gather``) against the same block
+without it, one step each (``param_gather``). Then the FP8 weight's reuse across micro-batches under upstream's own schedule
 (``get_forward_backward_func``): two iterations of two micro-batches each with an SGD step in
 between, every layer in FP8, with the reuse and with ``disable_parameter_transpose_cache``;
 records the losses, how many forwards reused the weight, and the delayed weight histories.
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> dict:
             "dx": x.grad.float().tolist(),
             "fc1_grad": block.layers[1].mlp.linear_fc1.weight.grad.float().tolist(),
         }  # fmt: skip
+    for name in ("fp8", "delayed"):
+        result[f"{name}-param-gather"] = param_gather(name, hidden, mask, direction)
     for recipe, flags in SCHEDULED.items():
         for cache in (True, False):
             result[f"scheduled-{recipe}-{'reuse' if cache else 'no-reuse'}"] = scheduled(
@@ -118,6 +121,33 @@ def run(args: argparse.Namespace) -> dict:
             )  # fmt: skip
     torch.distributed.destroy_process_group()
     return result
+
+
+def param_gather(name: str, hidden, mask, direction) -> dict:  # noqa: ANN001
+    """The block built with ``fp8_param`` (``--fp8-param-gather``) against the one without, a
+    step each from the same seed: which weights upstream's ``fp8_utils.is_float8tensor``
+    (bound to the native FP8 weight by the patch) reports, and whether output, input gradient
+    and every weight gradient are the same bits (the stored bytes are the weight's quantize)."""
+    import torch
+    from megatron.core import fp8_utils
+
+    steps = []
+    for fp8_param in (False, True):
+        block = build(name, fp8_param=fp8_param)
+        block.set_is_first_microbatch()
+        x = hidden.to(torch.bfloat16).requires_grad_()
+        out = block(x, mask)
+        out = out[0] if isinstance(out, tuple) else out
+        (out.float() * direction).sum().backward()
+        grads = {n: p.grad for n, p in block.named_parameters()}
+        steps.append((block, out.detach(), x.grad, grads))
+    (_, out, dx, grads), (pg_block, pg_out, pg_dx, pg_grads) = steps
+    return {
+        "float8": {n: fp8_utils.is_float8tensor(p) for n, p in pg_block.named_parameters()},
+        "same_out": torch.equal(out, pg_out),
+        "same_dx": torch.equal(dx, pg_dx),
+        "same_grads": all(torch.equal(grads[n], pg_grads[n]) for n in grads),
+    }
 
 
 def scheduled(block, hidden, mask, direction, reused: list) -> dict:  # noqa: ANN001

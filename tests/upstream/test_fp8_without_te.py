@@ -79,3 +79,19 @@ def test_the_schedule_reuses_the_fp8_weight_within_an_iteration_only(probed) -> 
     delayed = probed["scheduled-delayed-reuse"]["weight_positions"]
     assert delayed == [1] * fp8_linears  # started, then one advance: once an iteration
     assert probed["scheduled-delayed-no-reuse"]["weight_positions"] == [3] * fp8_linears
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "delayed"])
+def test_fp8_param_gather_weights_are_upstreams_fp8_params(probed, recipe: str) -> None:  # noqa: ANN001
+    """``--fp8-param-gather``: upstream's ``is_float8tensor`` sees the native FP8 weights of the
+    FP8 layers' linears and nothing else, and their first step is the block's without it, bit
+    for bit."""
+    got = probed[f"{recipe}-param-gather"]
+    fp8_layers = (1, 2) if recipe == "fp8" else range(4)
+    want = {
+        name: any(name == f"layers.{layer}.{linear}.weight" for layer in fp8_layers
+                  for linear in LINEARS)
+        for name in got["float8"]
+    }  # fmt: skip
+    assert got["float8"] == want and sum(want.values()) == len(fp8_layers) * len(LINEARS)
+    assert got["same_out"] and got["same_dx"] and got["same_grads"]

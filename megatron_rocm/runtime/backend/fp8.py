@@ -149,6 +149,10 @@ def attach_recipe(linear: Any, owner: str, config: Any) -> None:
     before a step's first micro-batch (:func:`weight_reuse`)."""
     linear.fp8_recipe = module_recipe(owner, config, linear.weight)
     linear.is_first_microbatch = True
+    if linear.fp8_recipe is not None and getattr(config, "fp8_param", False):
+        from megatron_rocm.runtime.backend.fp8_param import convert_weight
+
+        convert_weight(linear, linear.fp8_recipe)  # --fp8-param-gather: FP8 bytes in DDP
 
 
 def _delayed_scaling(config: Any) -> DelayedScaling:
@@ -222,15 +226,21 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:
             x_fp8, x_inv = quantize(rows, fmt, recipe.margin, history=x_history)
             saved_x = rows if need_wgrad else None
-        cached = recipe.weight_cache.get(weight, need_dgrad) if reuse_weight else None
-        if cached is not None:
+        stored = getattr(weight, "_fp8", None)  # --fp8-param-gather: the bytes DDP gathered
+        cached = None
+        if stored is None and reuse_weight:
+            cached = recipe.weight_cache.get(weight, need_dgrad)
+        if stored is not None:
+            w_fp8, w_inv = stored.fp8(), stored.scale_inv.clone()
+            w_fp8_t = stored.transposed() if need_dgrad else None
+        elif cached is not None:
             w_fp8, w_fp8_t, w_inv = cached
         elif need_dgrad:
             w_fp8, w_fp8_t, w_inv = quantize_transposed(weight, fmt, recipe.margin, w_history)
         else:
             w_fp8, w_inv = quantize(weight, fmt, recipe.margin, history=w_history)
             w_fp8_t = None
-        if cached is None and reuse_weight is not None:
+        if stored is None and cached is None and reuse_weight is not None:
             recipe.weight_cache.put(weight, (w_fp8, w_fp8_t, w_inv))
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)

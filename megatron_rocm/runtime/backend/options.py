@@ -45,11 +45,6 @@ _NO_FP4 = "train in bf16 (--bf16) or FP8 (--fp8-format, --fp8-recipe delayed or 
 TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
     TeOnlyOption("fp4", "--fp4-format", _NO_FP4),
     TeOnlyOption(
-        "fp8_param_gather",
-        "--fp8-param-gather",
-        "remove it; the native FP8 linears keep bf16 weights and quantize them each step",
-    ),
-    TeOnlyOption(
         "fp8_dot_product_attention",
         "--fp8-dot-product-attention",
         "remove it; the native attention runs in bf16 (the linears still run FP8)",
@@ -285,11 +280,52 @@ def fp8_problems(args: Any) -> list[str]:
             "--fp8-format with --use-megatron-fsdp: without TransformerEngine the FP8 "
             "linears need Megatron's DDP; use --use-distributed-optimizer"
         )
+    problems.extend(fp8_param_gather_problems(args))
     from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
 
     gpu = unsupported_gpu_reason()
     if gpu is not None:
         problems.append(f"--fp8-format {fmt}: this GPU ({gpu}); train in bf16")
+    return problems
+
+
+# what the native FP8 weights (backend.fp8_param) are not written by, each with its flag
+_FP8_PARAM_GATHER_WITHOUT = (
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP2 gathers TE's FP8 tensors"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "Megatron-FSDP gathers TE's FP8 tensors"),
+    (
+        "use_precision_aware_optimizer",
+        "--use-precision-aware-optimizer",
+        "TE's FusedAdam writes the FP8 weights there",
+    ),
+    ("optimizer_cpu_offload", "--optimizer-cpu-offload", "the offloaded step writes TE's"),
+    (
+        "use_cpu_initialization",
+        "--use-cpu-initialization",
+        "the FP8 weights are built on the GPU",
+    ),
+)
+
+
+def fp8_param_gather_problems(args: Any) -> list[str]:
+    """Without TE, what of an ``--fp8-param-gather`` run the native FP8 weights
+    (``backend.fp8_param``: written by the distributed optimizer's Adam step, gathered by
+    Megatron's DDP) cannot do."""
+    if not getattr(args, "fp8_param_gather", False):
+        return []
+    problems = [
+        f"--fp8-param-gather with {flag}: without TransformerEngine {why}; use "
+        "--use-distributed-optimizer alone, or drop --fp8-param-gather"
+        for dest, flag, why in _FP8_PARAM_GATHER_WITHOUT
+        if getattr(args, dest, False)
+    ]
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer != "adam":
+        problems.append(
+            f"--fp8-param-gather with --optimizer {optimizer}: without TransformerEngine the "
+            "FP8 weights are written by the distributed optimizer's Adam step; use "
+            "--optimizer adam or drop --fp8-param-gather"
+        )
     return problems
 
 

@@ -15,7 +15,6 @@ from megatron_rocm.runtime.backend.options import (
 
 DEFAULTS = {
     "fp4": None,
-    "fp8_param_gather": False,
     "fp8_dot_product_attention": False,
     "fp8_multi_head_attention": False,
     "tp_comm_overlap": False,
@@ -196,6 +195,8 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **graphs}))
     selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
+    gathered = {"fp8_param_gather": True, "use_distributed_optimizer": True}
+    reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **gathered}))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +210,26 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
         ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "full_iteration"),
         ({"enable_cuda_graph": True}, "--cuda-graph-impl local", "FP8GlobalStateManager"),
-        ({"fp8_param_gather": True}, "--fp8-param-gather", "quantize them each step"),
+        (
+            {"fp8_param_gather": True, "use_torch_fsdp2": True},
+            "--fp8-param-gather with --use-torch-fsdp2",
+            "--use-distributed-optimizer alone",
+        ),
+        (
+            {"fp8_param_gather": True, "use_precision_aware_optimizer": True},
+            "--fp8-param-gather with --use-precision-aware-optimizer",
+            "FusedAdam",
+        ),
+        (
+            {"fp8_param_gather": True, "use_cpu_initialization": True},
+            "--fp8-param-gather with --use-cpu-initialization",
+            "built on the GPU",
+        ),
+        (
+            {"fp8_param_gather": True, "optimizer": "sgd"},
+            "--fp8-param-gather with --optimizer sgd",
+            "--optimizer adam",
+        ),
         ({"fp8_dot_product_attention": True}, "--fp8-dot-product-attention", "bf16"),
         ({"fp8_multi_head_attention": True}, "--fp8-multi-head-attention", "bf16"),
         ({"recompute_granularity": "full"}, "--recompute-granularity full", "te_checkpoint"),

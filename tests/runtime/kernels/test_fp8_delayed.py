@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from triton_interpreter import TRITON_DEVICE, quick_few, triton_test  # noqa: E402
+from two_gloo_ranks import two_ranks as _two_ranks  # noqa: E402
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
 from megatron_rocm.runtime.kernels import fp8  # noqa: E402
@@ -210,12 +210,6 @@ def test_a_linear_trains_its_three_tensors_on_their_histories() -> None:
     assert recipe.delayed.weight.group is None  # weights are alike on every rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned process
     import torch.distributed as dist
 
@@ -226,27 +220,6 @@ def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned pr
     _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
     results.put((rank, inv.item()))
     dist.destroy_process_group()
-
-
-def _two_ranks(target) -> list:  # noqa: ANN001 - a spawned process's function
-    """``target(rank, port, results)`` on two spawned gloo ranks; what each put, rank 0's
-    first. A rank that hangs or dies fails the test instead of hanging it."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=90) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return got
 
 
 @pytest.mark.slow

@@ -1,0 +1,307 @@
+"""``--fp8-param-gather`` without TransformerEngine: FP8 weights the distributed optimizer
+writes and all-gathers as bytes.
+
+Upstream moves FP8 parameters through its DDP buffers, the distributed optimizer and
+checkpointing by asking ``fp8_utils.is_float8tensor`` and calling a few hooks
+(``modify_underlying_storage``, ``quantize_param_shard``, ``post_all_gather_processing``,
+``dequantize_fp8_tensor``); it never needs TE's classes beyond that. The ``fp8-without-te``
+patch binds those names to this module where TE is absent (:func:`install`), and the native
+linears built under ``--fp8-param-gather`` hold an :class:`Fp8Param` as their weight
+(:func:`convert_weight`): one byte an element in a uint8 DDP buffer, one per-tensor scale. The
+optimizer step quantizes each rank's fp32 main shard straight into that buffer, with the scale
+from the amax all-reduced over the data-parallel group, so the all-gather moves FP8 bytes and
+the forward reads them with no quantize of its own.
+
+The bytes and scale are bitwise what the linear would quantize from the all-gathered bf16
+weight without the flag: current scaling takes the same amax (a max: the order of its
+reduction does not matter) and the same ``_scale``/``_apply``; delayed scaling advances the
+weight's amax history once a step, as the linear does on a step's first micro-batch.
+Checkpoints hold the dequantized weight (the dtype a run without the flag saves), and loading
+one quantizes it again (``copy_``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from megatron_rocm.runtime.kernels.fp8 import (
+    AmaxHistory,
+    _amax,
+    _apply,
+    _scale,
+    amax_without_nan,
+)
+
+aten = torch.ops.aten
+
+
+@dataclass(eq=False)
+class Fp8State:
+    """One FP8 weight's state, shared by every alias of it (``param.data``, ``detach``)."""
+
+    data: torch.Tensor  # uint8 [out, in]: a view into the DDP buffer once DDP is built
+    dtype: torch.dtype  # the dtype the weight reports (the model's: bf16)
+    fp8_dtype: torch.dtype
+    margin: int
+    scale: torch.Tensor  # fp32 0-d: current scaling's scale (delayed: the history's)
+    scale_inv: torch.Tensor  # fp32 0-d: what the GEMMs multiply by
+    history: AmaxHistory | None = None  # delayed scaling: the weight's amaxes
+    transpose: torch.Tensor | None = None  # [in, out] FP8, built when a backward needs it
+    init_val: torch.Tensor | None = None  # the weight as built (CPU): the fp32 mains' start
+
+    @property
+    def fp8_max(self) -> float:
+        return float(torch.finfo(self.fp8_dtype).max)
+
+    def fp8(self) -> torch.Tensor:
+        return self.data.view(self.fp8_dtype)
+
+    def transposed(self) -> torch.Tensor:
+        """The FP8 weight's transpose (the input gradient's operand), rebuilt after the bytes
+        changed (``stale``)."""
+        if self.transpose is None:
+            self.transpose = self.data.t().contiguous().view(self.fp8_dtype)
+        return self.transpose
+
+    def stale(self) -> None:
+        self.transpose = None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self.fp8().float() * self.scale_inv).to(dtype or self.dtype)
+
+    def assign(self, source: torch.Tensor) -> None:
+        """The whole weight quantized from ``source`` (construction, a checkpoint's load):
+        current scaling; delayed scaling starts its history again from this amax, as a run
+        starts it from the first quantize."""
+        with torch.no_grad():
+            x = source.detach().to(device=self.data.device, dtype=self.dtype)
+            scale = _scale(_amax(x), self.fp8_max, self.margin)
+            self.data.copy_(_apply(x, scale, self.fp8_dtype, self.fp8_max).view(torch.uint8))
+            self.scale.copy_(scale)
+            self.scale_inv.copy_(scale.reciprocal())
+            if self.history is not None:
+                self.history.started = False
+                self.history.start(x)
+        self.stale()
+
+
+class Fp8Param(torch.Tensor):
+    """A weight stored as FP8 bytes and one scale that reports the model's dtype, as TE's
+    ``Float8Tensor`` does: upstream sizes buffers, builds the optimizer and saves checkpoints
+    from what it reports. ``copy_`` into it quantizes; any other operation sees the
+    dequantized weight (a bf16 tensor), and other in-place operations are refused: only the
+    optimizer's :func:`quantize_param_shard` and ``copy_`` change it."""
+
+    _fp8: Fp8State
+
+    @staticmethod
+    def __new__(cls, state: Fp8State, requires_grad: bool = False) -> Fp8Param:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, state.data.shape, dtype=state.dtype, device=state.data.device,
+            requires_grad=requires_grad,
+        )  # fmt: skip
+        t._fp8 = state
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"Fp8Param(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"fp8={self._fp8.fp8_dtype}, device={self.device})"
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight in ``dtype`` (the reported one by default). Defined on the class: the
+        checkpoint writer looks for it there."""
+        return self._fp8.dequantize(dtype)
+
+    def from_float8(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """TE 1.x's name for :meth:`dequantize` (``fp8_utils.dequantize_fp8_tensor``)."""
+        return self._fp8.dequantize(dtype)
+
+    def get_high_precision_init_val(self) -> torch.Tensor | None:
+        """The weight as built, before quantization: the distributed optimizer starts its
+        fp32 main params from it (TE's ``preserve_high_precision_init_val``)."""
+        return self._fp8.init_val
+
+    def clear_high_precision_init_val(self) -> None:
+        self._fp8.init_val = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, deepcopy: the weight in bf16
+        return self._fp8.dequantize().__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return cls(args[0]._fp8)
+        if func is aten.copy_.default and isinstance(args[0], cls):
+            args[0]._fp8.assign(args[1])
+            return args[0]
+        if _writes_into_fp8_param(func, args, cls):
+            raise RuntimeError(
+                f"{func}: an FP8 weight (--fp8-param-gather) changes only through copy_ or "
+                "the distributed optimizer's step"
+            )
+
+        def plain(t: Any) -> Any:
+            return t._fp8.dequantize() if isinstance(t, cls) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+def _writes_into_fp8_param(func: Any, args: tuple, cls: type) -> bool:
+    schema = func._schema
+    for arg, value in zip(schema.arguments, args):
+        info = arg.alias_info
+        if info is not None and info.is_write and isinstance(value, cls):
+            return True
+    return False
+
+
+def is_fp8_param(tensor: Any) -> bool:
+    return isinstance(tensor, Fp8Param)
+
+
+def convert_weight(linear: Any, recipe: Any) -> None:
+    """``linear.weight`` replaced by an :class:`Fp8Param` quantized from it (current
+    scaling; delayed scaling starts the recipe's weight history there), keeping its
+    attributes (tensor-parallel ones, ``allreduce``, ...) and the weight as built for the
+    optimizer's fp32 mains."""
+    weight = linear.weight
+    history = recipe.history("weight")
+    state = Fp8State(
+        data=torch.empty(weight.shape, dtype=torch.uint8, device=weight.device),
+        dtype=weight.dtype,
+        fp8_dtype=recipe.formats.forward,
+        margin=recipe.margin,
+        scale=torch.ones((), dtype=torch.float32, device=weight.device),
+        scale_inv=torch.ones((), dtype=torch.float32, device=weight.device),
+        history=history,
+    )
+    state.assign(weight)
+    if torch.is_grad_enabled():  # TE keeps it where grad is on: a run that trains
+        state.init_val = weight.detach().to("cpu", copy=True)
+    param = torch.nn.Parameter(Fp8Param(state), requires_grad=weight.requires_grad)
+    for key, value in vars(weight).items():
+        if key not in ("_fp8", "_is_param"):
+            setattr(param, key, value)
+    del linear.weight
+    linear.register_parameter("weight", param)
+
+
+def replace_raw_data(tensor: Fp8Param, new_raw_data: torch.Tensor) -> None:
+    """``fp8_utils.modify_underlying_storage``: the weight's bytes moved into DDP's uint8
+    param buffer (``new_raw_data``, a view of it)."""
+    state = tensor._fp8
+    if new_raw_data.dtype != torch.uint8 or new_raw_data.shape != state.data.shape:
+        raise ValueError(
+            f"FP8 weight storage: expected uint8 {tuple(state.data.shape)}, got "
+            f"{new_raw_data.dtype} {tuple(new_raw_data.shape)}"
+        )
+    new_raw_data.detach().copy_(state.data)
+    state.data = new_raw_data.detach()
+    state.stale()
+
+
+def quantize_param_shard(
+    model_params: list,
+    main_params: list,
+    start_offsets: list,
+    data_parallel_group: Any,
+    fsdp_shard_model_params: Any = None,
+) -> None:
+    """``fp8_utils.quantize_param_shard``: each rank's fp32 main shards (None where this
+    rank holds none of a weight) cast into the FP8 weights' bytes, at ``start_offsets`` of
+    each weight, with every weight's scale agreed over ``data_parallel_group``.
+
+    Each shard is first rounded to the weight's dtype (what a run without the flag copies
+    into its bf16 weight). Current scaling: every weight's shard amax, all-reduced (max) in
+    one collective, gives the scale. Delayed scaling: the weight's history advances (the
+    same on every rank), the shard casts with its scale, and the shard amaxes, all-reduced,
+    become the running amax. Every weight's transpose is rebuilt at its next use."""
+    if fsdp_shard_model_params is not None:
+        raise RuntimeError("--fp8-param-gather without TransformerEngine: not with FSDP")
+    params = list(model_params)
+    if not params:
+        return
+    states = [p._fp8 for p in params]
+    device = states[0].data.device
+    shards = [
+        None if main is None else main.detach().view(-1).to(state.dtype)
+        for main, state in zip(main_params, states)
+    ]
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        delayed = [s.history is not None for s in states]
+        for state, is_delayed in zip(states, delayed):
+            if is_delayed:
+                state.scale_inv.copy_(state.history.advance(state.fp8_max, state.margin, False))
+        amax_of = [(amax_without_nan if is_delayed else _amax) for is_delayed in delayed]
+        amaxes = torch.stack(
+            [
+                zero if shard is None or shard.numel() == 0 else fn(shard)
+                for shard, fn in zip(shards, amax_of)
+            ]
+        )
+        _all_reduce_max(amaxes, data_parallel_group)
+        for i, (state, shard) in enumerate(zip(states, shards)):
+            if delayed[i]:
+                state.history.current.copy_(amaxes[i])
+                scale = state.history.scale
+            else:
+                scale = _scale(amaxes[i], state.fp8_max, state.margin)
+                state.scale.copy_(scale)
+                state.scale_inv.copy_(scale.reciprocal())
+            if shard is not None and shard.numel():
+                start = int(start_offsets[i])
+                out = state.data.view(-1)[start : start + shard.numel()]
+                out.copy_(_apply(shard, scale, state.fp8_dtype, state.fp8_max).view(torch.uint8))
+            state.stale()
+
+
+def _all_reduce_max(t: torch.Tensor, group: Any) -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+def post_all_gather(model_params: list) -> None:
+    """After the param all-gather wrote the FP8 weights' bytes: their transposes are stale."""
+    for p in model_params:
+        if isinstance(p, Fp8Param):
+            p._fp8.stale()
+
+
+def install(namespace: dict) -> None:
+    """Bind upstream's FP8-parameter hooks in ``megatron.core.fp8_utils`` (its module
+    namespace, TE absent) to the native ones; names a version lacks are left alone."""
+    te_is_float8tensor = namespace["is_float8tensor"]
+
+    def is_float8tensor(tensor: Any) -> bool:
+        return isinstance(tensor, Fp8Param) or te_is_float8tensor(tensor)
+
+    namespace["is_float8tensor"] = is_float8tensor
+    namespace["_modify_underlying_storage_impl"] = replace_raw_data
+    namespace["_quantize_param_shard_impl"] = quantize_param_shard
+    if "dequantize_fp8_tensor" in namespace:
+        te_dequantize = namespace["dequantize_fp8_tensor"]
+
+        def dequantize_fp8_tensor(tensor: Any) -> torch.Tensor:
+            return tensor.dequantize() if isinstance(tensor, Fp8Param) else te_dequantize(tensor)
+
+        namespace["dequantize_fp8_tensor"] = dequantize_fp8_tensor
+    if "post_all_gather_processing" in namespace:
+        te_post = namespace["post_all_gather_processing"]
+
+        def post_all_gather_processing(model_params: Any) -> None:
+            params = model_params if isinstance(model_params, list) else [model_params]
+            post_all_gather(params)
+            te_post([p for p in params if not isinstance(p, Fp8Param)])
+
+        namespace["post_all_gather_processing"] = post_all_gather_processing

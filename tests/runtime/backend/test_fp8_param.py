@@ -1,0 +1,202 @@
+"""``--fp8-param-gather`` without TE (``backend.fp8_param``): the FP8 weight's contract with
+upstream's DDP, distributed optimizer and checkpoints, and its bytes against the quantize a run
+without the flag makes of the all-gathered bf16 weight (``kernels.fp8``, itself checked against
+float64 in test_fp8.py)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from two_gloo_ranks import join, two_ranks  # noqa: E402
+
+from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
+from megatron_rocm.runtime.backend import fp8_param  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8  # noqa: E402
+
+OUT, IN = 32, 64
+FORMATS = fp8.formats("hybrid", arch="cpu")
+
+
+def _recipe(delayed: bool) -> backend_fp8.Fp8Recipe:
+    histories = backend_fp8.DelayedScaling(
+        *(fp8.AmaxHistory(8, most_recent=False) for _ in range(3))
+    )
+    return backend_fp8.Fp8Recipe(formats=FORMATS, delayed=histories if delayed else None)
+
+
+def _linear(seed: int = 0, delayed: bool = False) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A bf16 linear with an FP8 weight, and the weight it was built with."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(IN, OUT, bias=False).to(torch.bfloat16)
+    built = linear.weight.detach().clone()
+    linear.weight.allreduce = True  # an attribute upstream sets, which must survive
+    fp8_param.convert_weight(linear, _recipe(delayed))
+    return linear, built
+
+
+def _bytes(x_fp8: torch.Tensor) -> torch.Tensor:
+    return x_fp8.view(torch.uint8)
+
+
+def test_the_weight_is_a_parameter_that_reports_bf16_and_holds_the_quantized_bytes() -> None:
+    linear, built = _linear()
+    p = linear.weight
+    assert isinstance(p, torch.nn.Parameter) and isinstance(p, fp8_param.Fp8Param)
+    assert (p.dtype, tuple(p.shape), p.requires_grad) == (torch.bfloat16, (OUT, IN), True)
+    assert p.type() == "torch.BFloat16Tensor" and p.allreduce is True
+    want, inverse = fp8.quantize(built, FORMATS.forward)
+    assert torch.equal(p._fp8.data, _bytes(want)) and torch.equal(p._fp8.scale_inv, inverse)
+    assert torch.equal(p.get_high_precision_init_val(), built)  # the optimizer's fp32 start
+    p.clear_high_precision_init_val()
+    assert p.get_high_precision_init_val() is None
+
+
+def test_every_alias_shares_the_state_and_other_ops_see_the_dequantized_weight() -> None:
+    linear, _ = _linear()
+    p = linear.weight
+    assert p.data._fp8 is p._fp8 and p.detach()._fp8 is p._fp8
+    expanded = p.expand_as(p)  # DDP's hook: the AccumulateGrad node of the parameter itself
+    assert type(expanded) is torch.Tensor
+    assert expanded.grad_fn.next_functions[0][0].variable is p
+    assert torch.equal(p.float(), p.dequantize().float())  # the bf16 weight, upcast
+    assert torch.equal(p.dequantize(), fp8.dequantize(p._fp8.fp8(), p._fp8.scale_inv).bfloat16())
+    assert linear.to(torch.bfloat16).weight is p  # Float16Module's conversion keeps it
+
+
+def test_copy_quantizes_and_other_writes_are_refused() -> None:
+    linear, _ = _linear()
+    p = linear.weight
+    source = torch.randn(OUT, IN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        p.copy_(source)  # a checkpoint's load
+        with pytest.raises(RuntimeError, match="changes only through copy_"):
+            p.add_(1.0)
+    want, inverse = fp8.quantize(source, FORMATS.forward)
+    assert torch.equal(p._fp8.data, _bytes(want)) and torch.equal(p._fp8.scale_inv, inverse)
+
+
+def test_a_saved_state_dict_holds_the_dequantized_weight() -> None:
+    linear, _ = _linear()
+    buffer = io.BytesIO()
+    torch.save(linear.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["weight"]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, linear.weight.dequantize())
+
+
+def test_the_bytes_move_into_ddp_buffer_and_the_transpose_follows() -> None:
+    linear, _ = _linear()
+    p = linear.weight
+    old = p._fp8.transposed().clone()
+    buffer = torch.zeros(OUT * IN + 128, dtype=torch.uint8)
+    view = buffer[64 : 64 + OUT * IN].view(OUT, IN)
+    before = p._fp8.data.clone()
+    fp8_param.replace_raw_data(p, view)
+    assert p._fp8.data.data_ptr() == view.data_ptr() and torch.equal(view, before)
+    view.zero_()  # what an all-gather writes
+    fp8_param.post_all_gather([p])
+    assert not torch.equal(_bytes(p._fp8.transposed()), _bytes(old))
+    assert torch.equal(_bytes(p._fp8.transposed()), view.t())
+    with pytest.raises(ValueError, match="uint8"):
+        fp8_param.replace_raw_data(p, torch.zeros(OUT, IN))
+
+
+@pytest.mark.parametrize("wgrad_fusion", [True, False])
+def test_the_linear_reads_the_bytes_and_matches_the_quantizing_linear(wgrad_fusion) -> None:
+    """Tensorwise: the stored bytes are what the linear quantizes from the bf16 weight, so
+    output, input gradient and weight gradient are bit for bit the run without the flag's."""
+    linear, _ = _linear()
+    p = linear.weight
+    plain = torch.nn.Parameter(p.dequantize())  # its quantize gives the same bytes back
+    assert torch.equal(fp8.quantize(plain, FORMATS.forward)[0].view(torch.uint8), p._fp8.data)
+    x = torch.randn(2, 16, IN, dtype=torch.bfloat16)
+    results = []
+    for weight in (p, plain):
+        if wgrad_fusion:
+            weight.main_grad = torch.zeros(OUT, IN)
+        xi = x.clone().requires_grad_()
+        out = backend_fp8.fp8_linear(xi, weight, wgrad_fusion, _recipe(False))
+        out.float().square().sum().backward()
+        wgrad = weight.main_grad if wgrad_fusion else weight.grad
+        results.append((out, xi.grad, wgrad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned process
+    """Both ranks hold the same fp32 mains, each quantizes its half into its bytes; the two
+    halves put together, against ``fp8.quantize`` of the whole bf16 weight: tensorwise at one
+    step, delayed over four (the first quantize current scaling, then the history's)."""
+    import torch.distributed as dist
+
+    join(rank, port)
+    split = 1000  # not a row boundary
+    out = {}
+    for delayed in (False, True):
+        linear, built = _linear(delayed=delayed)
+        p = linear.weight
+        reference = fp8.AmaxHistory(8, most_recent=False)
+        fp8.quantize(built, FORMATS.forward, history=reference)  # the first step's weight
+        same = []
+        for step in range(1, 4 if delayed else 2):
+            main = torch.randn(OUT * IN, generator=torch.Generator().manual_seed(step)) * step
+            shard = main[:split] if rank == 0 else main[split:]
+            start = 0 if rank == 0 else split
+            fp8_param.quantize_param_shard([p], [shard], [start], dist.group.WORLD)
+            gathered = [torch.zeros(OUT * IN, dtype=torch.uint8) for _ in range(2)]
+            dist.all_gather(gathered, p._fp8.data.view(-1).clone())
+            whole = torch.cat([gathered[0][:split], gathered[1][split:]])
+            weight = main.to(torch.bfloat16).view(OUT, IN)
+            if delayed:
+                want, inverse = fp8.quantize(weight, FORMATS.forward, history=reference)
+            else:
+                want, inverse = fp8.quantize(weight, FORMATS.forward)
+            same.append(
+                torch.equal(whole, _bytes(want).view(-1)) and torch.equal(p._fp8.scale_inv, inverse)
+            )
+        out["delayed" if delayed else "tensorwise"] = same
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_shards_quantized_on_two_ranks_are_the_whole_weights_quantize() -> None:
+    got = two_ranks(_shard_rank)
+    want = {"tensorwise": [True], "delayed": [True, True, True]}
+    assert got == [(0, want), (1, want)]
+
+
+def test_install_binds_upstreams_hooks_and_leaves_te_tensors_to_te() -> None:
+    """What the patch runs in ``fp8_utils``'s no-TE branch, on a namespace holding upstream's
+    fallbacks: a version without ``post_all_gather_processing`` keeps its names as they are."""
+    seen = []
+    namespace = {
+        "is_float8tensor": lambda t: t == "te-tensor",
+        "dequantize_fp8_tensor": lambda t: ("te", t),
+        "post_all_gather_processing": seen.append,
+        "_modify_underlying_storage_impl": None,
+        "_quantize_param_shard_impl": None,
+    }
+    fp8_param.install(namespace)
+    linear, _ = _linear()
+    p, other = linear.weight, torch.zeros(2)
+    assert namespace["is_float8tensor"](p) and namespace["is_float8tensor"]("te-tensor")
+    assert not namespace["is_float8tensor"](other)
+    assert namespace["_modify_underlying_storage_impl"] is fp8_param.replace_raw_data
+    assert namespace["_quantize_param_shard_impl"] is fp8_param.quantize_param_shard
+    assert torch.equal(namespace["dequantize_fp8_tensor"](p), p.dequantize())
+    assert namespace["dequantize_fp8_tensor"]("x") == ("te", "x")
+    p._fp8.transposed()
+    namespace["post_all_gather_processing"]([p, other])
+    assert p._fp8.transpose is None and seen == [[other]]
+    older = {"is_float8tensor": lambda t: False}  # 0.12: neither of the two later names
+    fp8_param.install(older)
+    assert set(older) == {
+        "is_float8tensor",
+        "_modify_underlying_storage_impl",
+        "_quantize_param_shard_impl",
+    }
