@@ -22,6 +22,7 @@ one quantizes it again (``copy_``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,12 @@ from megatron_rocm.runtime.kernels.fp8 import (
 )
 
 aten = torch.ops.aten
+# views of an Fp8Param: reshaped, it stays one (sharing the bytes and scale); sliced, only the
+# part is dequantized. The distributed optimizer keeps ``param.detach().view(-1)[a:b]`` of
+# every FP8 weight (delayed scaling; both recipes before 0.14): a dequantized whole weight
+# behind each slice would hold two bytes an element for the whole run.
+_RESHAPES = (aten.view.default, aten._unsafe_view.default)
+_BYTE_VIEWS = (aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.as_strided.default)
 
 
 @dataclass(eq=False)
@@ -47,11 +54,9 @@ class Fp8State:
     dtype: torch.dtype  # the dtype the weight reports (the model's: bf16)
     fp8_dtype: torch.dtype
     margin: int
-    scale: torch.Tensor  # fp32 0-d: current scaling's scale (delayed: the history's)
-    scale_inv: torch.Tensor  # fp32 0-d: what the GEMMs multiply by
+    scale_inv: torch.Tensor  # fp32 0-d: what the GEMMs multiply by (the scale's inverse)
     history: AmaxHistory | None = None  # delayed scaling: the weight's amaxes
     transpose: torch.Tensor | None = None  # [in, out] FP8, built when a backward needs it
-    init_val: torch.Tensor | None = None  # the weight as built (CPU): the fp32 mains' start
 
     @property
     def fp8_max(self) -> float:
@@ -81,7 +86,6 @@ class Fp8State:
             x = source.detach().to(device=self.data.device, dtype=self.dtype)
             scale = _scale(_amax(x), self.fp8_max, self.margin)
             self.data.copy_(_apply(x, scale, self.fp8_dtype, self.fp8_max).view(torch.uint8))
-            self.scale.copy_(scale)
             self.scale_inv.copy_(scale.reciprocal())
             if self.history is not None:
                 self.history.started = False
@@ -124,15 +128,7 @@ class Fp8Param(torch.Tensor):
         """TE 1.x's name for :meth:`dequantize` (``fp8_utils.dequantize_fp8_tensor``)."""
         return self._fp8.dequantize(dtype)
 
-    def get_high_precision_init_val(self) -> torch.Tensor | None:
-        """The weight as built, before quantization: the distributed optimizer starts its
-        fp32 main params from it (TE's ``preserve_high_precision_init_val``)."""
-        return self._fp8.init_val
-
-    def clear_high_precision_init_val(self) -> None:
-        self._fp8.init_val = None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save, deepcopy: the weight in bf16
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save: the weight in bf16
         return self._fp8.dequantize().__reduce_ex__(protocol)
 
     @classmethod
@@ -140,10 +136,18 @@ class Fp8Param(torch.Tensor):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
             return cls(args[0]._fp8)
+        if func in _RESHAPES and isinstance(args[0], cls):  # the same bytes, another shape
+            state = args[0]._fp8
+            shaped = dataclasses.replace(state, data=state.data.view(args[1]), transpose=None)
+            return cls(shaped)
+        if func in _BYTE_VIEWS and isinstance(args[0], cls):  # dequantize the part only
+            state = args[0]._fp8
+            part = func(state.data, *args[1:], **kwargs)
+            return (part.view(state.fp8_dtype).float() * state.scale_inv).to(state.dtype)
         if func is aten.copy_.default and isinstance(args[0], cls):
             args[0]._fp8.assign(args[1])
             return args[0]
-        if _writes_into_fp8_param(func, args, cls):
+        if _writes_into_fp8_param(func, args, kwargs, cls):
             raise RuntimeError(
                 f"{func}: an FP8 weight (--fp8-param-gather) changes only through copy_ or "
                 "the distributed optimizer's step"
@@ -155,17 +159,14 @@ class Fp8Param(torch.Tensor):
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
 
 
-def _writes_into_fp8_param(func: Any, args: tuple, cls: type) -> bool:
-    schema = func._schema
-    for arg, value in zip(schema.arguments, args):
+def _writes_into_fp8_param(func: Any, args: tuple, kwargs: dict, cls: type) -> bool:
+    """Whether ``func`` writes into an ``Fp8Param`` argument, positional or keyword (``out=``)."""
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
         info = arg.alias_info
         if info is not None and info.is_write and isinstance(value, cls):
             return True
     return False
-
-
-def is_fp8_param(tensor: Any) -> bool:
-    return isinstance(tensor, Fp8Param)
 
 
 def convert_weight(linear: Any, recipe: Any) -> None:
@@ -180,19 +181,32 @@ def convert_weight(linear: Any, recipe: Any) -> None:
         dtype=weight.dtype,
         fp8_dtype=recipe.formats.forward,
         margin=recipe.margin,
-        scale=torch.ones((), dtype=torch.float32, device=weight.device),
         scale_inv=torch.ones((), dtype=torch.float32, device=weight.device),
         history=history,
     )
     state.assign(weight)
-    if torch.is_grad_enabled():  # TE keeps it where grad is on: a run that trains
-        state.init_val = weight.detach().to("cpu", copy=True)
     param = torch.nn.Parameter(Fp8Param(state), requires_grad=weight.requires_grad)
     for key, value in vars(weight).items():
         if key not in ("_fp8", "_is_param"):
             setattr(param, key, value)
-    del linear.weight
-    linear.register_parameter("weight", param)
+    if torch.is_grad_enabled():  # TE keeps it where grad is on: a run that trains
+        _keep_init_val(param, weight.detach().to("cpu", copy=True))
+    linear._parameters["weight"] = param  # in place: the parameters keep their order
+
+
+def _keep_init_val(param: Fp8Param, init_val: torch.Tensor) -> None:
+    """The weight as built, before quantization, behind TE's two methods on this parameter
+    alone (the distributed optimizer starts its fp32 mains from it where the parameter has
+    them, and clears it): once cleared, the methods are gone, as TE's are."""
+
+    def get_high_precision_init_val() -> torch.Tensor:
+        return init_val
+
+    def clear_high_precision_init_val() -> None:
+        del param.get_high_precision_init_val, param.clear_high_precision_init_val
+
+    param.get_high_precision_init_val = get_high_precision_init_val
+    param.clear_high_precision_init_val = clear_high_precision_init_val
 
 
 def replace_raw_data(tensor: Fp8Param, new_raw_data: torch.Tensor) -> None:
@@ -249,6 +263,9 @@ def quantize_param_shard(
                 for shard, fn in zip(shards, amax_of)
             ]
         )
+        # a NaN amax (current scaling keeps NaN) as +inf: MAX over ranks may drop a NaN, and
+        # both make the scale fall back to 1, as the whole weight's NaN amax does
+        amaxes = torch.where(amaxes.isnan(), torch.inf, amaxes)
         _all_reduce_max(amaxes, data_parallel_group)
         for i, (state, shard) in enumerate(zip(states, shards)):
             if delayed[i]:
@@ -256,7 +273,6 @@ def quantize_param_shard(
                 scale = state.history.scale
             else:
                 scale = _scale(amaxes[i], state.fp8_max, state.margin)
-                state.scale.copy_(scale)
                 state.scale_inv.copy_(scale.reciprocal())
             if shard is not None and shard.numel():
                 start = int(start_offsets[i])

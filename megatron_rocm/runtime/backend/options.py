@@ -309,7 +309,7 @@ _FP8_PARAM_GATHER_WITHOUT = (
 
 def fp8_param_gather_problems(args: Any) -> list[str]:
     """Without TE, what of an ``--fp8-param-gather`` run the native FP8 weights
-    (``backend.fp8_param``: written by the distributed optimizer's Adam step, gathered by
+    (``backend.fp8_param``: written by the distributed optimizer's step, gathered by
     Megatron's DDP) cannot do."""
     if not getattr(args, "fp8_param_gather", False):
         return []
@@ -320,11 +320,11 @@ def fp8_param_gather_problems(args: Any) -> list[str]:
         if getattr(args, dest, False)
     ]
     optimizer = getattr(args, "optimizer", "adam")
-    if optimizer != "adam":
+    if optimizer not in ("adam", "sgd"):
         problems.append(
             f"--fp8-param-gather with --optimizer {optimizer}: without TransformerEngine the "
-            "FP8 weights are written by the distributed optimizer's Adam step; use "
-            "--optimizer adam or drop --fp8-param-gather"
+            "FP8 weights are written by the distributed optimizer's step (--optimizer adam or "
+            "sgd); use one of those or drop --fp8-param-gather"
         )
     return problems
 

@@ -52,7 +52,29 @@ def test_the_weight_is_a_parameter_that_reports_bf16_and_holds_the_quantized_byt
     assert torch.equal(p._fp8.data, _bytes(want)) and torch.equal(p._fp8.scale_inv, inverse)
     assert torch.equal(p.get_high_precision_init_val(), built)  # the optimizer's fp32 start
     p.clear_high_precision_init_val()
-    assert p.get_high_precision_init_val() is None
+    assert not hasattr(p, "get_high_precision_init_val")  # upstream asks hasattr, as of TE's
+
+
+def test_the_weight_keeps_its_place_among_the_parameters() -> None:
+    """DDP lays its buffers out, and a checkpoint's dp_zero optimizer state is split, in the
+    module's parameter order."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(IN, OUT).to(torch.bfloat16)
+    fp8_param.convert_weight(linear, _recipe(False))
+    assert [name for name, _ in linear.named_parameters()] == ["weight", "bias"]
+
+
+def test_a_slice_dequantizes_only_its_part() -> None:
+    """The distributed optimizer keeps ``param.detach().view(-1)[a:b]`` for the whole run."""
+    linear, _ = _linear()
+    p = linear.weight
+    flat = p.detach().view(-1)
+    assert (
+        isinstance(flat, fp8_param.Fp8Param) and flat._fp8.data.data_ptr() == p._fp8.data.data_ptr()
+    )
+    part = flat[100:110]
+    assert type(part) is torch.Tensor and part.untyped_storage().nbytes() == 10 * 2
+    assert torch.equal(part, p.dequantize().view(-1)[100:110])
 
 
 def test_every_alias_shares_the_state_and_other_ops_see_the_dequantized_weight() -> None:
@@ -75,6 +97,8 @@ def test_copy_quantizes_and_other_writes_are_refused() -> None:
         p.copy_(source)  # a checkpoint's load
         with pytest.raises(RuntimeError, match="changes only through copy_"):
             p.add_(1.0)
+        with pytest.raises(RuntimeError, match="changes only through copy_"):
+            torch.add(source, 1.0, out=p)
     want, inverse = fp8.quantize(source, FORMATS.forward)
     assert torch.equal(p._fp8.data, _bytes(want)) and torch.equal(p._fp8.scale_inv, inverse)
 
@@ -159,6 +183,20 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
                 torch.equal(whole, _bytes(want).view(-1)) and torch.equal(p._fp8.scale_inv, inverse)
             )
         out["delayed" if delayed else "tensorwise"] = same
+    # a NaN in rank 1's shard: both ranks scale by 1, as the whole weight's NaN amax does
+    linear, _ = _linear()
+    p = linear.weight
+    main = torch.randn(OUT * IN)
+    main[1500] = float("nan")
+    shard, start = (main[:split], 0) if rank == 0 else (main[split:], split)
+    fp8_param.quantize_param_shard([p], [shard], [start], dist.group.WORLD)
+    want, inverse = fp8.quantize(main.to(torch.bfloat16).view(OUT, IN), FORMATS.forward)
+    mine = p._fp8.data.view(-1)[start : start + shard.numel()]
+    out["nan"] = [
+        torch.equal(mine, _bytes(want).view(-1)[start : start + shard.numel()])
+        and torch.equal(p._fp8.scale_inv, inverse)
+        and inverse.item() == 1.0
+    ]
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -166,7 +204,7 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
 @pytest.mark.slow
 def test_shards_quantized_on_two_ranks_are_the_whole_weights_quantize() -> None:
     got = two_ranks(_shard_rank)
-    want = {"tensorwise": [True], "delayed": [True, True, True]}
+    want = {"tensorwise": [True], "delayed": [True, True, True], "nan": [True]}
     assert got == [(0, want), (1, want)]
 
 
