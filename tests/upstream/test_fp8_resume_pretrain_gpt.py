@@ -11,7 +11,9 @@ of a process's first two iterations on its second line, so the resumed run's ite
 mean(5, 6)). A bf16 run of the same model ends elsewhere, so FP8 did run. Under delayed scaling
 (upstream's default recipe, at the 8B example's history of 1024 and ``max``) the amax history is
 not in the checkpoint: the resumed run's first quantizes scale by their own amax, so its losses
-stay within 1% of the straight run's instead of repeating them.
+stay within 1% of the straight run's instead of repeating them. With ``--fp8-param-gather``
+(both recipes, no clipping) the run prints the losses of the run without it, and its resume
+stays within 1% (the checkpoint holds the dequantized weights).
 """
 
 from __future__ import annotations
@@ -110,3 +112,33 @@ def test_fp8_delayed_scaling_resumes_close_to_where_it_stopped(tmp_path: Path) -
     assert abs(last - straight[ITERS]) <= 0.01 * straight[ITERS], (last, straight[ITERS])
     tensorwise = train(tree, tmp_path / "tensorwise.log", *FP8)
     assert tensorwise[ITERS] != straight[ITERS]  # the recipes differ: delayed did run
+
+
+@needs_mirror
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_param_gather_trains_as_without_it_and_resumes(tmp_path: Path, recipe: str) -> None:
+    """``--fp8-param-gather``: the FP8 weights live as bytes in the distributed optimizer's
+    buffer and are cast from its fp32 mains, bit for bit the quantize the linears make without
+    the flag, so the losses are the same, as printed (no clipping: the grad norm's summation
+    order follows the buffers' layout, which the uint8 buffer changes). A resume from the
+    checkpoint (the dequantized weights) stays within 1% of the run that never stopped: until
+    its first optimizer step the FP8 weight is the saved bf16 weight quantized again."""
+    tree = tmp_path / REF
+    assert main(["apply", "--source", str(MIRROR), "--ref", REF, "--dest", str(tree)]) == 0
+    flags = ["--fp8-format=hybrid", f"--fp8-recipe={recipe}", "--clip-grad=0"]
+    if recipe == "delayed":
+        flags += ["--fp8-amax-history-len=1024", "--fp8-amax-compute-algo=max"]
+    without = train(tree, tmp_path / "without.log", *flags)
+    gathered = train(tree, tmp_path / "gathered.log", *flags, "--fp8-param-gather")
+    assert sorted(gathered) == list(range(1, ITERS + 1)) and gathered == without
+    # the FP8 weights did move to a buffer of their own (uint8), as upstream does with TE's
+    buffers = "Number of buckets for gradient all-reduce"
+    assert (tmp_path / "without.log").read_text().count(buffers) == 1
+    assert (tmp_path / "gathered.log").read_text().count(buffers) == 2
+    ckpt = tmp_path / "ckpt"
+    save = [f"--save={ckpt}", f"--load={ckpt}", f"--save-interval={ITERS // 2}"]
+    train(tree, tmp_path / "first.log", *flags, "--fp8-param-gather", *save,
+          f"--exit-interval={ITERS // 2}")  # fmt: skip
+    resumed = train(tree, tmp_path / "resumed.log", *flags, "--fp8-param-gather", *save)
+    assert sorted(resumed) == list(range(ITERS // 2 + 1, ITERS + 1))  # it loaded iteration 4
+    assert abs(resumed[ITERS] - gathered[ITERS]) <= 0.01 * gathered[ITERS]

@@ -4,9 +4,12 @@
 asks ``torch.cuda.is_available()`` (asserts it), sets the device and reads memory statistics,
 which are answered here as a one-device CUDA box would (``CPU_PRETRAIN_CAPABILITY=9.0``: its
 compute capability too, for FP8's argument validation); ``torch.compile`` (Megatron's JIT
-fuser, warmed up on "cuda" tensors) runs the functions eagerly. The training code is upstream's own.
+fuser, warmed up on "cuda" tensors) runs the functions eagerly; gloo runs synchronous collectives
+one at a time rather than coalesced (``_synchronous_ops_one_at_a_time``). The training code is
+upstream's own.
 """
 
+import contextlib
 import os
 import runpy
 import sys
@@ -37,6 +40,30 @@ def _no_compile(func=None, **kwargs):  # noqa: ANN001, ANN202 - torch.compile's 
 
 
 torch.compile = _no_compile
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_coalesced = torch.distributed._coalescing_manager
+
+
+@contextlib.contextmanager
+def _synchronous_ops_one_at_a_time(group=None, device=None, async_ops=False):  # noqa: ANN001, ANN202
+    """gloo (torch 2.13) garbles a coalesced ``all_gather_into_tensor`` whose first tensor is
+    uint8 and a later one is not: the bucket group ``--fp8-param-gather`` makes (the FP8
+    weights' uint8 bucket, then the bf16 one). Synchronous ops run as issued instead (the same
+    result); asynchronous ones still coalesce, their handle being the coalescing's."""
+    if async_ops:
+        with _coalesced(group, device, async_ops) as cm:
+            yield cm
+    else:
+        yield _Done()
+
+
+torch.distributed._coalescing_manager = _synchronous_ops_one_at_a_time
 
 script = Path(sys.argv[1]).resolve()
 sys.argv = [str(script), *sys.argv[2:]]
