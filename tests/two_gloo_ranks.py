@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import socket
+from megatron_rocm.envtools.smoke.world import free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join(rank: int, port: int) -> None:
+def join(rank: int, port: int, timeout_s: float = 60) -> None:
     """This spawned process into a two-rank gloo group on ``port``."""
     import os
     from datetime import timedelta
@@ -19,7 +13,7 @@ def join(rank: int, port: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
 
 
 def two_ranks(target) -> list:  # noqa: ANN001 - a spawned process's function
@@ -29,7 +23,7 @@ def two_ranks(target) -> list:  # noqa: ANN001 - a spawned process's function
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, results)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rocm.envtools.smoke.world import free_port
 
 
 def run_ranks(cmd: list[str], world: int, out: Path, timeout: float) -> list[dict]:

@@ -12,13 +12,13 @@ bit, with the launches counted so that a case torch's path answered cannot pass.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from triton_interpreter import TRITON_DEVICE, quick_few, triton_test  # noqa: E402
+from two_gloo_ranks import join  # noqa: E402
 from two_gloo_ranks import two_ranks as _two_ranks  # noqa: E402
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
@@ -213,8 +213,7 @@ def test_a_linear_trains_its_three_tensors_on_their_histories() -> None:
 def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned process
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, port)
     history = fp8.AmaxHistory(4, most_recent=False, group=dist.group.WORLD)
     fp8.quantize(torch.full((4, 16), 1.0 + rank), E4M3, history=history)  # amaxes 1 and 2
     _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
@@ -232,12 +231,9 @@ def _rank_with_empty_tensors(rank: int, port: int, results) -> None:  # noqa: AN
     """Rank 1's first and third tensors are empty: it must take the same steps as rank 0
     (no collective at the first quantize, the all-reduce and the history's step after), or
     the two ranks' all-reduces pair up wrongly and the group hangs or drifts apart."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    join(rank, port, timeout_s=30)
     history = fp8.AmaxHistory(4, most_recent=False, group=dist.group.WORLD)
     empty = torch.empty(0, 16)
     fp8.quantize(empty if rank else torch.ones(4, 16), E4M3, history=history)  # amax 1 / none
