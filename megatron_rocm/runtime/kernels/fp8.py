@@ -115,16 +115,17 @@ def _quantize(
 
 
 _eager_keys: set[tuple[torch.dtype, torch.dtype]] = set()  # their Triton launch failed
+_BYTES_KEY = (torch.uint8, torch.uint8)  # the byte transpose's entry in ``_eager_keys``
 
 
 def _fall_back_once(key: tuple[torch.dtype, torch.dtype], exc: Exception) -> None:
     """Remember ``key`` as failed and say so once: the training step goes on, slower."""
     _eager_keys.add(key)
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    what = "byte transpose" if key == _BYTES_KEY else f"quantize ({key[1]} to {key[0]})"
     log_fallback_once(
         f"fp8-triton-{key}",
-        f"FP8 quantize kernel ({key[1]} to {key[0]}) failed "
-        f"({type(exc).__name__}: {reason[:200]}); quantizing with eager torch",
+        f"FP8 {what} kernel failed ({type(exc).__name__}: {reason[:200]}); using eager torch",
     )
 
 
@@ -322,6 +323,58 @@ def _quantize_delayed(
             x_fp8 = _apply(x, history.scale, dtype, fp8_max)
             cast = (x_fp8, None if ld_t is None else _padded_transpose(x_fp8))
     return cast[0], cast[1], inverse
+
+
+def cast_into(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    amax_out: torch.Tensor | None = None,
+) -> None:
+    """``out`` (contiguous uint8, as many elements as ``x``): the bytes of ``_apply(x, scale)``
+    in the FP8 ``dtype``, written in place (``--fp8-param-gather``'s shard of a weight, cast
+    into the distributed optimizer's buffer). ``amax_out`` (an fp32 element, delayed scaling):
+    raised to ``amax_without_nan(x)``. One launch on a GPU (``fp8_triton.cast_flat``, bitwise
+    torch's), torch's ops elsewhere or once the kernel failed (logged once)."""
+    fp8_max = float(torch.finfo(dtype).max)
+    x = x.detach().reshape(-1)
+    if _triton_takes(x, dtype):
+        from megatron_rocm.runtime.kernels import fp8_triton
+
+        with torch.no_grad(), _on_device(x):
+            x = x.contiguous()
+
+            def launch() -> bool:
+                fp8_triton.cast_flat(x, scale, out, fp8_max, dtype, amax_out)
+                return True
+
+            if _launch_or_none((dtype, x.dtype), launch):
+                return
+    with torch.no_grad():
+        out.copy_(_apply(x, scale, dtype, fp8_max).view(torch.uint8))
+        if amax_out is not None:
+            amax_out.copy_(torch.maximum(amax_out, amax_without_nan(x)))
+
+
+def transpose_fp8(x_fp8: torch.Tensor) -> torch.Tensor:
+    """``x_fp8`` [R, C] (contiguous, one byte an element) as a new contiguous [C, R] tensor:
+    one launch on a GPU (``fp8_triton.transpose_bytes``), torch's copy elsewhere or once the
+    kernel failed (logged once)."""
+    if (
+        x_fp8.numel()
+        and x_fp8.is_contiguous()
+        and _BYTES_KEY not in _eager_keys
+        and use_triton(x_fp8, kernel="fp8")
+    ):
+        from megatron_rocm.runtime.kernels import fp8_triton
+
+        if fp8_triton.fits_grid(*x_fp8.shape):
+            with torch.no_grad(), _on_device(x_fp8):
+                done = _launch_or_none(_BYTES_KEY, lambda: fp8_triton.transpose_bytes(x_fp8))
+            if done is not None:
+                return done
+    return x_fp8.t().contiguous()
 
 
 _Quantized = TypeVar("_Quantized", bound=tuple)

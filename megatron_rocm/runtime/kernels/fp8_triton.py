@@ -59,6 +59,9 @@ NUM_WARPS = 4
 AMAX_BLOCK = 4096
 AMAX_PROGRAMS = 1024
 AMAX_WARPS = 8
+# --fp8-param-gather's shard cast: FLAT_BLOCK elements a program
+FLAT_BLOCK = 4096
+FLAT_WARPS = 8
 # delayed scaling's history (upstream's --fp8-amax-history-len, 1024 in its 8B example):
 # read HISTORY_BLOCK entries a step by one program
 HISTORY_BLOCK = 1024
@@ -214,6 +217,32 @@ def _hardware_cast(v, CAST: tl.constexpr):
 
 
 @triton.jit
+def _abs_bits_without_nan(v):
+    """``|v|`` as fp32 bits (int32, which order as the values do), NaN as 0 (TE's ``fmaxf``
+    leaves NaN out of delayed scaling's amax); inf kept."""
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits > 0x7F800000, 0, bits)
+
+
+@triton.jit
+def _scaled_byte(
+    v, s, fp8_max, MANTISSA: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr,
+    CAST: tl.constexpr,
+):  # fmt: skip
+    """The FP8 bytes of fp32 ``v`` times the scale ``s``, clamped (``fp8._apply``)."""
+    v = v * s
+    # the clamp as selects (NaN compares false, so it stays NaN), not min/max with
+    # PropagateNan.ALL, which corrupts a transposed FP8 store in triton-lang/triton#11111
+    v = tl.where(v < -fp8_max, -fp8_max, v)
+    v = tl.where(v > fp8_max, fp8_max, v)
+    if CAST == 0:
+        q = _encode(v, MANTISSA, BIAS, FNUZ).to(tl.uint8)
+    else:
+        q = _hardware_cast(v, CAST)
+    return q
+
+
+@triton.jit
 def _cast_transpose(
     x,
     scale,
@@ -243,17 +272,8 @@ def _cast_transpose(
     s = tl.load(scale)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if RECORD:  # delayed scaling: this tile's |x| as fp32 bits (int32), reduced after the stores
-        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        bits = tl.where(bits > 0x7F800000, 0, bits)  # NaN left out (TE's fmaxf); inf kept
-    v = v * s
-    # the clamp as selects (NaN compares false, so it stays NaN), not min/max with
-    # PropagateNan.ALL, which corrupts a transposed FP8 store in triton-lang/triton#11111
-    v = tl.where(v < -fp8_max, -fp8_max, v)
-    v = tl.where(v > fp8_max, fp8_max, v)
-    if CAST == 0:
-        q = _encode(v, MANTISSA, BIAS, FNUZ).to(tl.uint8)
-    else:
-        q = _hardware_cast(v, CAST)
+        bits = _abs_bits_without_nan(v)
+    q = _scaled_byte(v, s, fp8_max, MANTISSA, BIAS, FNUZ, CAST)
     tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -263,6 +283,44 @@ def _cast_transpose(
         # and the default acq_rel atomic's fence cost the cast about 30% on an H200
         tile_max = tl.max(tl.reshape(bits, [BLOCK_R * BLOCK_C]), axis=0)
         tl.atomic_max(amax_out, tile_max, sem="relaxed")
+
+
+@triton.jit
+def _cast_flat(
+    x, scale, y, amax_out, n, fp8_max, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+    FNUZ: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr, RECORD: tl.constexpr,
+    CAST: tl.constexpr,
+):  # fmt: skip
+    """``y[:n]``: the bytes of ``x[:n]`` scaled by ``scale[0]`` and cast, as
+    ``_cast_transpose`` casts (``--fp8-param-gather``'s shard of a weight: a flat slice that
+    need not start at a row); ``RECORD``: ``amax_out`` raised to the largest ``|x|`` (NaN left
+    out), as ``_cast_transpose`` records it."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    o = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = o < n
+    v = tl.load(x + o, mask=mask, other=0.0).to(tl.float32)
+    q = _scaled_byte(v, tl.load(scale), fp8_max, MANTISSA, BIAS, FNUZ, CAST)
+    tl.store(y + o, q, mask=mask)
+    if RECORD:  # after the store, relaxed: as _cast_transpose's
+        tl.atomic_max(amax_out, tl.max(_abs_bits_without_nan(v), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _transpose_bytes(
+    x, yt, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr
+):
+    """``yt`` [C, R]: the bytes of ``x`` [R, C] transposed (an FP8 weight's copy for the input
+    gradient's GEMM, after ``--fp8-param-gather``'s all-gather wrote the weight)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if WIDE:
+        r = r.to(tl.int64)
+        c = c.to(tl.int64)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask)
+    tl.store(yt + c[:, None] * rows + r[None, :], tl.trans(v), mask=tl.trans(mask))
 
 
 def cast_kind(dtype: torch.dtype, device: torch.device) -> int:
@@ -366,6 +424,52 @@ def cast_transpose(
     return y, yt
 
 
+def cast_flat(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+    amax_out: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """``out`` (uint8, ``x.numel()`` contiguous bytes): ``x`` (contiguous) scaled by ``scale``
+    (an fp32 tensor; its first element) and cast to the FP8 ``dtype``, in one launch.
+    ``amax_out`` (an fp32 element, delayed scaling): raised to ``x``'s largest ``|x|``, NaN
+    left out, in the same pass."""
+    n = x.numel()
+    if (
+        out.dtype != torch.uint8
+        or out.numel() != n
+        or not (x.is_contiguous() and out.is_contiguous())
+    ):
+        raise ValueError("cast_flat takes a contiguous x and as many contiguous uint8 bytes")
+    if n:
+        mantissa, bias, fnuz = FORMATS[dtype]
+        record = amax_out is not None
+        _cast_flat[(cdiv(n, FLAT_BLOCK),)](
+            x, scale, out, (amax_out if record else scale).view(torch.int32), n, fp8_max,
+            MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK=FLAT_BLOCK, WIDE=flat_needs_int64(n),
+            RECORD=record, CAST=cast_kind(dtype, x.device), num_warps=FLAT_WARPS,
+        )  # fmt: skip
+
+
+def flat_needs_int64(n: int) -> bool:
+    """Offsets past int32 in ``_cast_flat``, the last program's masked lanes included."""
+    return cdiv(n, FLAT_BLOCK) * FLAT_BLOCK >= 2**31
+
+
+def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [R, C] (contiguous, one byte an element) transposed into a new contiguous
+    [C, R] tensor of its dtype, in one launch (torch's ``.t().contiguous()`` of uint8 moves
+    about a tenth of the bytes a second on an H200)."""
+    rows, cols = x.shape
+    if x.element_size() != 1 or not x.is_contiguous():
+        raise ValueError("transpose_bytes takes a contiguous tensor of one byte an element")
+    yt = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
+    if x.numel():
+        _transpose_bytes[(cdiv(rows, BLOCK_R), cdiv(cols, BLOCK_C))](
+            x.view(torch.uint8), yt.view(torch.uint8), rows, cols, BLOCK_R=BLOCK_R,
+            BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, rows), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return yt
+
+
 def delayed_update(
     history: torch.Tensor,
     current: torch.Tensor,
@@ -423,6 +527,40 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                             neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
                         )
                     )
+            flat = itertools.product(
+                sorted({flat_needs_int64(rows * widest), False}), (True, False)
+            )
+            for wide, record in flat:
+                out.append(
+                    aot.launch(
+                        _cast_flat,
+                        dict(
+                            MANTISSA=mantissa,
+                            BIAS=bias,
+                            FNUZ=fnuz,
+                            BLOCK=FLAT_BLOCK,
+                            WIDE=wide,
+                            RECORD=record,
+                            CAST=0,
+                        ),
+                        ptrs=dict(x=source, scale=torch.float32, y="u8", amax_out="i32"),
+                        i64=("n",) if wide else (),
+                        floats=("fp8_max",),
+                        num_warps=FLAT_WARPS,
+                        grid=(cdiv(rows * widest, FLAT_BLOCK),),
+                        neutral=("BIAS",),
+                    )
+                )
+    for wide in sorted({needs_int64(rows, widest, rows), False}):
+        out.append(
+            aot.launch(
+                _transpose_bytes,
+                dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=wide),
+                ptrs=dict(x="u8", yt="u8"),
+                num_warps=NUM_WARPS,
+                grid=(cdiv(rows, BLOCK_R), cdiv(widest, BLOCK_C)),
+            )
+        )
     out.append(
         aot.launch(
             _finalize_scale,

@@ -306,6 +306,89 @@ def test_int64_offsets_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> N
         assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
+def _spy_on(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
+    """The input shapes of the ``fp8_triton.<name>`` launches that returned."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    calls: list[tuple[int, ...]] = []
+    real = getattr(fp8_triton, name)
+
+    def spy(x, *args):  # noqa: ANN001, ANN202
+        done = real(x, *args)
+        calls.append(tuple(x.shape))
+        return done
+
+    monkeypatch.setattr(fp8_triton, name, spy)
+    return calls
+
+
+@triton_test
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize(
+    "hardware_cast", HARDWARE_CASES, ids=lambda h: "hardware" if h else "encode"
+)
+@pytest.mark.parametrize("dtype", FORMATS, ids=lambda d: str(d).removeprefix("torch.float8_"))
+def test_the_flat_cast_into_a_buffer_is_torchs_bytes(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, hardware_cast: bool, wide: bool
+) -> None:
+    """``cast_into`` (``--fp8-param-gather``'s shard cast): every value and tie, scaled, in
+    bf16 and fp32, written at an odd offset of a byte buffer whose other bytes stay as they
+    were; a length that is no multiple of the kernel's block."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "HARDWARE_CAST", hardware_cast)
+    if wide:
+        monkeypatch.setattr(fp8_triton, "flat_needs_int64", lambda n: True)
+    calls = _spy_on(monkeypatch, "cast_flat")
+    fp8_max = torch.finfo(dtype).max
+    for source in (torch.bfloat16, torch.float32):
+        x = _every_value_and_tie(dtype).to(source)
+        for scale_value in (1.0, 0.375, 3.0):
+            scale = torch.tensor(scale_value, device=DEVICE)
+            # torch's arithmetic on the kernel's device: a NaN's sign is the device's
+            want = (x.to(DEVICE).float() * scale).clamp(-fp8_max, fp8_max).to(dtype).cpu()
+            want = want.view(torch.uint8)
+            buffer = torch.full((x.numel() + 12,), 0xA5, dtype=torch.uint8, device=DEVICE)
+            amax = torch.zeros(3, device=DEVICE)  # delayed scaling's record, in the middle one
+            fp8.cast_into(x.to(DEVICE), scale, buffer[7 : 7 + x.numel()], dtype, amax[1])
+            got = buffer.cpu()
+            assert torch.equal(got[7 : 7 + x.numel()], want)
+            assert (got[:7] == 0xA5).all() and (got[7 + x.numel() :] == 0xA5).all()
+            # the largest |x| with NaN left out (inf kept), its neighbours untouched
+            magnitudes = x.float().abs()
+            largest = magnitudes[~magnitudes.isnan()].max()
+            assert torch.equal(
+                amax.cpu(), torch.stack([torch.tensor(0.0), largest, torch.tensor(0.0)])
+            )
+            # only raised: a larger amax already there stays
+            finite = x[torch.isfinite(x.float())]
+            amax[1] = 1e38
+            fp8.cast_into(finite.to(DEVICE), scale, buffer[: finite.numel()], dtype, amax[1])
+            assert amax[1].item() == torch.tensor(1e38).item()
+    assert len(calls) == 2 * 3 * 2 and x.numel() % fp8_triton.FLAT_BLOCK
+
+
+@triton_test
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize(("rows", "cols"), [(70, 48), (33, 80), (1, 1), (128, 16)])
+def test_the_byte_transpose_is_torchs_transpose(
+    monkeypatch: pytest.MonkeyPatch, rows: int, cols: int, wide: bool
+) -> None:
+    """``transpose_fp8`` (an FP8 weight's copy for the input gradient, rebuilt after
+    ``--fp8-param-gather``'s all-gather): every byte where torch's transpose puts it."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    if wide:
+        monkeypatch.setattr(fp8_triton, "needs_int64", lambda *a: True)
+    calls = _spy_on(monkeypatch, "transpose_bytes")
+    torch.manual_seed(rows * cols)
+    x = torch.randint(0, 256, (rows, cols), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got = fp8.transpose_fp8(x.to(DEVICE))
+    assert got.dtype == x.dtype and got.shape == (cols, rows) and got.is_contiguous()
+    assert torch.equal(got.cpu().view(torch.uint8), x.view(torch.uint8).t().contiguous())
+    assert calls == [(rows, cols)]
+
+
 @triton_test
 def test_a_transposed_view_is_read_as_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _spy(monkeypatch)
@@ -394,10 +477,42 @@ def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog, kerne
                            want.view(torch.uint8))  # fmt: skip
     assert len(attempts) == 1  # not retried every step
     (record,) = caplog.records
-    assert (
-        "FP8 quantize kernel" in record.getMessage() and "no HIP device code" in record.getMessage()
-    )
+    assert "FP8 quantize (" in record.getMessage() and "no HIP device code" in record.getMessage()
     assert "second line" not in record.getMessage()
+
+
+@pytest.mark.parametrize("kernel", ["cast_flat", "transpose_bytes"])
+def test_the_param_gather_kernels_fall_back_to_torch_once(monkeypatch, caplog, kernel) -> None:
+    """``cast_into`` and ``transpose_fp8`` (``--fp8-param-gather``): a kernel failure costs
+    speed, logged once, never the bytes."""
+    pytest.importorskip("triton")
+    from megatron_rocm.runtime.kernels import fp8_triton, launch
+
+    monkeypatch.setattr(fp8, "_eager_keys", set())
+    monkeypatch.setattr(launch, "_logged", set())
+    monkeypatch.setattr(fp8, "use_triton", lambda *a, **k: True)
+    attempts = []
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        attempts.append(args[0].shape)
+        raise RuntimeError("no HIP device code for this arch")
+
+    monkeypatch.setattr(fp8_triton, kernel, broken)
+    caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
+    x = torch.randn(20, 32, dtype=torch.bfloat16) * 40
+    want = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    for _ in range(3):
+        if kernel == "cast_flat":
+            out = torch.zeros(x.numel(), dtype=torch.uint8)
+            fp8.cast_into(x, torch.ones(()), out, torch.float8_e4m3fn)
+            assert torch.equal(out, want.view(torch.uint8).view(-1))
+        else:
+            got = fp8.transpose_fp8(want)
+            assert torch.equal(got.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    assert len(attempts) == 1  # not retried every step
+    (record,) = caplog.records
+    what = "quantize (" if kernel == "cast_flat" else "byte transpose"
+    assert what in record.getMessage() and "no HIP device code" in record.getMessage()
 
 
 def test_offsets_widen_to_int64_past_int32() -> None:
