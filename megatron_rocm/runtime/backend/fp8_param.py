@@ -34,8 +34,10 @@ from megatron_rocm.runtime.kernels.fp8 import (
     _amax,
     _apply,
     _scale,
-    amax_without_nan,
+    cast_into,
+    transpose_fp8,
 )
+from megatron_rocm.runtime.kernels.launch import use_triton
 
 aten = torch.ops.aten
 # views of an Fp8Param: reshaped, it stays one (sharing the bytes and scale); sliced, only the
@@ -69,7 +71,7 @@ class Fp8State:
         """The FP8 weight's transpose (the input gradient's operand), rebuilt after the bytes
         changed (``stale``)."""
         if self.transpose is None:
-            self.transpose = self.data.t().contiguous().view(self.fp8_dtype)
+            self.transpose = transpose_fp8(self.fp8())
         return self.transpose
 
     def stale(self) -> None:
@@ -235,10 +237,13 @@ def quantize_param_shard(
     each weight, with every weight's scale agreed over ``data_parallel_group``.
 
     Each shard is first rounded to the weight's dtype (what a run without the flag copies
-    into its bf16 weight). Current scaling: every weight's shard amax, all-reduced (max) in
-    one collective, gives the scale. Delayed scaling: the weight's history advances (the
-    same on every rank), the shard casts with its scale, and the shard amaxes, all-reduced,
-    become the running amax. Every weight's transpose is rebuilt at its next use."""
+    into its bf16 weight). Delayed scaling: the weight's history advances (the same on every
+    rank) and the shard casts with its scale, taking its amax in the same pass. Current
+    scaling: the shard's amax is taken first. Then every weight's shard amax is all-reduced
+    (max) in one collective: current scaling casts with the scale of it, delayed scaling
+    makes it the history's running amax. Every weight's transpose is rebuilt at its next use.
+    On a GPU a weight costs a few launches: each cast is one kernel (``cast_into``), and the
+    scales of weights that share a format and margin are computed together."""
     if fsdp_shard_model_params is not None:
         raise RuntimeError("--fp8-param-gather without TransformerEngine: not with FSDP")
     params = list(model_params)
@@ -247,38 +252,66 @@ def quantize_param_shard(
     states = [p._fp8 for p in params]
     device = states[0].data.device
     shards = [
-        None if main is None else main.detach().view(-1).to(state.dtype)
+        None if main is None or main.numel() == 0 else main.detach().view(-1).to(state.dtype)
         for main, state in zip(main_params, states)
     ]
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+    delayed = [s.history is not None for s in states]
     with torch.no_grad():
-        delayed = [s.history is not None for s in states]
-        for state, is_delayed in zip(states, delayed):
-            if is_delayed:
-                state.scale_inv.copy_(state.history.advance(state.fp8_max, state.margin, False))
-        amax_of = [(amax_without_nan if is_delayed else _amax) for is_delayed in delayed]
-        amaxes = torch.stack(
-            [
-                zero if shard is None or shard.numel() == 0 else fn(shard)
-                for shard, fn in zip(shards, amax_of)
-            ]
-        )
+        amaxes = torch.zeros(len(states), dtype=torch.float32, device=device)
+        for i, state in enumerate(states):
+            if delayed[i]:
+                history = state.history
+                triton = use_triton(history.scale, kernel="fp8")
+                state.scale_inv.copy_(history.advance(state.fp8_max, state.margin, triton))
+                if shards[i] is not None:
+                    _cast_shard(state, shards[i], start_offsets[i], history.scale, amaxes[i])
+            elif shards[i] is not None:
+                amaxes[i] = _amax(shards[i])
         # a NaN amax (current scaling keeps NaN) as +inf: MAX over ranks may drop a NaN, and
         # both make the scale fall back to 1, as the whole weight's NaN amax does
         amaxes = torch.where(amaxes.isnan(), torch.inf, amaxes)
         _all_reduce_max(amaxes, data_parallel_group)
-        for i, (state, shard) in enumerate(zip(states, shards)):
+        scales = _current_scales(states, delayed, amaxes)
+        for i, state in enumerate(states):
             if delayed[i]:
                 state.history.current.copy_(amaxes[i])
-                scale = state.history.scale
-            else:
-                scale = _scale(amaxes[i], state.fp8_max, state.margin)
-                state.scale_inv.copy_(scale.reciprocal())
-            if shard is not None and shard.numel():
-                start = int(start_offsets[i])
-                out = state.data.view(-1)[start : start + shard.numel()]
-                out.copy_(_apply(shard, scale, state.fp8_dtype, state.fp8_max).view(torch.uint8))
+            elif shards[i] is not None:
+                _cast_shard(state, shards[i], start_offsets[i], scales[i])
             state.stale()
+
+
+def _cast_shard(
+    state: Fp8State,
+    shard: torch.Tensor,
+    start: Any,
+    scale: torch.Tensor,
+    amax_out: torch.Tensor | None = None,
+) -> None:
+    """``shard`` cast into the weight's bytes from ``start`` on (``cast_into``)."""
+    start = int(start)
+    out = state.data.view(-1)[start : start + shard.numel()]
+    cast_into(shard, scale, out, state.fp8_dtype, amax_out)
+
+
+def _current_scales(states: list[Fp8State], delayed: list[bool], amaxes: torch.Tensor) -> dict:
+    """Current scaling's weights: their scales (by index) from the all-reduced ``amaxes``,
+    and their ``scale_inv`` set to the inverses. ``_scale`` is taken once for all weights of
+    one format and margin (elementwise, so bitwise each weight's own)."""
+    scales: dict[int, torch.Tensor] = {}
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i, state in enumerate(states):
+        if not delayed[i]:
+            groups.setdefault((state.fp8_max, state.margin), []).append(i)
+    for (fp8_max, margin), members in groups.items():
+        # over every amax (a few dozen numbers; no index tensor, whose copy to the GPU
+        # would wait for the stream), each member taking its own
+        every_scale = _scale(amaxes, fp8_max, margin)
+        every_inverse = every_scale.reciprocal()
+        torch._foreach_copy_(
+            [states[i].scale_inv for i in members], [every_inverse[i] for i in members]
+        )
+        scales.update((i, every_scale[i]) for i in members)
+    return scales
 
 
 def _all_reduce_max(t: torch.Tensor, group: Any) -> None:

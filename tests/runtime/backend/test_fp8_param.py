@@ -183,6 +183,26 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
                 torch.equal(whole, _bytes(want).view(-1)) and torch.equal(p._fp8.scale_inv, inverse)
             )
         out["delayed" if delayed else "tensorwise"] = same
+    # three weights in one call, as the optimizer makes it: the second held by rank 0 alone
+    # (rank 1 passes None), each with a scale of its own
+    params = [_linear(seed=seed)[0].weight for seed in (1, 2, 3)]
+    mains = [torch.randn(OUT * IN, generator=torch.Generator().manual_seed(9 + i)) * 4**i
+             for i in range(3)]  # fmt: skip
+    if rank == 0:
+        shards, starts = [mains[0][:split], mains[1], mains[2][:10]], [0, 0, 0]
+    else:
+        shards, starts = [mains[0][split:], None, mains[2][10:]], [split, 0, 10]
+    fp8_param.quantize_param_shard(params, shards, starts, dist.group.WORLD)
+    same = []
+    for p, main, shard, start in zip(params, mains, shards, starts):
+        want, inverse = fp8.quantize(main.to(torch.bfloat16).view(OUT, IN), FORMATS.forward)
+        n = 0 if shard is None else shard.numel()
+        mine = p._fp8.data.view(-1)[start : start + n]
+        same.append(
+            torch.equal(mine, _bytes(want).view(-1)[start : start + n])
+            and torch.equal(p._fp8.scale_inv, inverse)
+        )
+    out["many"] = same
     # a NaN in rank 1's shard: both ranks scale by 1, as the whole weight's NaN amax does
     linear, _ = _linear()
     p = linear.weight
@@ -204,7 +224,9 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
 @pytest.mark.slow
 def test_shards_quantized_on_two_ranks_are_the_whole_weights_quantize() -> None:
     got = two_ranks(_shard_rank)
-    want = {"tensorwise": [True], "delayed": [True, True, True], "nan": [True]}
+    want = {
+        "tensorwise": [True], "delayed": [True, True, True], "many": [True] * 3, "nan": [True]
+    }  # fmt: skip
     assert got == [(0, want), (1, want)]
 
 
