@@ -46,6 +46,30 @@ def test_a_lost_optimizer_state_is_caught_at_every_position(vd, position: int) -
     assert status == "fail" and "max rel" in detail
 
 
+def test_within_passes_close_losses_and_still_fails_far_ones(vd) -> None:
+    """``--within`` (a checkpoint without all of a run's state, as FP8 parameters saved
+    dequantized): differing losses pass inside the bound, fail outside it, and say which."""
+    resumed = [x * (1 + 0.004 * (-1) ** i) for i, x in enumerate(STRAIGHT)]
+    assert vd.judge(STRAIGHT, resumed, averaged=False)[0] == "fail"
+    assert vd.judge(STRAIGHT, resumed, averaged=False, within=0.01) == (
+        "pass",
+        "resumed losses within 0.01 (max rel 4.0e-03)",
+    )
+    assert vd.judge(STRAIGHT, resumed, averaged=False, within=0.001) == (
+        "fail",
+        "resumed losses differ (max rel 4.0e-03)",
+    )
+    # identical prints still say so
+    assert vd.judge(STRAIGHT, list(STRAIGHT), averaged=False, within=0.01)[1].endswith("as printed")
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1", "2.5", "nan"])
+def test_a_within_outside_zero_to_one_is_a_usage_error(vd, capsys, tmp_path, value) -> None:
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert vd.main([str(tmp_path), "--within", value]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --within {value}: expected 0 <= REL < 1"
+
+
 def test_the_rule_is_read_from_the_tree(vd, tmp_path: Path) -> None:
     training = tmp_path / "megatron/training/training.py"
     training.parent.mkdir(parents=True)
