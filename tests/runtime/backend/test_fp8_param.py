@@ -11,12 +11,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import TRITON_DEVICE, triton_test  # noqa: E402
 from two_gloo_ranks import join, two_ranks  # noqa: E402
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
 from megatron_rocm.runtime.backend import fp8_param  # noqa: E402
 from megatron_rocm.runtime.kernels import fp8  # noqa: E402
 
+TRITON_SKIPS_ALLOWED = False  # under the interpreter every Triton case runs
 OUT, IN = 32, 64
 FORMATS = fp8.formats("hybrid", arch="cpu")
 
@@ -228,6 +230,75 @@ def test_shards_quantized_on_two_ranks_are_the_whole_weights_quantize() -> None:
         "tensorwise": [True], "delayed": [True, True, True], "many": [True] * 3, "nan": [True]
     }  # fmt: skip
     assert got == [(0, want), (1, want)]
+
+
+def _shard_steps(
+    monkeypatch: pytest.MonkeyPatch, delayed: bool, device: str
+) -> tuple[list[list[torch.Tensor]], dict[str, int]]:
+    """Three optimizer steps of ``quantize_param_shard`` on one rank (no group) over four
+    weights in one call: a whole shard, one from an offset (the bytes before it stay as
+    built), none (None), one with a NaN and an inf. Per step, every weight's bytes, scale
+    inverse, transpose and (delayed) history state, on the CPU; and the Triton launches made
+    (counted after they return: a launch that raised is not counted)."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    launches = {"cast_flat": 0, "transpose_bytes": 0}
+    for name in launches:
+        real = getattr(fp8_triton, name)
+
+        def counted(*args, _real=real, _name=name):  # noqa: ANN002, ANN202
+            done = _real(*args)
+            launches[_name] += 1
+            return done
+
+        monkeypatch.setattr(fp8_triton, name, counted)
+    params = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        linear = torch.nn.Linear(IN, OUT, bias=False, device=device, dtype=torch.bfloat16)
+        fp8_param.convert_weight(linear, _recipe(delayed))
+        params.append(linear.weight)
+    steps = [[p._fp8.data.cpu().clone() for p in params]]  # as built
+    for step in range(1, 4):
+        gen = torch.Generator().manual_seed(step)
+        mains = [(torch.randn(OUT * IN, generator=gen) * step).to(device) for _ in range(4)]
+        mains[3][7] = float("nan")
+        mains[3][900] = float("inf")
+        shards = [mains[0], mains[1][1000:], None, mains[3]]
+        fp8_param.quantize_param_shard(params, shards, [0, 1000, 0, 0], None)
+        state = []
+        for p in params:
+            fp8 = p._fp8
+            state += [fp8.data, fp8.scale_inv, fp8.transposed().view(torch.uint8)]
+            if delayed:
+                state += [fp8.history.history, fp8.history.current, fp8.history.pos]
+                state += [fp8.history.scale]
+        steps.append([t.detach().cpu().clone() for t in state])
+    return steps, launches
+
+
+@triton_test
+@pytest.mark.parametrize("delayed", [False, True], ids=["tensorwise", "delayed"])
+def test_the_shard_casts_on_the_kernels_are_torchs_path_bit_for_bit(monkeypatch, delayed) -> None:
+    """The optimizer's casts on the kernels (``cast_into``, delayed scaling's amax taken in the
+    cast and its history's Triton update, the byte transpose) against torch's path
+    (``MEGATRON_ROCM_KERNELS=reference:fp8``): every byte, scale, transpose and history entry
+    of three steps."""
+    monkeypatch.delenv("MEGATRON_ROCM_KERNELS", raising=False)
+    kernels, made = _shard_steps(monkeypatch, delayed, TRITON_DEVICE)
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
+    torch_path, none = _shard_steps(monkeypatch, delayed, TRITON_DEVICE)
+    assert made == {"cast_flat": 3 * 3, "transpose_bytes": 4 * 3}
+    assert none == {"cast_flat": 0, "transpose_bytes": 0}
+    for got_step, want_step in zip(kernels, torch_path, strict=True):
+        for got, want in zip(got_step, want_step, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    per_weight = 7 if delayed else 3
+    built, first, second = kernels[0], kernels[1], kernels[2]
+    assert not torch.equal(first[0], second[0])  # the steps did write new bytes
+    # the offset shard left the bytes before it as built, and the None weight all of its own
+    assert torch.equal(first[per_weight].view(-1)[:1000], built[1].view(-1)[:1000])
+    assert torch.equal(second[2 * per_weight], built[2])
 
 
 def test_install_binds_upstreams_hooks_and_leaves_te_tensors_to_te() -> None:
