@@ -34,10 +34,10 @@ from megatron_rocm.runtime.kernels.fp8 import (
     _amax,
     _apply,
     _scale,
+    advance_history,
     cast_into,
     transpose_fp8,
 )
-from megatron_rocm.runtime.kernels.launch import use_triton
 
 aten = torch.ops.aten
 # views of an Fp8Param: reshaped, it stays one (sharing the bytes and scale); sliced, only the
@@ -261,8 +261,12 @@ def quantize_param_shard(
         for i, state in enumerate(states):
             if delayed[i]:
                 history = state.history
-                triton = use_triton(history.scale, kernel="fp8")
-                state.scale_inv.copy_(history.advance(state.fp8_max, state.margin, triton))
+                # the update on the kernels where the shard casts on them (a rank without a
+                # shard updates on torch: the same bits)
+                source = shards[i] if shards[i] is not None else history.scale
+                state.scale_inv.copy_(
+                    advance_history(history, source, state.fp8_dtype, state.margin)
+                )
                 if shards[i] is not None:
                     _cast_shard(state, shards[i], start_offsets[i], history.scale, amaxes[i])
             elif shards[i] is not None:
@@ -283,7 +287,7 @@ def quantize_param_shard(
 def _cast_shard(
     state: Fp8State,
     shard: torch.Tensor,
-    start: Any,
+    start: int,
     scale: torch.Tensor,
     amax_out: torch.Tensor | None = None,
 ) -> None:
@@ -293,7 +297,9 @@ def _cast_shard(
     cast_into(shard, scale, out, state.fp8_dtype, amax_out)
 
 
-def _current_scales(states: list[Fp8State], delayed: list[bool], amaxes: torch.Tensor) -> dict:
+def _current_scales(
+    states: list[Fp8State], delayed: list[bool], amaxes: torch.Tensor
+) -> dict[int, torch.Tensor]:
     """Current scaling's weights: their scales (by index) from the all-reduced ``amaxes``,
     and their ``scale_inv`` set to the inverses. ``_scale`` is taken once for all weights of
     one format and margin (elementwise, so bitwise each weight's own)."""

@@ -305,11 +305,7 @@ def _quantize_delayed(
             triton = fp8_triton.fits_grid(*x.shape)
             x = x.contiguous()
         history.reduce()  # a collective: outside the kernels' fallback, issued once
-        inverse = None
-        if triton:
-            inverse = _launch_or_none(key, lambda: history.advance(fp8_max, margin, True))
-        if inverse is None:
-            inverse = history.advance(fp8_max, margin, False)
+        inverse = advance_history(history, x, dtype, margin, triton)
         cast = None
         if triton:
             cast = _launch_or_none(
@@ -323,6 +319,24 @@ def _quantize_delayed(
             x_fp8 = _apply(x, history.scale, dtype, fp8_max)
             cast = (x_fp8, None if ld_t is None else _padded_transpose(x_fp8))
     return cast[0], cast[1], inverse
+
+
+def advance_history(
+    history: AmaxHistory,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    triton: bool | None = None,
+) -> torch.Tensor:
+    """``history.advance`` before a delayed quantize of ``x`` into ``dtype``; its inverse
+    scale. On the Triton update where ``x`` quantizes on the kernels (``triton``: None asks
+    ``_triton_takes``), else, or once that launch failed (logged once), torch's."""
+    fp8_max = float(torch.finfo(dtype).max)
+    if _triton_takes(x, dtype) if triton is None else triton:
+        inverse = _launch_or_none((dtype, x.dtype), lambda: history.advance(fp8_max, margin, True))
+        if inverse is not None:
+            return inverse
+    return history.advance(fp8_max, margin, False)
 
 
 def cast_into(
@@ -339,6 +353,13 @@ def cast_into(
     torch's), torch's ops elsewhere or once the kernel failed (logged once)."""
     fp8_max = float(torch.finfo(dtype).max)
     x = x.detach().reshape(-1)
+    if out.dtype != torch.uint8 or out.numel() != x.numel() or not out.is_contiguous():
+        raise ValueError(
+            f"cast_into: out must be {x.numel()} contiguous uint8 bytes, got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+    if x.numel() == 0:  # nothing to cast, no amax to raise
+        return
     if _triton_takes(x, dtype):
         from megatron_rocm.runtime.kernels import fp8_triton
 
@@ -361,6 +382,11 @@ def transpose_fp8(x_fp8: torch.Tensor) -> torch.Tensor:
     """``x_fp8`` [R, C] (contiguous, one byte an element) as a new contiguous [C, R] tensor:
     one launch on a GPU (``fp8_triton.transpose_bytes``), torch's copy elsewhere or once the
     kernel failed (logged once)."""
+    if x_fp8.element_size() != 1 or x_fp8.dim() != 2:
+        raise ValueError(
+            f"transpose_fp8: expected a 2-D tensor of one byte an element, got {x_fp8.dtype} "
+            f"{tuple(x_fp8.shape)}"
+        )
     if (
         x_fp8.numel()
         and x_fp8.is_contiguous()

@@ -456,8 +456,8 @@ def flat_needs_int64(n: int) -> bool:
 
 def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
     """``x`` [R, C] (contiguous, one byte an element) transposed into a new contiguous
-    [C, R] tensor of its dtype, in one launch (torch's ``.t().contiguous()`` of uint8 moves
-    about a tenth of the bytes a second on an H200)."""
+    [C, R] tensor of its dtype, in one launch (torch's ``.t().contiguous()`` of uint8 took
+    several times longer on an H200: ``scripts/bench/fp8_param_gather.py``)."""
     rows, cols = x.shape
     if x.element_size() != 1 or not x.is_contiguous():
         raise ValueError("transpose_bytes takes a contiguous tensor of one byte an element")

@@ -186,25 +186,36 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
             )
         out["delayed" if delayed else "tensorwise"] = same
     # three weights in one call, as the optimizer makes it: the second held by rank 0 alone
-    # (rank 1 passes None), each with a scale of its own
-    params = [_linear(seed=seed)[0].weight for seed in (1, 2, 3)]
-    mains = [torch.randn(OUT * IN, generator=torch.Generator().manual_seed(9 + i)) * 4**i
-             for i in range(3)]  # fmt: skip
-    if rank == 0:
-        shards, starts = [mains[0][:split], mains[1], mains[2][:10]], [0, 0, 0]
-    else:
-        shards, starts = [mains[0][split:], None, mains[2][10:]], [split, 0, 10]
-    fp8_param.quantize_param_shard(params, shards, starts, dist.group.WORLD)
-    same = []
-    for p, main, shard, start in zip(params, mains, shards, starts):
-        want, inverse = fp8.quantize(main.to(torch.bfloat16).view(OUT, IN), FORMATS.forward)
-        n = 0 if shard is None else shard.numel()
-        mine = p._fp8.data.view(-1)[start : start + n]
-        same.append(
-            torch.equal(mine, _bytes(want).view(-1)[start : start + n])
-            and torch.equal(p._fp8.scale_inv, inverse)
-        )
-    out["many"] = same
+    # (rank 1 passes None), each with a scale of its own; both recipes (delayed over two steps)
+    for delayed in (False, True):
+        built_params = [_linear(seed=seed, delayed=delayed) for seed in (1, 2, 3)]
+        params = [linear.weight for linear, _ in built_params]
+        references = [fp8.AmaxHistory(8, most_recent=False) if delayed else None for _ in params]
+        for (_, built), reference in zip(built_params, references):
+            if reference is not None:
+                fp8.quantize(built, FORMATS.forward, history=reference)
+        same = []
+        for step in range(1, 3 if delayed else 2):
+            mains = [
+                torch.randn(OUT * IN, generator=torch.Generator().manual_seed(9 + i + 10 * step))
+                * 4**i
+                for i in range(3)
+            ]
+            if rank == 0:
+                shards, starts = [mains[0][:split], mains[1], mains[2][:10]], [0, 0, 0]
+            else:
+                shards, starts = [mains[0][split:], None, mains[2][10:]], [split, 0, 10]
+            fp8_param.quantize_param_shard(params, shards, starts, dist.group.WORLD)
+            for p, main, shard, start, ref in zip(params, mains, shards, starts, references):
+                weight = main.to(torch.bfloat16).view(OUT, IN)
+                want, inverse = fp8.quantize(weight, FORMATS.forward, history=ref)
+                n = 0 if shard is None else shard.numel()
+                mine = p._fp8.data.view(-1)[start : start + n]
+                same.append(
+                    torch.equal(mine, _bytes(want).view(-1)[start : start + n])
+                    and torch.equal(p._fp8.scale_inv, inverse)
+                )
+        out["many delayed" if delayed else "many"] = same
     # a NaN in rank 1's shard: both ranks scale by 1, as the whole weight's NaN amax does
     linear, _ = _linear()
     p = linear.weight
@@ -227,7 +238,8 @@ def _shard_rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spaw
 def test_shards_quantized_on_two_ranks_are_the_whole_weights_quantize() -> None:
     got = two_ranks(_shard_rank)
     want = {
-        "tensorwise": [True], "delayed": [True, True, True], "many": [True] * 3, "nan": [True]
+        "tensorwise": [True], "delayed": [True, True, True], "many": [True] * 3,
+        "many delayed": [True] * 6, "nan": [True]
     }  # fmt: skip
     assert got == [(0, want), (1, want)]
 
@@ -299,6 +311,64 @@ def test_the_shard_casts_on_the_kernels_are_torchs_path_bit_for_bit(monkeypatch,
     # the offset shard left the bytes before it as built, and the None weight all of its own
     assert torch.equal(first[per_weight].view(-1)[:1000], built[1].view(-1)[:1000])
     assert torch.equal(second[2 * per_weight], built[2])
+
+
+def test_failing_kernels_leave_the_optimizer_step_to_torch(monkeypatch, caplog) -> None:
+    """Delayed scaling's history update, the shard cast and the transpose failing to launch (a
+    GPU without code for them) cost speed, logged, never the step: the bytes, scale and
+    history are torch's path's, and a kernel that failed is not tried again."""
+    pytest.importorskip("triton")
+    from megatron_rocm.runtime.kernels import fp8_triton, launch
+
+    def run(broken: bool) -> list[torch.Tensor]:
+        linear, _ = _linear(seed=4, delayed=True)
+        p = linear.weight
+        for step in (1, 2):
+            main = torch.randn(OUT * IN, generator=torch.Generator().manual_seed(step))
+            fp8_param.quantize_param_shard([p], [main], [0], None)
+        h = p._fp8.history
+        return [p._fp8.data, p._fp8.scale_inv, p._fp8.transposed().view(torch.uint8),
+                h.history, h.pos, h.scale]  # fmt: skip
+
+    want = run(broken=False)  # a CPU box without the interpreter: torch's path
+    monkeypatch.setattr(fp8, "_eager_keys", set())
+    monkeypatch.setattr(launch, "_logged", set())
+    monkeypatch.setattr(fp8, "use_triton", lambda *a, **k: True)
+    attempts: list[str] = []
+    for name in ("delayed_update", "cast_flat", "transpose_bytes"):
+
+        def broken(*args, _name=name):  # noqa: ANN002, ANN202
+            attempts.append(_name)
+            raise RuntimeError("no device code for this arch")
+
+        monkeypatch.setattr(fp8_triton, name, broken)
+    caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
+    got = run(broken=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # the update's failure puts the weight's quantize key on torch, so its cast is not tried;
+    # nothing is tried again on the second step
+    assert attempts == ["delayed_update", "transpose_bytes"]
+    assert len(caplog.records) == 2
+
+
+def test_bad_buffers_are_errors_not_kernel_failures(monkeypatch) -> None:
+    """A wrong destination is the caller's error (ValueError), before any launch: it must not
+    mark the kernels failed for the run. An empty shard casts nothing."""
+    monkeypatch.setattr(fp8, "_eager_keys", set())
+    x = torch.randn(10, dtype=torch.bfloat16)
+    for out in (torch.zeros(9, dtype=torch.uint8), torch.zeros(10, dtype=torch.int8),
+                torch.zeros(20, dtype=torch.uint8)[::2]):  # fmt: skip
+        with pytest.raises(ValueError, match="cast_into: out must be 10 contiguous uint8"):
+            fp8.cast_into(x, torch.ones(()), out, FORMATS.forward)
+    for bad in (torch.zeros(6, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="transpose_fp8: expected a 2-D tensor"):
+            fp8.transpose_fp8(bad)
+    assert fp8._eager_keys == set()
+    amax = torch.tensor(2.5)
+    fp8.cast_into(torch.zeros(0), torch.ones(()), torch.zeros(0, dtype=torch.uint8),
+                  FORMATS.forward, amax)  # fmt: skip
+    assert amax.item() == 2.5
 
 
 def test_install_binds_upstreams_hooks_and_leaves_te_tensors_to_te() -> None:
