@@ -70,6 +70,30 @@ def test_a_within_outside_zero_to_one_is_a_usage_error(vd, capsys, tmp_path, val
     assert capsys.readouterr().err.strip() == f"error: --within {value}: expected 0 <= REL < 1"
 
 
+def test_extra_and_within_reach_every_format_as_given(vd, monkeypatch, tmp_path) -> None:
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    seen = []
+
+    def check(tree, name, nproc, out, timeout, extra, within):  # noqa: ANN001, ANN202
+        seen.append((name, extra, within))
+        return {"format": name, "status": "pass"}
+
+    monkeypatch.setattr(vd, "check_format", check)
+    argv = [str(tmp_path), "--formats", "torch,torch_dist", "--within", "0.002",
+            "--extra", "--fp8-format hybrid --data-path '/data/my corpus'"]  # fmt: skip
+    assert vd.main([*argv, "--out", str(tmp_path / "out")]) == 0
+    flags = ["--fp8-format", "hybrid", "--data-path", "/data/my corpus"]
+    assert seen == [("torch", flags, 0.002), ("torch_dist", flags, 0.002)]
+
+
+def test_an_unbalanced_extra_is_a_usage_error(vd, capsys, tmp_path) -> None:
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert vd.main([str(tmp_path), "--extra", "--fp8-format 'hybrid"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        'error: --extra "--fp8-format \'hybrid": No closing quotation'
+    )
+
+
 def test_the_rule_is_read_from_the_tree(vd, tmp_path: Path) -> None:
     training = tmp_path / "megatron/training/training.py"
     training.parent.mkdir(parents=True)
