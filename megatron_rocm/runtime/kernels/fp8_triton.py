@@ -217,6 +217,18 @@ def _hardware_cast(v, CAST: tl.constexpr):
 
 
 @triton.jit
+def _tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+    """This program's tile of an [rows, cols] tensor: its row and column indices (int64 with
+    ``WIDE``) and the mask of those inside the tensor."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if WIDE:
+        r = r.to(tl.int64)
+        c = c.to(tl.int64)
+    return r, c, (r[:, None] < rows) & (c[None, :] < cols)
+
+
+@triton.jit
 def _abs_bits_without_nan(v):
     """``|v|`` as fp32 bits (int32, which order as the values do), NaN as 0 (TE's ``fmaxf``
     leaves NaN out of delayed scaling's amax); inf kept."""
@@ -263,12 +275,7 @@ def _cast_transpose(
     RECORD: tl.constexpr,
     CAST: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    if WIDE:
-        r = r.to(tl.int64)
-        c = c.to(tl.int64)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, WIDE)
     s = tl.load(scale)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if RECORD:  # delayed scaling: this tile's |x| as fp32 bits (int32), reduced after the stores
@@ -313,12 +320,7 @@ def _transpose_bytes(
 ):
     """``yt`` [C, R]: the bytes of ``x`` [R, C] transposed (an FP8 weight's copy for the input
     gradient's GEMM, after ``--fp8-param-gather``'s all-gather wrote the weight)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    if WIDE:
-        r = r.to(tl.int64)
-        c = c.to(tl.int64)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, WIDE)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask)
     tl.store(yt + c[:, None] * rows + r[None, :], tl.trans(v), mask=tl.trans(mask))
 

@@ -443,28 +443,40 @@ def test_torchs_path_pads_and_transposes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not got_t[:, 20:].view(torch.uint8).any()
 
 
-@pytest.mark.parametrize("kernel", ["scales", "cast_transpose"])
-def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog, kernel: str) -> None:
-    """A kernel failure costs speed, logged once, never the training step; ``quantize``
-    (no transpose) takes the same road."""
+def _break(monkeypatch: pytest.MonkeyPatch, kernel: str, message: str) -> list:
+    """``fp8_triton.<kernel>`` raising ``message`` on every call (a GPU without its code), the
+    Triton path chosen as on a GPU, nothing failed or logged before; the calls' first
+    arguments' shapes, as they are made."""
     pytest.importorskip("triton")
     from megatron_rocm.runtime.kernels import fp8_triton, launch
 
     monkeypatch.setattr(fp8, "_eager_keys", set())
     monkeypatch.setattr(launch, "_logged", set())
     monkeypatch.setattr(fp8, "use_triton", lambda *a, **k: True)
-    attempts = []
+    attempts: list = []
 
     def broken(*args):  # noqa: ANN002, ANN202
         attempts.append(args[0].shape)
-        raise RuntimeError("no HIP device code for this arch\nsecond line")
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(fp8_triton, kernel, broken)
+    return attempts
+
+
+@pytest.mark.parametrize("kernel", ["scales", "cast_transpose"])
+def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog, kernel: str) -> None:
+    """A kernel failure costs speed, logged once, never the training step; ``quantize``
+    (no transpose) takes the same road."""
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    attempts = _break(monkeypatch, kernel, "no HIP device code for this arch\nsecond line")
 
     def eager_scales(x, fp8_max, margin_factor):  # noqa: ANN001, ANN202 - the kernels need a GPU
         scale = fp8._scale(fp8._amax(x), fp8_max, 0)
         return scale, scale.reciprocal()
 
-    monkeypatch.setattr(fp8_triton, "scales", eager_scales)
-    monkeypatch.setattr(fp8_triton, kernel, broken)
+    if kernel != "scales":
+        monkeypatch.setattr(fp8_triton, "scales", eager_scales)
     caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
     x = torch.randn(20, 32, dtype=torch.bfloat16)
     want, want_inv = fp8.quantize(x, torch.float8_e4m3fn, triton=False)
@@ -485,19 +497,7 @@ def test_a_kernel_that_fails_falls_back_to_torch_once(monkeypatch, caplog, kerne
 def test_the_param_gather_kernels_fall_back_to_torch_once(monkeypatch, caplog, kernel) -> None:
     """``cast_into`` and ``transpose_fp8`` (``--fp8-param-gather``): a kernel failure costs
     speed, logged once, never the bytes."""
-    pytest.importorskip("triton")
-    from megatron_rocm.runtime.kernels import fp8_triton, launch
-
-    monkeypatch.setattr(fp8, "_eager_keys", set())
-    monkeypatch.setattr(launch, "_logged", set())
-    monkeypatch.setattr(fp8, "use_triton", lambda *a, **k: True)
-    attempts = []
-
-    def broken(*args):  # noqa: ANN002, ANN202
-        attempts.append(args[0].shape)
-        raise RuntimeError("no HIP device code for this arch")
-
-    monkeypatch.setattr(fp8_triton, kernel, broken)
+    attempts = _break(monkeypatch, kernel, "no HIP device code for this arch")
     caplog.set_level("WARNING", logger="megatron_rocm.runtime.kernels")
     x = torch.randn(20, 32, dtype=torch.bfloat16) * 40
     want = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
