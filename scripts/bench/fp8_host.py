@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import sys
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from megatron_rocm.runtime.backend import fp8 as backend_fp8
 from megatron_rocm.runtime.kernels import fp8, launch
+from scripts.bench.fp8_cli import device_name, fp8_device, report
 from scripts.bench.fp8_linear import example_history
 from scripts.bench.timing import host_us
 
@@ -137,12 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.calls < 1:
         print("bench_fp8_host: --calls must be 1 or more", file=sys.stderr)
         return 2
-    device = "cpu" if opts.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("bench_fp8_host: no GPU (use --smoke on a CPU)", file=sys.stderr)
-        return 3
-    if device == "cuda" and (reason := fp8.unsupported_gpu_reason()) is not None:
-        print(f"bench_fp8_host: this GPU: {reason}", file=sys.stderr)
+    device = fp8_device("bench_fp8_host", opts.smoke)
+    if device is None:
         return 3
     calls = 10 if opts.smoke else opts.calls
     us = measure(calls, device)
@@ -150,14 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         profiler = cProfile.Profile()
         profiler.runcall(measure, calls, device)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    gpu = device_name(device)
     print(f"{gpu}: host microseconds a call ({SIZE} x {SIZE} tensors)")
     for key, value in us.items():
         print(f"{key:>28} {value:>8}")
-    result = {"device": gpu, "size": SIZE, "calls": calls, "host_us": us}
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    return report({"device": gpu, "size": SIZE, "calls": calls, "host_us": us}, opts.json)
     return 0
 
 

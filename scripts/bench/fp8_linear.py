@@ -30,7 +30,6 @@ TFLOP/s count 2MNK per GEMM. Each time is the median of ``triton.testing.do_benc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import torch
 from megatron_rocm.runtime.backend import fp8 as backend_fp8
 from megatron_rocm.runtime.kernels import fp8
 from scripts.bench import timing as bench_timing
+from scripts.bench.fp8_cli import device_name, fp8_device, report
 
 SHAPES = {
     "8b": [(8192, 6144, 4096), (8192, 4096, 4096), (8192, 28672, 4096), (8192, 4096, 14336)],
@@ -195,19 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the script works")
     opts = p.parse_args(argv)
     shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes)
-    device = "cpu" if opts.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("bench_fp8_linear: no GPU (use --smoke on a CPU)", file=sys.stderr)
+    device = fp8_device("bench_fp8_linear", opts.smoke)
+    if device is None:
         return 3
-    if device == "cuda":
-        from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
-
-        reason = unsupported_gpu_reason()
-        if reason is not None:
-            print(f"bench_fp8_linear: this GPU: {reason}", file=sys.stderr)
-            return 3
     rows = [bench_shape(s, opts.format, device) for s in shapes]
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    gpu = device_name(device)
     print(f"{gpu}, --fp8-format {opts.format}, TFLOP/s (linear: fwd + dgrad + wgrad)")
     print(f"{'MxNxK':>18} {'gemm bf16':>10} {'gemm fp8':>9} {'x':>6} "
           f"{'lin bf16':>9} {'lin fp8':>8} {'x':>6} {'delayed':>8} {'x':>6} "
@@ -222,11 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["cast_transpose_tbs"]:
             casts = ", ".join(f"{k} {v} TB/s" for k, v in r["cast_transpose_tbs"].items())
             print(f"{r['shape']:>18} cast-transpose of x: {casts}")
-    result = {"device": gpu, "format": opts.format, "rows": rows}
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
-    return 0
+    return report({"device": gpu, "format": opts.format, "rows": rows}, opts.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ steps between CUDA events; the all-gather and the GEMMs are not in it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from megatron_rocm.runtime.backend import fp8 as backend_fp8
 from megatron_rocm.runtime.backend import fp8_param
 from megatron_rocm.runtime.kernels import fp8
+from scripts.bench.fp8_cli import device_name, fp8_device, report
 from scripts.bench.fp8_linear import example_history
 from scripts.bench.timing import environment, sampled_ms
 
@@ -108,26 +108,19 @@ def main(argv: list[str] | None = None) -> int:
             "bench_fp8_param_gather: --layers, --dp and --iters must be 1 or more", file=sys.stderr
         )
         return 2
-    device = "cpu" if opts.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("bench_fp8_param_gather: no GPU (use --smoke on a CPU)", file=sys.stderr)
-        return 3
-    if device == "cuda" and (reason := fp8.unsupported_gpu_reason()) is not None:
-        print(f"bench_fp8_param_gather: this GPU: {reason}", file=sys.stderr)
+    device = fp8_device("bench_fp8_param_gather", opts.smoke)
+    if device is None:
         return 3
     layer = SMOKE_LAYER if opts.smoke else LAYER
     shapes = [shape for _ in range(opts.layers) for shape in layer]
     iters = 2 if opts.smoke else opts.iters
     ms = measure(shapes, opts.dp, iters, device)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    gpu = device_name(device)
     print(f"{gpu}: ms a step, {len(shapes)} weights, 1/{opts.dp} of each in the shard")
     for key, pieces in ms.items():
         print(f"{key:>20} " + "  ".join(f"{k} {v:>8}" for k, v in pieces.items()))
     result = {"device": gpu, "weights": len(shapes), "dp": opts.dp, "iters": iters, "ms": ms}
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
-    return 0
+    return report(result, opts.json)
 
 
 if __name__ == "__main__":
