@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from megatron_rocm.runtime.kernels.fp8 import (
     AmaxHistory,
     _amax,
-    _apply,
+    _quantize,
     _scale,
     advance_history,
     cast_into,
@@ -86,9 +86,9 @@ class Fp8State:
         starts it from the first quantize."""
         with torch.no_grad():
             x = source.detach().to(device=self.data.device, dtype=self.dtype)
-            scale = _scale(_amax(x), self.fp8_max, self.margin)
-            self.data.copy_(_apply(x, scale, self.fp8_dtype, self.fp8_max).view(torch.uint8))
-            self.scale_inv.copy_(scale.reciprocal())
+            x_fp8, inverse = _quantize(x, self.fp8_dtype, self.fp8_max, self.margin)
+            self.data.copy_(x_fp8.view(torch.uint8))
+            self.scale_inv.copy_(inverse)
             if self.history is not None:
                 self.history.started = False
                 self.history.start(x)
