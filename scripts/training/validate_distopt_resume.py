@@ -18,9 +18,10 @@ Megatron-FSDP (``--use-megatron-fsdp``, optim_grads_params) with CUDA_DEVICE_MAX
 unset; formats a tree does not have are reported as skipped. ``--extra``: more
 ``pretrain_gpt.py`` flags for both runs (``"--fp8-format hybrid --fp8-param-gather"``);
 ``--within``: a resume whose losses are not the straight run's passes when each is within
-this relative difference, for a run whose checkpoint does not hold all of its state (FP8
-delayed scaling's amax histories are not saved; a resume starts them again). A lost Adam step
-moves a loss by about 1e-3, so a bound near that cannot tell the two apart.
+this relative difference, for a run whose checkpoint does not hold all of its state (upstream's
+``fsdp_dtensor`` drops every module's ``_extra_state``, FP8 delayed scaling's amax histories
+among them, so a resume starts them again). A lost Adam step moves a loss by about 1e-3, so a
+bound near that cannot tell the two apart.
 
 A torchrun that has not ended after ``--run-timeout`` seconds (240) is stopped, ranks
 included, and the format fails as ``hung`` with the last line it printed.
@@ -294,7 +295,8 @@ def judge(
     numbers = list(range(first, first + len(expected)))
     if averaged and len(expected) > 1:
         expected[1] = (straight[0] + straight[1]) / 2
-        slack[1] = 10.0 ** (math.floor(math.log10(abs(expected[1]))) - 6)
+        # a unit of the 7th digit, and a hair for decimal prints held in binary floats
+        slack[1] = 10.0 ** (math.floor(math.log10(abs(expected[1]))) - 6) * (1 + 1e-6)
     off = [abs(x - y) - tol for x, y, tol in zip(resumed, expected, slack)]
     if max(off) <= 0:
         if not averaged or len(expected) < 2:

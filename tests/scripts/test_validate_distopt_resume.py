@@ -37,6 +37,16 @@ def test_the_averaged_second_line_passes_within_the_printed_digits(vd) -> None:
     assert vd.judge(STRAIGHT, resumed, averaged=False)[0] == "fail"
 
 
+def test_a_whole_unit_off_in_the_averaged_line_passes(vd) -> None:
+    """Printed 5.524282 where the mean of the two printed losses is 5.524281 (a GPU run's
+    losses): one unit of the 7th digit, whose float difference is a hair above 1e-6."""
+    straight = [5.723296, 5.325266, 5.31009, 4.971187]
+    resumed = [5.723296, 5.524282, 5.31009, 4.971187]
+    assert vd.judge(straight, resumed, averaged=True)[0] == "pass"
+    resumed[1] = 5.524283  # two units: more than the roundings make
+    assert vd.judge(straight, resumed, averaged=True)[0] == "fail"
+
+
 @pytest.mark.parametrize("position", range(4))
 def test_a_lost_optimizer_state_is_caught_at_every_position(vd, position: int) -> None:
     """A lost Adam step count moves a loss by ~1e-3 relative, the size perturbed here."""
