@@ -192,9 +192,11 @@ class AmaxHistory:
     TE starts every tensor at scale 1; here a tensor's first quantize scales by its own amax
     (current scaling), so the first step's output gradients do not flush to zero in E5M2. The
     state lives on the device (no host sync), so a CUDA graph captured after the first
-    quantize replays it; capturing the first one raises. ``group``: the amax is all-reduced
-    (max) over it before it joins the history, as TE reduces over upstream's amax reduction
-    group; None for weights (the same on every rank that holds them) and single-rank groups.
+    quantize replays it; capturing the first one raises. ``group``: each quantize's amax is
+    all-reduced (max) over it right after the cast, as TE reduces over upstream's amax
+    reduction group, so between two quantizes every rank of the group holds the same state (a
+    checkpoint, which one rank writes for all, holds the group's amax); None for weights (the
+    same on every rank that holds them) and single-rank groups.
     """
 
     length: int
@@ -224,15 +226,16 @@ class AmaxHistory:
 
     def skip(self, x: torch.Tensor, fp8_max: float, margin: int) -> None:
         """A quantize of an empty ``x`` on a rank of an amax reduction group: nothing to cast,
-        but the step the group's other ranks take (their first quantize, or their all-reduce
-        and the history's advance), so every rank's collectives and history stay in step. An
-        empty tensor adds amax 0, which changes nothing (TE's rule). Where every rank's first
-        tensor is empty, the first non-empty one casts at scale 1, TE's starting scale."""
-        if not self.started:  # the others start from their own amaxes: no collective yet
+        but the steps the group's other ranks take (their first quantize's start, or the
+        history's advance; then the all-reduce of the amax), so every rank's collectives and
+        history stay in step. An empty tensor adds amax 0, which changes nothing (TE's rule).
+        Where every rank's first tensor is empty, the first non-empty one casts at scale 1,
+        TE's starting scale."""
+        if not self.started:
             self._begin(x)
-            return
+        else:
+            self.advance(fp8_max, margin, triton=False)
         self.reduce()
-        self.advance(fp8_max, margin, triton=False)
 
     def _begin(self, x: torch.Tensor) -> None:
         """The state allocated on ``x``'s device, started; never inside a CUDA graph capture."""
@@ -245,7 +248,7 @@ class AmaxHistory:
         self.started = True
 
     def reduce(self) -> None:
-        """The running amax, all-reduced (max) over ``group``: before it joins the history."""
+        """The running amax, all-reduced (max) over ``group``: after each quantize's cast."""
         if self.group is not None:
             torch.distributed.all_reduce(
                 self.current, op=torch.distributed.ReduceOp.MAX, group=self.group
@@ -304,7 +307,6 @@ def _quantize_delayed(
 
             triton = fp8_triton.fits_grid(*x.shape)
             x = x.contiguous()
-        history.reduce()  # a collective: outside the kernels' fallback, issued once
         inverse = advance_history(history, x, dtype, margin, triton)
         cast = None
         if triton:
@@ -422,9 +424,10 @@ def _on_history(
 ) -> _Quantized:
     """Delayed scaling's bookkeeping around one quantize (``quantize``, ``quantize_transposed``):
     ``delayed()`` once ``history`` has started; else ``current()`` (current scaling), whose
-    tensor starts the history. An empty ``x`` casts by ``current()``; on a rank of an amax
-    reduction group it keeps the history in step with the group (:meth:`AmaxHistory.skip`),
-    elsewhere it leaves the history as it was."""
+    tensor starts the history; then the amax is all-reduced over the history's group. An
+    empty ``x`` casts by ``current()``; on a rank of an amax reduction group it keeps the
+    history in step with the group (:meth:`AmaxHistory.skip`), elsewhere it leaves the
+    history as it was."""
     if history is None:
         return current()
     if x.numel() == 0:
@@ -432,9 +435,11 @@ def _on_history(
             history.skip(x, float(torch.finfo(dtype).max), margin)
         return current()
     if history.started:
-        return delayed()
-    done = current()
-    history.start(x)
+        done = delayed()
+    else:
+        done = current()
+        history.start(x)
+    history.reduce()  # a collective: outside the kernels' fallback, issued once
     return done
 
 

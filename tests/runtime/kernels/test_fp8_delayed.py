@@ -216,15 +216,18 @@ def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned pr
     join(rank, port)
     history = fp8.AmaxHistory(4, most_recent=False, group=dist.group.WORLD)
     fp8.quantize(torch.full((4, 16), 1.0 + rank), E4M3, history=history)  # amaxes 1 and 2
+    reduced = history.current.item()  # the group's amax on every rank before the next quantize
     _, inv = fp8.quantize(torch.ones(4, 16), E4M3, history=history)
-    results.put((rank, inv.item()))
+    results.put((rank, inv.item(), reduced))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ranks_scale_by_the_amax_over_the_reduction_group() -> None:
+    """Reduced right after each quantize: a checkpoint, which rank 0 writes for the group,
+    holds the group's amax, not rank 0's own."""
     got = _two_ranks(_rank)
-    assert got == [(0, pytest.approx(2 / 448)), (1, pytest.approx(2 / 448))]
+    assert got == [(0, pytest.approx(2 / 448), 2.0), (1, pytest.approx(2 / 448), 2.0)]
 
 
 def _rank_with_empty_tensors(rank: int, port: int, results) -> None:  # noqa: ANN001
