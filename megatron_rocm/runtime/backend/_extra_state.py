@@ -8,8 +8,21 @@ code that ``detach()``es every state-dict value works here as with TE.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
 def no_fp8_extra_state() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
+
+
+class NoFp8ExtraState(torch.nn.Module):
+    """A native module whose ``_extra_state`` is TE's value without FP8 state, and which has
+    nothing to restore from one (a TE checkpoint's FP8 metadata does not apply here)."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return no_fp8_extra_state()
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore."""

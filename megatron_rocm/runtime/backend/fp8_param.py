@@ -94,6 +94,16 @@ class Fp8State:
                 self.history.start(x)
         self.stale()
 
+    def cast_with_history(self, source: torch.Tensor) -> None:
+        """The whole weight cast from ``source`` with its delayed history's scale, which
+        stays as it is: a history restored from a checkpoint, and the bytes the run that
+        saved it held (``fp8_checkpoint.recast_loaded_weight``)."""
+        with torch.no_grad():
+            x = source.detach().to(device=self.data.device, dtype=self.dtype)
+            cast_into(x, self.history.scale, self.data.view(-1), self.fp8_dtype)
+            self.scale_inv.copy_(self.history.scale.reciprocal())
+        self.stale()
+
 
 class Fp8Param(torch.Tensor):
     """A weight stored as FP8 bytes and one scale that reports the model's dtype, as TE's

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_rocm.runtime.backend import _grouped_compat as compat
-from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
+from megatron_rocm.runtime.backend._extra_state import NoFp8ExtraState
 from megatron_rocm.runtime.backend._init_rng import tracker_fork
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config, reject
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
@@ -72,7 +72,7 @@ def _divide(size: int, parts: int, what: str) -> int:
     return size // parts
 
 
-class TEGroupedLinear(torch.nn.Module):
+class TEGroupedLinear(NoFp8ExtraState):
     """``num_gemms`` expert linears ``y_g = x_g W_g^T (+ b_g)`` run as one grouped GEMM."""
 
     def __init__(
@@ -189,13 +189,6 @@ class TEGroupedLinear(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""
-
-    def get_extra_state(self) -> torch.Tensor:
-        """TE's ``_extra_state`` without FP8 (see ``backend._extra_state``)."""
-        return no_fp8_extra_state()
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore: a TE checkpoint's FP8 scaling metadata does not apply here."""
 
     def _sharded_state_dict_grouped(
         self, tp_axis_map: dict, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None

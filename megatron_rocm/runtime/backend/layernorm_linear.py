@@ -25,11 +25,12 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import refuse_te_only_config
 from megatron_rocm.runtime.backend.fp8 import attach_recipe, parallel_forward
+from megatron_rocm.runtime.backend.fp8_checkpoint import DelayedScalingCheckpoint
 from megatron_rocm.runtime.backend.linear import column_parallel_kwargs
 from megatron_rocm.runtime.kernels.norm import apply_norm, reset_norm_parameters
 
 
-class TELayerNormColumnParallelLinear(ColumnParallelLinear):
+class TELayerNormColumnParallelLinear(DelayedScalingCheckpoint, ColumnParallelLinear):
     """LayerNorm/RMSNorm followed by a column-parallel linear, with TE's contract."""
 
     def __init__(

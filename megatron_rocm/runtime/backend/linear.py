@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_rocm.runtime.backend._extra_state import no_fp8_extra_state
+from megatron_rocm.runtime.backend._extra_state import NoFp8ExtraState
 from megatron_rocm.runtime.backend._init_rng import te_style_init
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config
 from megatron_rocm.runtime.backend._linear_function import (
@@ -36,6 +36,7 @@ from megatron_rocm.runtime.backend.fp8 import (
     parallel_forward,
     weight_reuse,
 )
+from megatron_rocm.runtime.backend.fp8_checkpoint import DelayedScalingCheckpoint
 from megatron_rocm.runtime.kernels.norm import param_device
 
 _TE_ONLY_INERT = {"symmetric_ar_type": None, "gtp_remat_group": None, "gtp_replica_group": None}
@@ -63,7 +64,7 @@ def column_parallel_kwargs(
     )
 
 
-class TEColumnParallelLinear(ColumnParallelLinear):
+class TEColumnParallelLinear(DelayedScalingCheckpoint, ColumnParallelLinear):
     """Column-parallel linear (output split over TP) with TE's constructor contract."""
 
     def __init__(
@@ -107,7 +108,7 @@ class TEColumnParallelLinear(ColumnParallelLinear):
         return parallel_forward(self, input_)
 
 
-class TERowParallelLinear(RowParallelLinear):
+class TERowParallelLinear(DelayedScalingCheckpoint, RowParallelLinear):
     """Row-parallel linear (input split over TP) with TE's constructor contract."""
 
     def __init__(
@@ -189,7 +190,7 @@ def gemm_only(linear: Any, whole: bool) -> bool:
     )
 
 
-class TELinear(torch.nn.Module):
+class TELinear(DelayedScalingCheckpoint, NoFp8ExtraState):
     """TE's plain ``Linear`` as Megatron uses it: ``parallel_mode="duplicated"`` (or None).
 
     Column/row parallel TE linears are ``TEColumnParallelLinear`` / ``TERowParallelLinear``.
@@ -274,13 +275,6 @@ class TELinear(torch.nn.Module):
 
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, None, sharded_offsets)
-
-    def get_extra_state(self) -> torch.Tensor:
-        """TE's ``_extra_state`` without FP8 (see ``backend._extra_state``)."""
-        return no_fp8_extra_state()
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore: no FP8 metadata without TE."""
 
     def extra_repr(self) -> str:
         return (
