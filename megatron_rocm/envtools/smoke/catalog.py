@@ -13,6 +13,7 @@ def load_checks() -> dict[str, Check]:
     """Import the check modules (they register themselves), in suite order."""
     from megatron_rocm.envtools.smoke import (  # noqa: F401 - imported for registration
         checks_collectives,
+        checks_fp8,
         checks_imports,
         checks_kernels,
         checks_parallel,

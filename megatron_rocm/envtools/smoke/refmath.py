@@ -118,3 +118,18 @@ def attention(
         scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bnqk,kbnh->qbnh", probs, v).reshape(sq, b, heads * hn)
+
+
+def fp8_scale(amax: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """Per-tensor FP8 scaling (margin 0): torch's ``fp8_max / amax`` in fp32 on ``amax``'s
+    device (a number over a tensor: the reciprocal, then a product; TE divides once, which
+    can differ in the last bit), 1 for a zero amax."""
+    amax = amax.detach().float()
+    return torch.where(amax > 0, torch.finfo(fp8_dtype).max / amax, torch.ones_like(amax))
+
+
+def fp8_cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """``x * scale`` in fp32, saturated to the format's range, cast by torch on ``x``'s device."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    scaled = x.detach().float() * scale
+    return scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)

@@ -21,7 +21,7 @@ from typing import Any
 from megatron_rocm.errors import UsageError
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # test-only: softmax | allreduce | resume (docs/smoke.md)
+FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # tests: softmax | allreduce | resume | fp8 (docs/smoke.md)
 
 
 class Skip(Exception):
