@@ -103,13 +103,13 @@ def fp8(ctx: Context) -> str:
     if reason:
         raise Skip(f"{reason}: --fp8-format is refused on this GPU")
     formats = k.formats("hybrid")
-    failed_before = set(k._eager_keys)
+    failed_before = k.failed_kernels()
     check, tally = _Bytes(ctx.fault == "fp8"), _Tally()
     for dtype in (formats.forward, formats.backward):
         _current(k, ctx, check, dtype)
         _delayed(k, ctx, check, dtype)
         _gemm(k, ctx, tally, dtype, formats.forward)
-    fell_back = set(k._eager_keys) - failed_before
+    fell_back = k.failed_kernels() - failed_before
     if fell_back:
         raise CheckFailed(
             f"the FP8 Triton kernels failed for {sorted(map(str, fell_back))} and fell back "

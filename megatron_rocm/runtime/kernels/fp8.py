@@ -118,6 +118,12 @@ _eager_keys: set[tuple[torch.dtype, torch.dtype]] = set()  # their Triton launch
 _BYTES_KEY = (torch.uint8, torch.uint8)  # the byte transpose's entry in ``_eager_keys``
 
 
+def failed_kernels() -> frozenset[tuple[torch.dtype, torch.dtype]]:
+    """The (FP8 dtype, input dtype) keys whose Triton launch failed in this process (they
+    quantize on torch's path since; ``(uint8, uint8)``: the byte transpose)."""
+    return frozenset(_eager_keys)
+
+
 def _fall_back_once(key: tuple[torch.dtype, torch.dtype], exc: Exception) -> None:
     """Remember ``key`` as failed and say so once: the training step goes on, slower."""
     _eager_keys.add(key)
