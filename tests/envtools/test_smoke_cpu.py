@@ -153,11 +153,13 @@ def test_gpu_checks_skip_with_reason_on_cpu(tmp_path: Path, fake_tree: Path) -> 
     only = ["training", "collectives", "parallel"]
     assert smoke(str(fake_tree), str(out), None, only=only) == 0
     checks = load(out)
-    # training x spec, resume (2 + 4 GPUs), collectives, parallel (2 + 4 GPUs)
-    assert len(checks) == 4 + 4 + 4 + 2 + 16 + 8
+    # training x spec, resume (2 + 4 GPUs), collectives, parallel (2 + 4 GPUs), and the
+    # 1-GPU FP8 resume (TE spec only)
+    assert len(checks) == 4 + 4 + 4 + 2 + 16 + 8 + 1
     assert {c["status"] for c in checks.values()} == {"skip"}  # never "pass" without a GPU
     assert "needs a GPU" in checks["training.gpt.te"]["detail"]
     assert "needs 1 GPU; no GPU visible" in checks["training.resume.1gpu.local"]["detail"]
+    assert "needs 1 GPU; no GPU visible" in checks["training.resume.1gpu_fp8.te"]["detail"]
     assert "needs 2 GPUs; no GPU visible" in checks["training.resume.dp2_distopt.te"]["detail"]
     assert "needs 2 GPUs; no GPU visible" in checks["collectives.nccl"]["detail"]
     assert (

@@ -55,6 +55,7 @@ def test_registry_names_every_mode_and_spec() -> None:
         "training.llama.te",
         "training.resume.1gpu.local",
         "training.resume.1gpu.te",
+        "training.resume.1gpu_fp8.te",
         "training.resume.dp2_distopt.local",
         "training.resume.dp2_distopt.te",
         "training.resume.dp4_distopt.local",
@@ -72,7 +73,7 @@ def test_registry_names_every_mode_and_spec() -> None:
 
 @pytest.mark.parametrize(
     ("only", "count"),
-    [(["parallel"], 24), (["parallel.ep2_moe"], 2), (["training.resume"], 8), (["training"], 12)],
+    [(["parallel"], 24), (["parallel.ep2_moe"], 2), (["training.resume"], 9), (["training"], 13)],
 )
 def test_select_by_prefix(only, count) -> None:
     assert len(runner.select(catalog.load_checks(), only)) == count
@@ -88,6 +89,7 @@ def test_parallel_batch_follows_the_selection(tmp_path: Path) -> None:
     c.selected = ["training.resume.dp2_distopt.te"]
     assert checks_resume._selected_specs(c, "dp2_distopt") == ["te"]
     assert checks_resume._selected_specs(c, "1gpu") == ["local", "te"]  # called directly
+    assert checks_resume._selected_specs(c, "1gpu_fp8") == ["te"]  # FP8: the TE spec only
 
 
 # ----------------------------------------------------------------------------- skips

@@ -121,6 +121,17 @@ def test_resume_dp2_distributed_optimizer(trees) -> None:
     assert out["te"]["resumed"].detail["optimizer"] == "DistributedOptimizer"
 
 
+def test_resume_under_fp8_delayed_scaling(trees) -> None:
+    """The amax histories come back from the checkpoint: the resumed FP8 run repeats the
+    straight one bit for bit. FP8 did run: its losses are not the bf16 run's."""
+    ctx = context(trees("0.16.0"))
+    fp8 = run_resume(ctx, "1gpu_fp8", ["te"])["te"]
+    verdict = checks_resume.judge(fp8)
+    assert "bit-exact" in verdict and "not bit-exact" not in verdict, verdict
+    bf16 = run_resume(ctx, "1gpu", ["te"])["te"]
+    assert fp8["straight"].losses[-1] != bf16["straight"].losses[-1]
+
+
 def test_resume_fault_is_caught(trees) -> None:
     ctx = context(trees("0.16.0"), fault="resume")
     out = run_resume(ctx, "1gpu", ["local"])

@@ -11,7 +11,9 @@ other half. Both worlds run with upstream's ``--deterministic-mode`` settings
 mixed-precision one; on two it is the distributed optimizer over DP2, the case issue 12 found
 broken without TE/Apex (patch ``dist-optimizer-resume``). Four GPUs add DP4 with the
 distributed optimizer and TP2 x PP2 with virtual stages (``model0``/``model1`` chunks in the
-checkpoint, as ``megatron.training`` writes them); with fewer GPUs they are skipped.
+checkpoint, as ``megatron.training`` writes them); with fewer GPUs they are skipped. On one GPU
+the TE spec also trains in FP8 with delayed scaling, whose amax histories the checkpoint must
+give back (skipped on a GPU without FP8 GEMMs).
 
 ``MEGATRON_ROCM_SMOKE_FAULT=resume`` resets the loaded Adam step counts (as a resume that lost
 them would), to prove these checks fail when the resumed state is wrong.
@@ -25,13 +27,27 @@ from typing import Any
 from megatron_rocm.envtools.smoke import models, verdicts
 from megatron_rocm.envtools.smoke.engine import Job
 from megatron_rocm.envtools.smoke.models import Layout
-from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
+from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
 from megatron_rocm.envtools.smoke.world import DETERMINISM_ENV, JobResult, run_jobs
 
 RESUME_STEPS = 8
 SCENARIOS: dict[str, tuple[int, dict[str, Any], str]] = {
     # name: (GPUs, job options, what it checks)
     "1gpu": (1, {}, "1 GPU, mixed-precision optimizer"),
+    # FP8 delayed scaling (upstream's default recipe): its amax histories must come back from
+    # the checkpoint, or the resumed run's first quantizes scale differently
+    "1gpu_fp8": (
+        1,
+        {
+            "overrides": {
+                "fp8": "hybrid",
+                "fp8_recipe": "delayed",
+                "fp8_amax_history_len": 16,
+                "fp8_amax_compute_algo": "max",
+            }
+        },
+        "1 GPU, FP8 delayed scaling (hybrid, 16 amaxes, max), mixed-precision optimizer",
+    ),  # fmt: skip
     "dp2_distopt": (2, {"dist_opt": True}, "DP2 with the distributed optimizer"),
     # four GPUs: the distributed optimizer sharded four ways, and a checkpoint whose model is
     # split over tensor and pipeline ranks and over two virtual stages per pipeline rank
@@ -42,12 +58,19 @@ SCENARIOS: dict[str, tuple[int, dict[str, Any], str]] = {
         "TP2 + SP x PP2 with 2 virtual stages, mixed-precision optimizer",
     ),
 }
+# scenarios for some specs only: FP8 runs in the TE spec's native linears
+SCENARIO_SPECS: dict[str, tuple[str, ...]] = {"1gpu_fp8": ("te",)}
+
+
+def scenario_specs(scenario: str) -> tuple[str, ...]:
+    return SCENARIO_SPECS.get(scenario, models.SPECS)
 
 
 def _selected_specs(ctx: Context, scenario: str) -> list[str]:
     prefix = f"training.resume.{scenario}."
     chosen = [n[len(prefix) :] for n in ctx.selected if n.startswith(prefix)]
-    return [s for s in models.SPECS if s in chosen] or list(models.SPECS)
+    specs = scenario_specs(scenario)
+    return [s for s in specs if s in chosen] or list(specs)
 
 
 def resume_results(
@@ -62,6 +85,8 @@ def resume_results(
     """spec -> {"straight", "half", "resumed"} results of ``scenario`` (two worlds in all).
     ``backend``, ``env`` and config ``overrides`` exist for our CPU tests (gloo)."""
     world, options, _ = SCENARIOS[scenario]
+    options = dict(options)
+    overrides = {**options.pop("overrides", {}), **(overrides or {})}
     half = RESUME_STEPS // 2
     env = {**DETERMINISM_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
     first, second = [], []
@@ -125,9 +150,15 @@ def judge(results: dict[str, JobResult]) -> str:
 
 
 def check_resume(ctx: Context, scenario: str, spec: str) -> str:
-    world, _, _ = SCENARIOS[scenario]
+    world, options, _ = SCENARIOS[scenario]
     ctx.needs_tree()
     ctx.needs_gpu(world, f"the {scenario} resume check")
+    if "fp8" in options.get("overrides", {}):
+        from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
+
+        reason = unsupported_gpu_reason()
+        if reason:
+            raise Skip(f"{reason}: --fp8-format is refused on this GPU")
     key = ("resume", scenario)
     if key not in ctx.cache:
         ctx.cache[key] = resume_results(ctx, scenario, _selected_specs(ctx, scenario))
@@ -146,5 +177,5 @@ def _register(scenario: str, spec: str) -> None:
 
 
 for _scenario in SCENARIOS:
-    for _spec in models.SPECS:
+    for _spec in scenario_specs(_scenario):
         _register(_scenario, _spec)
