@@ -18,10 +18,8 @@ Megatron-FSDP (``--use-megatron-fsdp``, optim_grads_params) with CUDA_DEVICE_MAX
 unset; formats a tree does not have are reported as skipped. ``--extra``: more
 ``pretrain_gpt.py`` flags for both runs (``"--fp8-format hybrid --fp8-param-gather"``);
 ``--within``: a resume whose losses are not the straight run's passes when each is within
-this relative difference, for a run whose checkpoint does not hold all of its state (upstream's
-``fsdp_dtensor`` drops every module's ``_extra_state``, FP8 delayed scaling's amax histories
-among them, so a resume starts them again). A lost Adam step moves a loss by about 1e-3, so a
-bound near that cannot tell the two apart.
+this relative difference, for a run whose checkpoint does not hold all of its state. A lost
+Adam step moves a loss by about 1e-3, so a bound near that cannot tell the two apart.
 
 A torchrun that has not ended after ``--run-timeout`` seconds (240) is stopped, ranks
 included, and the format fails as ``hung`` with the last line it printed.

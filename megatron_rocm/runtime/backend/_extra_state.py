@@ -1,9 +1,10 @@
 """The ``_extra_state`` value of the native TE modules: what TE stores when there is no FP8.
 
 TE's modules keep FP8 scaling metadata in ``get_extra_state``; without FP8 they return an
-empty uint8 tensor and skip an empty tensor on load. The native modules keep the key (so
-checkpoints carry the same entries as TE's) and that same value: a tensor, never None, so
-code that ``detach()``es every state-dict value works here as with TE.
+empty uint8 tensor and skip an empty tensor on load. The native ``TELinear`` and grouped
+linears keep the key (so checkpoints carry the same entries as TE's) and that same value: a
+tensor, never None, so code that ``detach()``es every state-dict value works here as with
+TE. (The column and row linears are upstream's local classes and keep upstream's None.)
 """
 
 from __future__ import annotations

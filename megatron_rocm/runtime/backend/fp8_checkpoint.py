@@ -12,11 +12,12 @@ such a checkpoint as one without FP8 state and starts its histories. TE's own pa
 pickled TE objects; it is not read here, and the histories start again, as TE starts them
 from a checkpoint taken without FP8.
 
-Upstream's ``fsdp_dtensor`` format drops every ``_extra_state`` (as it does TE's), so there
-the histories start again after a resume.
-
 FP8 here runs plain GEMMs (no tensor parallelism), so a linear's weight is whole and every
-rank that holds it has the same histories: rank 0's are every rank's.
+rank that holds it has the same weight history; the input and gradient histories are the same
+on every rank of upstream's amax reduction group (their amaxes are all-reduced after each
+quantize). Rank 0's are then every rank's, except under ``--tp-only-amax-red`` with more than
+one data-parallel rank, where each rank keeps its own and a resume gives every rank rank 0's
+(as with TE, which saves its state the same way).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ _NOTHING_FOR_TE = pickle.dumps(None, protocol=2)
 _MAGIC = b"megatron-rocm fp8 delayed scaling (amax_history_fwd) v1\n"
 _PREFIX = _NOTHING_FOR_TE + _MAGIC
 _TENSORS = ("input", "weight", "grad_output")
-_RESTORED_WEIGHT = "_fp8_weight_history_restored"  # set by a load, read by its weight recast
 
 
 def extra_state(linear: Any, no_fp8: Any) -> Any:
@@ -60,7 +60,8 @@ def extra_state(linear: Any, no_fp8: Any) -> Any:
 def load_extra_state(linear: Any, state: Any) -> None:
     """Restore the histories a checkpoint's ``_extra_state`` holds into ``linear``'s delayed
     recipe. Anything else (no FP8 state, TE's, a run that now trains without delayed
-    scaling) leaves them as they are: they start at the next quantize."""
+    scaling) leaves the linear's histories as they are (a fresh model's start at its first
+    quantize)."""
     payload = _payload(state)
     recipe = getattr(linear, "fp8_recipe", None)
     if payload is None or recipe is None or recipe.delayed is None:
@@ -68,23 +69,23 @@ def load_extra_state(linear: Any, state: Any) -> None:
     device = linear.weight.device
     for name, saved in payload["histories"].items():
         _restore(recipe.history(name), saved, device)
-        if name == "weight":
-            setattr(linear, _RESTORED_WEIGHT, True)
 
 
-def recast_loaded_weight(linear: Any, source: Any) -> None:
-    """After a load that restored an FP8 weight's history (``--fp8-param-gather``): the
-    weight's bytes cast again from the loaded ``source`` with the history's scale. The
-    checkpoint holds the weight dequantized; loading it quantized it by current scaling
-    before the history arrived, where the saved bytes were cast with the history's scale.
-    FP8 -> bf16 -> FP8 at one scale gives the same bytes back."""
-    if not getattr(linear, _RESTORED_WEIGHT, False):
-        return
-    delattr(linear, _RESTORED_WEIGHT)
+def recast_loaded_weight(linear: Any, state_dict: dict, prefix: str) -> None:
+    """After a load whose ``_extra_state`` gave an FP8 weight (``--fp8-param-gather``) its
+    history back: the weight's bytes cast again from the loaded weight with the history's
+    scale. The checkpoint holds the weight dequantized; loading it quantized it by its own
+    amax before the history arrived, where the saved bytes were cast with the history's
+    scale. FP8 -> bf16 -> FP8 at one scale gives the same bytes back."""
     state = getattr(linear.weight, "_fp8", None)
+    source = state_dict.get(prefix + "weight")
     if state is None or state.history is None or not isinstance(source, torch.Tensor):
         return
-    state.cast_with_history(source)
+    if tuple(source.shape) != tuple(linear.weight.shape):
+        return  # torch reports the size mismatch
+    payload = _payload(state_dict.get(prefix + "_extra_state"))
+    if payload is not None and "weight" in payload["histories"]:
+        state.cast_with_history(source)
 
 
 def _snapshot(history: AmaxHistory) -> dict[str, torch.Tensor]:
@@ -98,8 +99,8 @@ def _snapshot(history: AmaxHistory) -> dict[str, torch.Tensor]:
 
 
 def _restore(history: AmaxHistory, saved: dict[str, torch.Tensor], device: torch.device) -> None:
-    """``saved`` into ``history`` in place (a CUDA graph may hold its tensors). A history of
-    another length (``--fp8-amax-history-len`` changed) keeps the newest amaxes that fit."""
+    """``saved`` into ``history``, into its tensors where it has them. A history of another
+    length (``--fp8-amax-history-len`` changed) keeps the newest amaxes that fit."""
     entries, pos = _fit(saved["history"].float(), int(saved["pos"]), history.length)
     if history.history is None:
         history.allocate(device)
@@ -142,15 +143,17 @@ class DelayedScalingCheckpoint:
     base class, whose ``get_extra_state`` gives the value without FP8 state)."""
 
     def get_extra_state(self) -> Any:
-        return extra_state(self, super().get_extra_state())
+        """The histories (:func:`extra_state`), or the base class's value."""
+        return extra_state(self, super().get_extra_state())  # type: ignore[misc]
 
     def set_extra_state(self, state: Any) -> None:
+        """The histories back from a checkpoint (:func:`load_extra_state`)."""
         load_extra_state(self, state)
 
     def _load_from_state_dict(
         self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any
     ) -> None:
-        if hasattr(self, _RESTORED_WEIGHT):  # left by a set_extra_state outside a load
-            delattr(self, _RESTORED_WEIGHT)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        recast_loaded_weight(self, state_dict.get(prefix + "weight"))
+        """torch's load (parameters, then ``set_extra_state``), then the FP8 weight's bytes
+        at its restored scale (:func:`recast_loaded_weight`)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
+        recast_loaded_weight(self, state_dict, prefix)

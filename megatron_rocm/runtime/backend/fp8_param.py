@@ -92,6 +92,9 @@ class Fp8State:
             if self.history is not None:
                 self.history.started = False
                 self.history.start(x)
+                # the scale these bytes were cast with, which a checkpoint taken before the
+                # first optimizer step gives back to the load's recast (cast_with_history)
+                self.history.scale.copy_(_scale(_amax(x), self.fp8_max, self.margin))
         self.stale()
 
     def cast_with_history(self, source: torch.Tensor) -> None:

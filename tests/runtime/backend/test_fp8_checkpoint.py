@@ -150,10 +150,14 @@ def test_other_values_leave_the_histories_to_start_again(state) -> None:  # noqa
     assert not any(linear.fp8_recipe.history(n).started for n in ("input", "weight"))
 
 
-def test_a_run_without_delayed_scaling_ignores_saved_histories() -> None:
-    tensorwise = _Linear(_weight(), delayed=False)
-    tensorwise.load_state_dict(_saved(_trained()))
-    assert tensorwise.fp8_recipe.delayed is None
+def test_a_run_without_delayed_scaling_loads_saved_histories_and_ignores_them() -> None:
+    """A tensorwise run resumed from a delayed-scaling checkpoint computes what a tensorwise
+    linear given the same weight computes."""
+    state = _saved(_trained())
+    loaded, plain = _Linear(_weight(seed=1), delayed=False), _Linear(_weight(seed=1), delayed=False)
+    loaded.load_state_dict(state)
+    plain.load_state_dict({"weight": state["weight"]}, strict=False)
+    assert _same(_step(loaded, 0.25, seed=10), _step(plain, 0.25, seed=10))
 
 
 def test_a_damaged_payload_is_one_clear_error() -> None:
@@ -228,6 +232,27 @@ def test_an_fp8_weight_loads_back_to_the_bytes_it_was_saved_with() -> None:
 def test_without_the_recast_an_fp8_weight_would_load_other_bytes(monkeypatch) -> None:  # noqa: ANN001
     """The case above is not vacuous: quantizing the loaded weight by its own amax (what the
     load does before the history arrives) gives another scale."""
-    monkeypatch.setattr(fp8_checkpoint, "recast_loaded_weight", lambda linear, source: None)
+    monkeypatch.setattr(fp8_checkpoint, "recast_loaded_weight", lambda *args: None)
     straight, resumed = _fp8_weight_resumed()
     assert not torch.equal(resumed.weight._fp8.scale_inv, straight.weight._fp8.scale_inv)
+
+
+def test_an_fp8_weight_saved_before_its_first_optimizer_step_loads_back_to_its_bytes() -> None:
+    """Saved right after it was built (or loaded): its bytes were cast by its own amax, and
+    its history's scale is that scale, which the load's recast uses."""
+    straight = _Linear(_weight())
+    fp8_param.convert_weight(straight, straight.fp8_recipe)
+    resumed = _Linear(_weight(seed=1))
+    fp8_param.convert_weight(resumed, resumed.fp8_recipe)
+    resumed.load_state_dict(_saved(straight))
+    saved, loaded = straight.weight._fp8, resumed.weight._fp8
+    assert torch.equal(loaded.data, saved.data) and torch.equal(loaded.scale_inv, saved.scale_inv)
+
+
+def test_a_weight_of_another_shape_is_torchs_size_mismatch() -> None:
+    straight = _trained()
+    fp8_param.convert_weight(straight, straight.fp8_recipe)
+    other = _Linear(_weight()[:, : IN // 2].contiguous())
+    fp8_param.convert_weight(other, other.fp8_recipe)
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        other.load_state_dict(_saved(straight))

@@ -232,8 +232,8 @@ def test_ranks_scale_by_the_amax_over_the_reduction_group() -> None:
 
 def _rank_with_empty_tensors(rank: int, port: int, results) -> None:  # noqa: ANN001
     """Rank 1's first and third tensors are empty: it must take the same steps as rank 0
-    (no collective at the first quantize, the all-reduce and the history's step after), or
-    the two ranks' all-reduces pair up wrongly and the group hangs or drifts apart."""
+    (the history's start or its step, then the all-reduce of the amax), or the two ranks'
+    all-reduces pair up wrongly and the group hangs or drifts apart."""
     import torch.distributed as dist
 
     join(rank, port, timeout_s=30)
