@@ -26,7 +26,11 @@
 #            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
 #            cannot memorise (FP8_DATA=mock: mock data), each FP8 run's losses against bf16's;
 #            FP8_BENCH=0 skips the tests and the benchmark; FP8_SIZE=8b-slice (with FP8_MBS=1,
-#            FP8_GBS=8, FP8_DATA=mock) runs eight of Llama-3 8B's layers at its sequence length
+#            FP8_GBS=8, FP8_DATA=mock) runs eight of Llama-3 8B's layers at its sequence length;
+#            with the tests, the smoke suite's FP8 checks (kernels.fp8, training.resume.1gpu_fp8)
+#   fp8resume FP8 delayed scaling saves and resumes on 2 GPUs (scripts/training/validate_distopt_resume.py:
+#            torch_dist with --ckpt-drop-redundant-extra-state; torch_dist and torch with
+#            --fp8-param-gather), the amax histories in the checkpoint; OUT/fp8resumeN.txt
 #   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
 #            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
 #            distopt, distopt-graph): upstream's defaults, the 8B example's flags (CE fusion,
@@ -131,7 +135,7 @@
 #
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b fp8resume
 #   4 GPUs: setup par4 scale4 upx4
 set -u
 OUT=$1; shift
@@ -258,6 +262,9 @@ stage_fp8() {
     (cd "$HERE" && timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
        --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
     log "fp8 bench: exit $?"
+    (cd "$HERE" && timeout 300 $PY -m megatron_rocm smoke "$W/p-$NEWEST" --only kernels.fp8 \
+       training.resume.1gpu_fp8 --json "$OUT/smoke-fp8.json" > "$OUT/smoke-fp8.log" 2>&1)
+    log "fp8 smoke checks: exit $? $(tail -1 "$OUT/smoke-fp8.log")"
   fi
   local iters=${FP8_ITERS:-300} mbs=${FP8_MBS:-16} size=${FP8_SIZE:-0.85b}
   local m="--preset llama --preset-size $size --iters $iters --micro-batch-size $mbs --global-batch-size ${FP8_GBS:-$mbs}"
@@ -292,6 +299,19 @@ stage_fp8() {
 example8b_edit() {  # example8b_edit FILE LINE_ERE SED_EXPR: apply where LINE_ERE finds a line
   grep -Eq -- "$2" "$1" || { log "$(basename "$1" .sh): upstream's example has no line matching '$2'; not run"; return 1; }
   sed -i -e "$3" "$1"
+}
+
+stage_fp8resume() {
+  # FP8 delayed scaling (the 8B example's history) saves and resumes on 2 GPUs, its amax
+  # histories in the checkpoint: torch_dist with upstream's --ckpt-drop-redundant-extra-state
+  # (main), torch_dist and the legacy torch format with --fp8-param-gather
+  local d="--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" n=0 spec
+  for spec in "torch_dist|$d --ckpt-drop-redundant-extra-state" "torch_dist,torch|$d --fp8-param-gather"; do
+    n=$((n + 1))
+    (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$NEWEST" --out "$W/fp8resume$n" \
+       --formats "${spec%%|*}" --run-timeout 120 --extra "${spec#*|}" > "$OUT/fp8resume$n.txt" 2>&1)
+    log "fp8 resume $n (${spec#*|}): exit $? $(tail -c 400 "$OUT/fp8resume$n.txt" | tr '\n' ' ')"
+  done
 }
 
 stage_example8b() {
