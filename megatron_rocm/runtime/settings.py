@@ -283,7 +283,7 @@ SETTINGS: dict[str, Setting] = {
             "choice",
             None,
             area="smoke suite (tests only)",
-            choices=("softmax", "allreduce", "resume", "fp8"),
+            choices=("softmax", "allreduce", "resume", "fp8", "fp8_state"),
             runtime=False,
             default_text="unset",
             doc="corrupt one result after the real computation, to prove the suite can fail",

@@ -421,3 +421,19 @@ def test_fsdp2_is_skipped_where_upstreams_wrapper_drops_ddp_config(tmp_path: Pat
     assert "ddp_config" in checks_parallel.skip_reason(fsdp2, "local", tmp_path)
     _core_file(tmp_path, FSDP2_WRAPPER, "        self.ddp_config = ddp_config\n")  # 0.13+
     assert checks_parallel.skip_reason(fsdp2, "local", tmp_path) is None
+
+
+def test_the_fp8_resume_passes_only_bit_for_bit() -> None:
+    """Histories that did not come back move the losses by less than the tolerance a
+    non-reproducible run is given: the FP8 scenario asks for bit for bit."""
+    straight = [6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.0]
+    close = [*straight[4:7], straight[7] * (1 + 1e-5)]
+    results = {
+        "straight": JobResult("s", True, straight),
+        "half": JobResult("h", True, straight[:4]),
+        "resumed": JobResult("r", True, close),
+    }
+    assert "not bit-exact but within" in checks_resume.judge(results)
+    with pytest.raises(runner.CheckFailed, match="FP8 delayed scaling must resume bit for bit"):
+        checks_resume.judge(results, exact=True)
+    assert checks_resume.trains_fp8("1gpu_fp8") and not checks_resume.trains_fp8("1gpu")

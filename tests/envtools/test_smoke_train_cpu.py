@@ -132,6 +132,15 @@ def test_resume_under_fp8_delayed_scaling(trees) -> None:
     assert fp8["straight"].losses[-1] != bf16["straight"].losses[-1]
 
 
+def test_resume_under_fp8_without_its_histories_fails(trees) -> None:
+    """MEGATRON_ROCM_SMOKE_FAULT=fp8_state starts the loaded histories again: the check fails."""
+    ctx = context(trees("0.16.0"), fault="fp8_state")
+    out = run_resume(ctx, "1gpu_fp8", ["te"])["te"]
+    assert "FP8 histories" in out["resumed"].detail["fault"]
+    with pytest.raises(runner.CheckFailed, match="diverges|must resume bit for bit"):
+        checks_resume.judge(out, exact=True)
+
+
 def test_resume_fault_is_caught(trees) -> None:
     ctx = context(trees("0.16.0"), fault="resume")
     out = run_resume(ctx, "1gpu", ["local"])

@@ -1,10 +1,15 @@
 """FP8 on this device (``--fp8-format`` without TE): the formats its arch trains in (the
-``fnuz`` ones on gfx942, OCP elsewhere), each quantize path's bytes against torch's own cast on
-this device (current scaling, with the transpose the GEMMs read, delayed scaling's history),
-and the FP8 GEMM against fp32 math on the same operands. A GPU without FP8 GEMMs skips: there
-``--fp8-format`` is refused at argument validation."""
+``fnuz`` ones on gfx942, OCP elsewhere); the bytes of every quantize a training step makes
+(current scaling with the padded transpose the GEMMs read, delayed scaling's history under
+both amax algorithms, a shard cast into a byte buffer at an odd offset, the byte transpose),
+each against torch's own cast on this device; and the FP8 linear's three GEMMs, called as
+training calls them, against fp32 math on the same FP8 operands. Inputs are finite bf16, as
+the linears quantize. A GPU without FP8 GEMMs skips: there ``--fp8-format`` is refused at
+argument validation."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -14,13 +19,15 @@ from megatron_rocm.envtools.smoke.checks_kernels import _kernel, _path, _Tally
 from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
 
 SHAPES = ((48, 64), (33, 80))  # 33 rows: the transpose's padding to 16
-DELAYED_MAGNITUDES = (1.0, 4.0, 0.5)  # growth past the history saturates; a shrink keeps it
+# delayed scaling over a history of 2: growth past it saturates, and the largest amax leaves
+# the window (max) where the newest alone decides (most_recent)
+DELAYED = (2, (1.0, 4.0, 0.5, 1.0, 0.25, 2.0))
 
 
-def _inputs(ctx: Context, magnitude: float = 1.0) -> list[Tensor]:
-    return [
-        (torch.randn(shape, device=ctx.device) * magnitude).to(torch.bfloat16) for shape in SHAPES
-    ]
+def _randn(ctx: Context, shape: tuple[int, ...], seed: int, magnitude: float = 1.0) -> Tensor:
+    """Seeded bf16 on the device: a failure repeats."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * magnitude
+    return x.to(device=ctx.device, dtype=torch.bfloat16)
 
 
 class _Bytes:
@@ -50,9 +57,10 @@ class _Bytes:
             raise CheckFailed(f"{label}: inverse scale {got.item()!r} != 1/{scale.item()!r}")
 
 
-def _current(k, ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:  # noqa: ANN001
-    for x in _inputs(ctx):
-        label = f"{dtype} {tuple(x.shape)}"
+def _current(k: ModuleType, ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:
+    for seed, shape in enumerate(SHAPES):
+        x = _randn(ctx, shape, seed)
+        label = f"{dtype} {shape}"
         scale = refmath.fp8_scale(x.float().abs().amax(), dtype)
         want = refmath.fp8_cast(x, scale, dtype)
         got, inverse = k.quantize(x, dtype)
@@ -65,58 +73,78 @@ def _current(k, ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:  # noq
         if got_t[:, rows:].view(torch.uint8).any():
             raise CheckFailed(f"{label} transpose: its padding past row {rows} is not zero")
         check.scale(f"{label} quantize_transposed", inverse, scale)
+        check.same(f"{label} transpose_fp8", k.transpose_fp8(want), want.t())
+        buffer = torch.zeros(x.numel() + 7, dtype=torch.uint8, device=ctx.device)
+        k.cast_into(x, scale, buffer[3 : 3 + x.numel()], dtype)  # a shard at an odd offset
+        check.same(f"{label} cast_into", buffer[3 : 3 + x.numel()], want.reshape(-1))
 
 
-def _delayed(k, ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:  # noqa: ANN001
-    """A history's scale: the first quantize by its own amax, then by the largest earlier one."""
-    history = k.AmaxHistory(len(DELAYED_MAGNITUDES), most_recent=False)
-    earlier: list[Tensor] = []
-    for step, magnitude in enumerate(DELAYED_MAGNITUDES):
-        x = _inputs(ctx, magnitude)[0]
-        amax = x.float().abs().amax()
-        scale = refmath.fp8_scale(max(earlier, key=float) if earlier else amax, dtype)
-        got, got_t, inverse = k.quantize_transposed(x, dtype, 0, history)
-        label = f"{dtype} delayed step {step + 1}"
-        check.same(label, got, refmath.fp8_cast(x, scale, dtype))
-        check.same(f"{label} transpose", got_t[:, : x.shape[0]], got.t())
-        check.scale(label, inverse, scale)
-        earlier.append(amax)
+def _delayed(k: ModuleType, ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:
+    """A history's scales: the first quantize by its own amax, then by the largest of the
+    last ``length`` amaxes (``max``) or by the newest (``most_recent``)."""
+    length, magnitudes = DELAYED
+    for most_recent in (False, True):
+        history = k.AmaxHistory(length, most_recent=most_recent)
+        earlier: list[Tensor] = []
+        for step, magnitude in enumerate(magnitudes):
+            x = _randn(ctx, SHAPES[step % 2], 10 + step, magnitude)
+            amax = x.float().abs().amax()
+            window = earlier[-1:] if most_recent else earlier[-length:]
+            scale = refmath.fp8_scale(max(window, key=float) if earlier else amax, dtype)
+            got, got_t, inverse = k.quantize_transposed(x, dtype, 0, history)
+            label = f"{dtype} delayed ({'most_recent' if most_recent else 'max'}) step {step + 1}"
+            check.same(label, got, refmath.fp8_cast(x, scale, dtype))
+            check.same(f"{label} transpose", got_t[:, : x.shape[0]], got.t())
+            check.scale(label, inverse, scale)
+            earlier.append(amax)
 
 
-def _gemm(k, ctx: Context, tally: _Tally, a_dtype: torch.dtype, b_dtype: torch.dtype) -> None:  # noqa: ANN001
-    """``a @ b^T`` on the FP8 GEMM against fp32 math on the same FP8 operands (the forward's
-    E4M3 x E4M3; the input gradient's output gradient x weight under ``hybrid``)."""
-    a = torch.randn(64, 128, device=ctx.device).to(torch.bfloat16)
-    b = torch.randn(96, 128, device=ctx.device).to(torch.bfloat16)
-    a8, a_inv = k.quantize(a, a_dtype)
-    b8, b_inv = k.quantize(b, b_dtype)
-    got = k.fp8_mm(a8, a_inv, b8.t(), b_inv, torch.bfloat16)
-    want = (a8.float() * a_inv) @ (b8.float() * b_inv).t()
-    tally.compare(f"{a_dtype} x {b_dtype} GEMM", got, want, torch.bfloat16)
+def _linear(ctx: Context, tally: _Tally, formats: object) -> None:
+    """The FP8 linear's forward, input gradient and weight gradient (``backend.fp8``: its
+    GEMM calls, fast accumulation and the padded token dimension included) against fp32
+    math on the operands quantized as refmath quantizes them."""
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+
+    x = _randn(ctx, (33, 64), 20).requires_grad_()
+    w = _randn(ctx, (96, 64), 21, 0.1).requires_grad_()
+    dy = _randn(ctx, (33, 96), 22)
+    recipe = backend_fp8.Fp8Recipe(formats=formats)
+    y = backend_fp8.fp8_linear(x, w, False, recipe)
+    y.backward(dy)
+
+    def fp8(t: Tensor, dtype: torch.dtype) -> Tensor:  # the FP8 operand, in fp32
+        scale = refmath.fp8_scale(t.detach().float().abs().amax(), dtype)
+        return refmath.fp8_cast(t, scale, dtype).float() / scale
+
+    xq, wq = fp8(x, formats.forward), fp8(w, formats.forward)
+    dyq = fp8(dy, formats.backward)
+    tally.compare("FP8 linear forward", y, xq @ wq.t(), torch.bfloat16)
+    tally.compare("FP8 linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
+    tally.compare("FP8 linear weight gradient", w.grad, dyq.t() @ xq, torch.bfloat16)
 
 
 @register("kernels.fp8")
 def fp8(ctx: Context) -> str:
-    """The run's FP8 formats, quantize bytes against torch's cast, the FP8 GEMM."""
+    """The run's FP8 formats, quantize bytes against torch's cast, the FP8 linear's GEMMs."""
     k = _kernel("fp8")
     reason = k.unsupported_gpu_reason() if ctx.on_gpu else None
     if reason:
         raise Skip(f"{reason}: --fp8-format is refused on this GPU")
     formats = k.formats("hybrid")
-    failed_before = k.failed_kernels()
     check, tally = _Bytes(ctx.fault == "fp8"), _Tally()
     for dtype in (formats.forward, formats.backward):
         _current(k, ctx, check, dtype)
         _delayed(k, ctx, check, dtype)
-        _gemm(k, ctx, tally, dtype, formats.forward)
-    fell_back = k.failed_kernels() - failed_before
-    if fell_back:
+    _linear(ctx, tally, formats)
+    failed = k.failed_kernels()
+    if failed:  # then torch's path answered: the comparisons above proved nothing of Triton
         raise CheckFailed(
-            f"the FP8 Triton kernels failed for {sorted(map(str, fell_back))} and fell back "
-            "to torch (the log above says why)"
+            f"the FP8 Triton kernels failed for {sorted(map(str, failed))} and fell back to "
+            "torch (the log says why)"
         )
     sample = torch.empty(1, device=ctx.device, dtype=torch.bfloat16)
     return (
         f"{formats.forward} / {formats.backward}: {check.cases} tensors byte for byte "
-        f"torch's cast, GEMM worst rel err {tally.worst:.2e} ({_path(ctx, sample, 'fp8')})"
+        f"torch's cast, the FP8 linear's GEMMs worst rel err {tally.worst:.2e} "
+        f"({_path(ctx, sample, 'fp8')})"
     )

@@ -16,7 +16,8 @@ the TE spec also trains in FP8 with delayed scaling, whose amax histories the ch
 give back (skipped on a GPU without FP8 GEMMs).
 
 ``MEGATRON_ROCM_SMOKE_FAULT=resume`` resets the loaded Adam step counts (as a resume that lost
-them would), to prove these checks fail when the resumed state is wrong.
+them would), and ``fp8_state`` starts the FP8 histories again in the FP8 scenario, to prove
+these checks fail when the resumed state is wrong.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def scenario_specs(scenario: str) -> tuple[str, ...]:
     return SCENARIO_SPECS.get(scenario, models.SPECS)
 
 
+def trains_fp8(scenario: str) -> bool:
+    return "fp8" in SCENARIOS[scenario][1].get("overrides", {})
+
+
 def _selected_specs(ctx: Context, scenario: str) -> list[str]:
     prefix = f"training.resume.{scenario}."
     chosen = [n[len(prefix) :] for n in ctx.selected if n.startswith(prefix)]
@@ -104,7 +109,9 @@ def resume_results(
             replace(base, name=f"{base.name}.straight", steps=RESUME_STEPS),
             replace(base, name=f"{base.name}.half", steps=half, save=str(folder), save_after=half),
         ]
-        fault = "resume" if ctx.fault == "resume" else None
+        fault = ctx.fault if ctx.fault == "resume" else None
+        if ctx.fault == "fp8_state" and trains_fp8(scenario):
+            fault = ctx.fault
         second.append(
             replace(
                 base,
@@ -128,7 +135,10 @@ def resume_results(
     return out
 
 
-def judge(results: dict[str, JobResult]) -> str:
+def judge(results: dict[str, JobResult], exact: bool = False) -> str:
+    """The resume's verdict (``verdicts.resumes``); ``exact``: only bit for bit passes (FP8
+    delayed scaling: a history that did not come back moves the losses by less than the
+    tolerance a non-reproducible run is given)."""
     for phase, what in (
         ("straight", "the uninterrupted run"),
         ("half", "the run that saves"),
@@ -143,6 +153,8 @@ def judge(results: dict[str, JobResult]) -> str:
         )
     except verdicts.Verdict as e:
         raise CheckFailed(str(e)) from None
+    if exact and "not bit-exact" in verdict:
+        raise CheckFailed(f"FP8 delayed scaling must resume bit for bit: {verdict}")
     info = results["resumed"].detail
     opt = f"{info.get('optimizer', '?')}({info.get('inner', '?')})"
     fault = f"; FAULT {info['fault']}" if info.get("fault") else ""
@@ -153,7 +165,7 @@ def check_resume(ctx: Context, scenario: str, spec: str) -> str:
     world, options, _ = SCENARIOS[scenario]
     ctx.needs_tree()
     ctx.needs_gpu(world, f"the {scenario} resume check")
-    if "fp8" in options.get("overrides", {}):
+    if trains_fp8(scenario):
         from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
 
         reason = unsupported_gpu_reason()
@@ -164,7 +176,7 @@ def check_resume(ctx: Context, scenario: str, spec: str) -> str:
         ctx.cache[key] = resume_results(ctx, scenario, _selected_specs(ctx, scenario))
     if spec not in ctx.cache[key]:  # selected later than the first check of its scenario
         ctx.cache[key].update(resume_results(ctx, scenario, [spec]))
-    return judge(ctx.cache[key][spec])
+    return judge(ctx.cache[key][spec], exact=trains_fp8(scenario))
 
 
 def _register(scenario: str, spec: str) -> None:

@@ -48,7 +48,7 @@ class Job:
     load: str | None = None  # checkpoint folder to start from
     dump_weights: str | None = None  # torch.save the initial full_weights() here (references)
     deterministic: bool = False
-    fault: str | None = None  # "resume": corrupt the loaded optimizer state (tests)
+    fault: str | None = None  # "resume" | "fp8_state": corrupt the loaded state (tests)
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # TransformerConfig
 
     def to_dict(self) -> dict[str, Any]:
@@ -386,6 +386,22 @@ def perturb_optimizer_state(optimizer: Any) -> int:
     return changed
 
 
+def forget_fp8_histories(nets: list[Any]) -> int:
+    """MEGATRON_ROCM_SMOKE_FAULT=fp8_state: every FP8 delayed-scaling history of the loaded
+    model started again, as a checkpoint without them would leave it. Returns how many;
+    raising if none (the fault must fire)."""
+    changed = 0
+    for net in nets:
+        for module in net.modules():
+            delayed = getattr(getattr(module, "fp8_recipe", None), "delayed", None)
+            for history in vars(delayed).values() if delayed is not None else ():
+                changed += history.started
+                history.started = False
+    if not changed:
+        raise RuntimeError("fault 'fp8_state': the model holds no started FP8 history")
+    return changed
+
+
 def run_job(job: Job, device: torch.device) -> dict[str, Any]:
     """Train ``job`` on this rank; ``losses`` is None on ranks off the last pipeline stage."""
     set_parallel_state(job.layout)
@@ -401,6 +417,8 @@ def run_job(job: Job, device: torch.device) -> dict[str, Any]:
         trainer.load(job.load)
         if job.fault == "resume":
             detail["fault"] = f"resume: {perturb_optimizer_state(trainer.optimizer)} step counts"
+        if job.fault == "fp8_state":
+            detail["fault"] = f"fp8_state: {forget_fp8_histories(trainer.nets)} FP8 histories"
     losses: list[float | None] = []
     for i in range(job.steps):
         losses.append(trainer.train_step(job.start_step + i))

@@ -123,9 +123,12 @@ def attention(
 def fp8_scale(amax: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """Per-tensor FP8 scaling (margin 0): torch's ``fp8_max / amax`` in fp32 on ``amax``'s
     device (a number over a tensor: the reciprocal, then a product; TE divides once, which
-    can differ in the last bit), 1 for a zero amax."""
+    can differ in the last bit), at most fp32's largest value; 1 where the amax is zero or
+    not finite (TE's rule)."""
     amax = amax.detach().float()
-    return torch.where(amax > 0, torch.finfo(fp8_dtype).max / amax, torch.ones_like(amax))
+    usable = (amax > 0) & torch.isfinite(amax)
+    scale = torch.where(usable, torch.finfo(fp8_dtype).max / amax, torch.ones_like(amax))
+    return scale.clamp(max=torch.finfo(torch.float32).max)
 
 
 def fp8_cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:

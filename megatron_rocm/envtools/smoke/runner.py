@@ -21,7 +21,7 @@ from typing import Any
 from megatron_rocm.errors import UsageError
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # tests: softmax | allreduce | resume | fp8 (docs/smoke.md)
+FAULT_ENV = "MEGATRON_ROCM_SMOKE_FAULT"  # tests: see its choices in runtime.settings, docs/smoke.md
 
 
 class Skip(Exception):
