@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from megatron_rocm.runtime.kernels.fp8 import (
     AmaxHistory,
     _amax,
-    _quantize,
+    _quantize_scaled,
     _scale,
     advance_history,
     cast_into,
@@ -86,15 +86,15 @@ class Fp8State:
         starts it from the first quantize."""
         with torch.no_grad():
             x = source.detach().to(device=self.data.device, dtype=self.dtype)
-            x_fp8, inverse = _quantize(x, self.fp8_dtype, self.fp8_max, self.margin)
+            x_fp8, scale = _quantize_scaled(x, self.fp8_dtype, self.fp8_max, self.margin)
             self.data.copy_(x_fp8.view(torch.uint8))
-            self.scale_inv.copy_(inverse)
+            self.scale_inv.copy_(scale.reciprocal())
             if self.history is not None:
                 self.history.started = False
                 self.history.start(x)
                 # the scale these bytes were cast with, which a checkpoint taken before the
                 # first optimizer step gives back to the load's recast (cast_with_history)
-                self.history.scale.copy_(_scale(_amax(x), self.fp8_max, self.margin))
+                self.history.scale.copy_(scale)
         self.stale()
 
     def cast_with_history(self, source: torch.Tensor) -> None:

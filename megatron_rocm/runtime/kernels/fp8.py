@@ -106,12 +106,20 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf")).float()
 
 
+def _quantize_scaled(
+    x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)`` by ``x``'s own amax, in eager torch."""
+    scale = _scale(_amax(x), fp8_max, margin)
+    return _apply(x, scale, dtype, fp8_max), scale
+
+
 def _quantize(
     x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager torch: the reference every other path is bitwise equal to."""
-    scale = _scale(_amax(x), fp8_max, margin)
-    return _apply(x, scale, dtype, fp8_max), scale.reciprocal()
+    x_fp8, scale = _quantize_scaled(x, dtype, fp8_max, margin)
+    return x_fp8, scale.reciprocal()
 
 
 _eager_keys: set[tuple[torch.dtype, torch.dtype]] = set()  # their Triton launch failed
