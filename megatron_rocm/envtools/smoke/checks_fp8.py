@@ -61,8 +61,7 @@ def _current(k: ModuleType, ctx: Context, check: _Bytes, dtype: torch.dtype) -> 
     for seed, shape in enumerate(SHAPES):
         x = _randn(ctx, shape, seed)
         label = f"{dtype} {shape}"
-        scale = refmath.fp8_scale(x.float().abs().amax(), dtype)
-        want = refmath.fp8_cast(x, scale, dtype)
+        want, scale = refmath.fp8_quantize(x, dtype)
         got, inverse = k.quantize(x, dtype)
         check.same(f"{label} quantize", got, want)
         check.scale(f"{label} quantize", inverse, scale)
@@ -112,24 +111,29 @@ def _linear(ctx: Context, tally: _Tally, formats: object) -> None:
     y = backend_fp8.fp8_linear(x, w, False, recipe)
     y.backward(dy)
 
-    def fp8(t: Tensor, dtype: torch.dtype) -> Tensor:  # the FP8 operand, in fp32
-        scale = refmath.fp8_scale(t.detach().float().abs().amax(), dtype)
-        return refmath.fp8_cast(t, scale, dtype).float() / scale
+    def dequantized(t: Tensor, dtype: torch.dtype) -> Tensor:  # the FP8 operand, in fp32
+        t_fp8, scale = refmath.fp8_quantize(t, dtype)
+        return t_fp8.float() / scale
 
-    xq, wq = fp8(x, formats.forward), fp8(w, formats.forward)
-    dyq = fp8(dy, formats.backward)
+    xq, wq = dequantized(x, formats.forward), dequantized(w, formats.forward)
+    dyq = dequantized(dy, formats.backward)
     tally.compare("FP8 linear forward", y, xq @ wq.t(), torch.bfloat16)
     tally.compare("FP8 linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
     tally.compare("FP8 linear weight gradient", w.grad, dyq.t() @ xq, torch.bfloat16)
 
 
+def skip_without_fp8_gemms(ctx: Context) -> None:
+    """Skip an FP8 check on a GPU without FP8 GEMMs (the CPU emulates them)."""
+    reason = _kernel("fp8").unsupported_gpu_reason() if ctx.on_gpu else None
+    if reason:
+        raise Skip(f"{reason}: --fp8-format is refused on this GPU")
+
+
 @register("kernels.fp8")
 def fp8(ctx: Context) -> str:
     """The run's FP8 formats, quantize bytes against torch's cast, the FP8 linear's GEMMs."""
+    skip_without_fp8_gemms(ctx)
     k = _kernel("fp8")
-    reason = k.unsupported_gpu_reason() if ctx.on_gpu else None
-    if reason:
-        raise Skip(f"{reason}: --fp8-format is refused on this GPU")
     formats = k.formats("hybrid")
     check, tally = _Bytes(ctx.fault == "fp8"), _Tally()
     for dtype in (formats.forward, formats.backward):

@@ -26,9 +26,10 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_rocm.envtools.smoke import models, verdicts
+from megatron_rocm.envtools.smoke.checks_fp8 import skip_without_fp8_gemms
 from megatron_rocm.envtools.smoke.engine import Job
 from megatron_rocm.envtools.smoke.models import Layout
-from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, Skip, register
+from megatron_rocm.envtools.smoke.runner import CheckFailed, Context, register
 from megatron_rocm.envtools.smoke.world import DETERMINISM_ENV, JobResult, run_jobs
 
 RESUME_STEPS = 8
@@ -166,11 +167,7 @@ def check_resume(ctx: Context, scenario: str, spec: str) -> str:
     ctx.needs_tree()
     ctx.needs_gpu(world, f"the {scenario} resume check")
     if trains_fp8(scenario):
-        from megatron_rocm.runtime.kernels.fp8 import unsupported_gpu_reason
-
-        reason = unsupported_gpu_reason()
-        if reason:
-            raise Skip(f"{reason}: --fp8-format is refused on this GPU")
+        skip_without_fp8_gemms(ctx)
     key = ("resume", scenario)
     if key not in ctx.cache:
         ctx.cache[key] = resume_results(ctx, scenario, _selected_specs(ctx, scenario))

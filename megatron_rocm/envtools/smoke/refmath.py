@@ -136,3 +136,9 @@ def fp8_cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     fp8_max = torch.finfo(fp8_dtype).max
     scaled = x.detach().float() * scale
     return scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def fp8_quantize(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-tensor FP8 by ``x``'s own amax (current scaling): ``(x_fp8, scale)``."""
+    scale = fp8_scale(x.detach().float().abs().amax(), fp8_dtype)
+    return fp8_cast(x, scale, fp8_dtype), scale
