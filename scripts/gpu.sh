@@ -31,6 +31,9 @@
 #   fp8resume FP8 delayed scaling saves and resumes on 2 GPUs (scripts/training/validate_distopt_resume.py:
 #            torch_dist, with --ckpt-drop-redundant-extra-state on main; torch_dist and torch with
 #            --fp8-param-gather), the amax histories in the checkpoint; OUT/fp8resumeN.txt
+#   fp8tp2   FP8 with TP=2 + sequence parallelism on 2 GPUs: the small Llama in bf16, tensorwise and
+#            delayed (FP8TP_ITERS, default 100), each FP8 run's losses against bf16's; then each
+#            recipe saves and resumes (validate_distopt_resume.py, torch_dist); OUT/fp8tp2-*
 #   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
 #            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
 #            distopt, distopt-graph): upstream's defaults, the 8B example's flags (CE fusion,
@@ -135,7 +138,7 @@
 #
 # Stages by the GPUs they need:
 #   1 GPU:  setup train units profile bench trace mfu fp8 kernels smoke mla moebench upx1 series pack
-#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b fp8resume
+#   2 GPUs: setup tp2 cp2 moe2 units2 mimo2 packedcp cpscale upx2 paths tiers example8b fp8resume fp8tp2
 #   4 GPUs: setup par4 scale4 upx4
 set -u
 OUT=$1; shift
@@ -313,6 +316,33 @@ stage_fp8resume() {
     (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$NEWEST" --out "$W/fp8resume$n" \
        --formats "${spec%%|*}" --extra "${spec#*|}" > "$OUT/fp8resume$n.txt" 2>&1)
     log "fp8 resume $n (${spec#*|}): exit $? $(tail -c 400 "$OUT/fp8resume$n.txt" | tr '\n' ' ')"
+  done
+}
+
+stage_fp8tp2() {
+  local iters=${FP8TP_ITERS:-100} run flags recipe
+  local d="--fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+  for run in bf16 hybrid delayed; do
+    case $run in
+      bf16) flags= ;;
+      hybrid) flags="-- --fp8-format hybrid --fp8-recipe tensorwise" ;;
+      delayed) flags="-- --fp8-format hybrid --fp8-recipe delayed $d" ;;
+    esac
+    train "fp8tp2-$run-$NEWEST" "$W/p-$NEWEST" --preset llama --iters "$iters" --nproc 2 --tp 2 --sp $flags
+    log "tp2 sp $run: $(cat "$OUT/fp8tp2-$run-$NEWEST.json")"
+  done
+  for run in hybrid delayed; do
+    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8tp2-bf16-$NEWEST.log" \
+       "$OUT/fp8tp2-$run-$NEWEST.log" --last 20 > "$OUT/fp8tp2-compare-$run.txt" 2>&1)
+    log "tp2 sp $run vs bf16 losses: $(tail -c 600 "$OUT/fp8tp2-compare-$run.txt")"
+  done
+  # the resume model's FFN (688) splits into 344 columns, not a multiple of FP8's 16: 704
+  for recipe in tensorwise delayed; do
+    flags="--fp8-format hybrid --fp8-recipe $recipe --tensor-model-parallel-size 2 --sequence-parallel --ffn-hidden-size 704"
+    [ "$recipe" = delayed ] && flags="$flags $d"
+    (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$NEWEST" --out "$W/fp8tp2resume-$recipe" \
+       --formats torch_dist --extra "$flags" > "$OUT/fp8tp2-resume-$recipe.txt" 2>&1)
+    log "tp2 sp $recipe resume: exit $? $(tail -c 400 "$OUT/fp8tp2-resume-$recipe.txt" | tr '\n' ' ')"
   done
 }
 

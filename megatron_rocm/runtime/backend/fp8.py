@@ -122,9 +122,12 @@ def _building(bf16: bool) -> Iterator[None]:
         _bf16_layer.pop()
 
 
-def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | None:
+def module_recipe(
+    owner: str, config: Any, weight: torch.Tensor, weight_split: bool = False
+) -> Fp8Recipe | None:
     """The recipe a native linear built now with ``weight`` [out, in] trains under, or None
-    (no ``--fp8-format``, or a layer kept in bf16)."""
+    (no ``--fp8-format``, or a layer kept in bf16). ``weight_split``: the weight is one TP
+    rank's part (see :func:`_delayed_scaling`)."""
     fmt = getattr(config, "fp8", None)
     if not fmt or (_bf16_layer and _bf16_layer[-1]):
         return None
@@ -139,7 +142,7 @@ def module_recipe(owner: str, config: Any, weight: torch.Tensor) -> Fp8Recipe | 
         formats=formats(str(fmt)),
         margin=int(getattr(config, "fp8_margin", 0) or 0),
         wgrad_in_fp8=bool(getattr(config, "fp8_wgrad", True)),
-        delayed=_delayed_scaling(config) if name == "delayed" else None,
+        delayed=_delayed_scaling(config, weight_split) if name == "delayed" else None,
     )
 
 
@@ -147,7 +150,8 @@ def attach_recipe(linear: Any, owner: str, config: Any) -> None:
     """A native linear's FP8 state, set where it is built: its recipe (:func:`module_recipe`)
     and ``is_first_microbatch``, the flag Megatron's schedules set on every module that has it
     before a step's first micro-batch (:func:`weight_reuse`)."""
-    linear.fp8_recipe = module_recipe(owner, config, linear.weight)
+    split = tp_world_size(linear) > 1
+    linear.fp8_recipe = module_recipe(owner, config, linear.weight, split)
     linear.is_first_microbatch = True
     if linear.fp8_recipe is not None and getattr(config, "fp8_param", False):
         from megatron_rocm.runtime.backend.fp8_param import convert_weight
@@ -155,9 +159,24 @@ def attach_recipe(linear: Any, owner: str, config: Any) -> None:
         convert_weight(linear, linear.fp8_recipe)  # --fp8-param-gather: FP8 bytes in DDP
 
 
-def _delayed_scaling(config: Any) -> DelayedScaling:
+def tp_world_size(linear: Any) -> int:
+    """How many TP ranks split ``linear``'s weight: a column or row linear's full size over
+    its partition (1 for a duplicated or whole weight)."""
+    for full, part in (
+        ("output_size", "output_size_per_partition"),
+        ("input_size", "input_size_per_partition"),
+    ):
+        if getattr(linear, part, None) not in (None, getattr(linear, full, None)):
+            return getattr(linear, full) // getattr(linear, part)
+    return 1
+
+
+def _delayed_scaling(config: Any, weight_split: bool = False) -> DelayedScaling:
     """Fresh histories from upstream's ``fp8_amax_history_len`` / ``fp8_amax_compute_algo``;
-    activations and gradients reduce their amax over upstream's amax reduction group."""
+    activations and gradients reduce their amax over upstream's amax reduction group, and so
+    does a weight split over TP ranks (as TE reduces every amax of the step): a checkpoint
+    holds TP rank 0's histories for all ranks (upstream's ``_extra_state`` is replicated over
+    TP), which holds for every rank only where their histories agree."""
     if int(getattr(config, "fp8_interval", 1) or 1) != 1:
         warnings.warn(
             "--fp8-interval is deprecated and ignored (as TransformerEngine 1.8 and later "
@@ -173,7 +192,9 @@ def _delayed_scaling(config: Any) -> DelayedScaling:
     def history(reduce: bool) -> AmaxHistory:
         return AmaxHistory(length, algo == "most_recent", group if reduce else None)
 
-    return DelayedScaling(input=history(True), weight=history(False), grad_output=history(True))
+    return DelayedScaling(
+        input=history(True), weight=history(weight_split), grad_output=history(True)
+    )
 
 
 def amax_reduction_group(config: Any) -> Any:
@@ -320,13 +341,9 @@ def weight_reuse(linear: Any) -> bool | None:
 
 
 def plain_gemm_problem(linear: Any) -> str | None:
-    """Why upstream's forward of a column or row parallel ``linear`` is more than its GEMM
-    (FP8 here runs the GEMM alone), or None."""
+    """Why upstream's forward of a column or row parallel ``linear`` holds more than its GEMM
+    and the tensor-parallel communication around it (what FP8 runs here), or None."""
     weight = linear.weight
-    if tuple(weight.shape) != (linear.output_size, linear.input_size):
-        return "tensor parallelism"
-    if linear.sequence_parallel:
-        return "sequence parallelism"
     if getattr(linear, "gtp_remat_size", 1) != 1:
         return "GTP"
     if getattr(linear.config, "cpu_offloading", False):
@@ -342,17 +359,27 @@ def plain_gemm_problem(linear: Any) -> str | None:
     return None
 
 
-def parallel_forward(linear: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The FP8 forward of a native column or row parallel linear, upstream's return value."""
+def parallel_forward(linear: Any, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, Any]:
+    """The FP8 forward of a native ``mode`` ("column" or "row") parallel linear, upstream's
+    return value: the FP8 GEMM inside the communication upstream's forward puts around its
+    own (``tp_comm``)."""
     problem = plain_gemm_problem(linear)
     if problem is not None:
         raise ValueError(
             f"{type(linear).__name__}: FP8 (--fp8-format) without TransformerEngine runs "
-            f"plain GEMMs only, not with {problem}; train in bf16 or drop it"
+            f"the GEMM and its tensor-parallel communication only, not with {problem}; train "
+            "in bf16 or drop it"
         )
     weight = linear.weight
     fuse = bool(linear.gradient_accumulation_fusion) and weight.requires_grad
+    split = tp_world_size(linear) > 1  # else upstream's exchanges are identities
+    if split:
+        from megatron_rocm.runtime.backend import tp_comm
+    if split and mode == "column":
+        x = tp_comm.column_input(linear, x)
     out = fp8_linear(x, weight, fuse, linear.fp8_recipe, weight_reuse(linear))
+    if split and mode == "row":
+        out = tp_comm.row_output(linear, out)
     if linear.skip_bias_add:
         return out, linear.bias
     return (out + linear.bias if linear.bias is not None else out), None

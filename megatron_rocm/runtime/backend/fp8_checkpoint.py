@@ -12,10 +12,10 @@ such a checkpoint as one without FP8 state and starts its histories. TE's own pa
 pickled TE objects; it is not read here, and the histories start again, as TE starts them
 from a checkpoint taken without FP8.
 
-FP8 here runs plain GEMMs (no tensor parallelism), so a linear's weight is whole and every
-rank that holds it has the same weight history; the input and gradient histories are the same
-on every rank of upstream's amax reduction group (their amaxes are all-reduced after each
-quantize). Rank 0's are then every rank's, except under ``--tp-only-amax-red`` with more than
+Every rank that holds a whole weight has the same weight history, and a weight split over TP
+ranks reduces its amax over upstream's amax reduction group; the input and gradient histories
+are the same on every rank of that group (their amaxes are all-reduced after each quantize).
+Rank 0's are then every rank's, except under ``--tp-only-amax-red`` with more than
 one data-parallel rank, where each rank keeps its own and a resume gives every rank rank 0's
 (as with TE, which saves its state the same way).
 """

@@ -191,6 +191,12 @@ def convert_weight(linear: Any, recipe: Any) -> None:
     optimizer's fp32 mains."""
     weight = linear.weight
     history = recipe.history("weight")
+    if history is not None and history.group is not None:
+        raise ValueError(
+            f"{type(linear).__name__}: --fp8-param-gather with delayed scaling and tensor "
+            "parallelism is not supported without TransformerEngine (the optimizer step does "
+            "not reduce the weight amax over TP ranks); use --fp8-recipe tensorwise or TP 1"
+        )
     state = Fp8State(
         data=torch.empty(weight.shape, dtype=torch.uint8, device=weight.device),
         dtype=weight.dtype,

@@ -108,7 +108,7 @@ class TELayerNormColumnParallelLinear(DelayedScalingCheckpoint, ColumnParallelLi
         if around_a2a is not None:
             return around_a2a(normed), None
         if self.fp8_recipe is not None:  # the GEMM in FP8 (backend.fp8)
-            return parallel_forward(self, normed)
+            return parallel_forward(self, normed, "column")
         return super().forward(normed)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ class TEColumnParallelLinear(DelayedScalingCheckpoint, ColumnParallelLinear):
         """Upstream's forward, or under ``--fp8-format`` the FP8 GEMM (``backend.fp8``)."""
         if self.fp8_recipe is None or args or any(v is not None for v in kwargs.values()):
             return super().forward(input_, *args, **kwargs)
-        return parallel_forward(self, input_)
+        return parallel_forward(self, input_, "column")
 
 
 class TERowParallelLinear(DelayedScalingCheckpoint, RowParallelLinear):
@@ -157,7 +157,7 @@ class TERowParallelLinear(DelayedScalingCheckpoint, RowParallelLinear):
         attention's exchange ahead of the weight gradient. Under ``--fp8-format``, the FP8
         GEMM (``backend.fp8``)."""
         if self.fp8_recipe is not None:
-            return parallel_forward(self, input_)
+            return parallel_forward(self, input_, "row")
         fuse = bool(self.gradient_accumulation_fusion)
         output = project_attention_output(input_, self.weight, fuse) if self._gemm_only() else None
         if output is None:

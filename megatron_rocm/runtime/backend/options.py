@@ -227,8 +227,7 @@ _FP8_RECIPE_ADVICE = {
 
 def fp8_problems(args: Any) -> list[str]:
     """Without TE, one message per part of an ``--fp8-format`` run the native FP8 linears
-    (``backend.fp8``: current or delayed per-tensor scaling, no tensor parallelism) cannot
-    do."""
+    (``backend.fp8``: current or delayed per-tensor scaling) cannot do."""
     fmt = getattr(args, "fp8", None)
     if not fmt:
         return []
@@ -241,13 +240,6 @@ def fp8_problems(args: Any) -> list[str]:
         problems.append(
             f"--fp8-recipe {recipe}: needs TransformerEngine, which is not installed ({why}); "
             "use --fp8-recipe tensorwise or delayed (per-tensor scaling, native)"
-        )
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    if tp > 1:
-        problems.append(
-            f"--fp8-format with --tensor-model-parallel-size {tp}: without TransformerEngine "
-            "the FP8 linears run without tensor parallelism; use TP 1 (data or context "
-            "parallelism instead) or train in bf16"
         )
     if getattr(args, "num_experts", None):
         problems.append(
@@ -319,6 +311,13 @@ def fp8_param_gather_problems(args: Any) -> list[str]:
         for dest, flag, why in _FP8_PARAM_GATHER_WITHOUT
         if getattr(args, dest, False)
     ]
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 and str(getattr(args, "fp8_recipe", "delayed")) == "delayed":
+        problems.append(
+            f"--fp8-param-gather with delayed scaling and --tensor-model-parallel-size {tp}: "
+            "without TransformerEngine the optimizer step does not reduce the weight amax over "
+            "TP ranks; use --fp8-recipe tensorwise, TP 1, or drop --fp8-param-gather"
+        )
     optimizer = getattr(args, "optimizer", "adam")
     if optimizer not in ("adam", "sgd"):
         problems.append(

@@ -88,18 +88,16 @@ def test_parallel_forward_runs_the_fp8_gemm_and_the_bias() -> None:
     bias = torch.nn.Parameter(torch.randn(32))
     x = torch.randn(4, 16)
     linear = _linear(bias=bias)
-    out, out_bias = fp8.parallel_forward(linear, x)
+    out, out_bias = fp8.parallel_forward(linear, x, "column")
     want = fp8.fp8_linear(x, linear.weight, False, linear.fp8_recipe) + bias
     assert out_bias is None and torch.equal(out, want)
-    out, out_bias = fp8.parallel_forward(_linear(bias=bias, skip_bias_add=True), x)
+    out, out_bias = fp8.parallel_forward(_linear(bias=bias, skip_bias_add=True), x, "row")
     assert out_bias is bias
 
 
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"output_size": 64}, "tensor parallelism"),
-        ({"sequence_parallel": True}, "sequence parallelism"),
         ({"gtp_remat_size": 2}, "GTP"),
         ({"config": SimpleNamespace(cpu_offloading=True)}, "CPU offloading"),
         ({"gradient_accumulation_fusion": True}, "no main_grad"),
@@ -107,7 +105,7 @@ def test_parallel_forward_runs_the_fp8_gemm_and_the_bias() -> None:
 )
 def test_parallel_forward_refuses_more_than_a_gemm(change, named) -> None:
     with pytest.raises(ValueError, match=named) as info:
-        fp8.parallel_forward(_linear(**change), torch.randn(4, 16))
+        fp8.parallel_forward(_linear(**change), torch.randn(4, 16), "column")
     assert "\n" not in str(info.value)
 
 
@@ -131,15 +129,15 @@ def test_later_micro_batches_reuse_the_first_ones_fp8_weight(monkeypatch) -> Non
     calls = _weight_quantizes(monkeypatch)
     linear = _linear(is_first_microbatch=True)
     x = torch.randn(4, 16, requires_grad=True)
-    first, _ = fp8.parallel_forward(linear, x)
-    again, _ = fp8.parallel_forward(linear, x)  # a later micro-batch of the step
+    first, _ = fp8.parallel_forward(linear, x, "column")
+    again, _ = fp8.parallel_forward(linear, x, "column")  # a later micro-batch of the step
     assert len(calls) == 1 and torch.equal(first, again)
     again.sum().backward()  # the cached transpose serves the input gradient
     assert x.grad is not None
     with torch.no_grad():
         linear.weight.mul_(2)  # the optimizer's step
     linear.is_first_microbatch = True  # the next step's first micro-batch
-    doubled, _ = fp8.parallel_forward(linear, x)
+    doubled, _ = fp8.parallel_forward(linear, x, "column")
     assert len(calls) == 2 and torch.allclose(doubled, 2 * first, rtol=0.13)
 
 
@@ -148,7 +146,7 @@ def test_the_cache_is_off_with_disable_parameter_transpose_cache(monkeypatch) ->
     config = SimpleNamespace(cpu_offloading=False, disable_parameter_transpose_cache=True)
     linear = _linear(is_first_microbatch=True, config=config)
     for _ in range(3):
-        fp8.parallel_forward(linear, torch.randn(4, 16))
+        fp8.parallel_forward(linear, torch.randn(4, 16), "column")
     assert len(calls) == 3 and linear.fp8_recipe.weight_cache.quantized is None
 
 
@@ -156,10 +154,10 @@ def test_a_moved_weight_or_a_missing_transpose_is_quantized_again(monkeypatch) -
     calls = _weight_quantizes(monkeypatch)
     linear = _linear(is_first_microbatch=True)
     with torch.no_grad():
-        fp8.parallel_forward(linear, torch.randn(4, 16))  # evaluation: no transpose kept
-    fp8.parallel_forward(linear, torch.randn(4, 16, requires_grad=True))  # needs it
+        fp8.parallel_forward(linear, torch.randn(4, 16), "column")  # evaluation: no transpose kept
+    fp8.parallel_forward(linear, torch.randn(4, 16, requires_grad=True), "column")  # needs it
     linear.weight.data = linear.weight.data.clone()  # new storage
-    fp8.parallel_forward(linear, torch.randn(4, 16))
+    fp8.parallel_forward(linear, torch.randn(4, 16), "column")
     assert len(calls) == 3
 
 

@@ -197,6 +197,11 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **selective}))
     gathered = {"fp8_param_gather": True, "use_distributed_optimizer": True}
     reject_te_only_options(SimpleNamespace(**{**DEFAULTS, **FP8_RUN, **gathered}))
+    run = {**DEFAULTS, **FP8_RUN, "fp8": fmt, "fp8_recipe": recipe}
+    tensor_parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    reject_te_only_options(SimpleNamespace(**{**run, **tensor_parallel}))
+    if recipe == "tensorwise":  # delayed scaling's FP8 weights are refused with TP
+        reject_te_only_options(SimpleNamespace(**{**run, **tensor_parallel, **gathered}))
 
 
 @pytest.mark.parametrize(
@@ -205,7 +210,11 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
         ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8", "Blackwell"),
         ({"fp8_recipe": "blockwise"}, "--fp8-recipe blockwise", "blockwise GEMMs"),
         ({"fp8_recipe": "custom"}, "--fp8-recipe custom", "quantizer"),
-        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2", "use TP 1"),
+        (
+            {"fp8_param_gather": True, "fp8_recipe": "delayed", "tensor_model_parallel_size": 2},
+            "--fp8-param-gather with delayed scaling and --tensor-model-parallel-size 2",
+            "--fp8-recipe tensorwise",
+        ),
         ({"num_experts": 8}, "--num-experts", "bf16"),
         ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "full_iteration"),

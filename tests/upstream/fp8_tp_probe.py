@@ -1,0 +1,168 @@
+"""Upstream's TE-spec transformer block under ``--fp8-format`` with tensor parallelism (CPU).
+
+    python fp8_tp_probe.py --tree PATCHED_TREE --out RESULT.json
+
+Launches a gloo world of two ranks (TP=2), each running this file on the patched tree:
+upstream's ``TransformerBlock`` from the TE layer spec (the native backend's column, row and
+norm-fused column linears), built from one seed in bf16 and in FP8 under both recipes
+(``tensorwise``; ``delayed`` at the 8B example's history of 1024 and ``max``), each with and
+without sequence parallelism. Each block takes two steps (no optimizer: the weights stay), the
+second on a batch half the first's size. Each rank writes, per block, its outputs and input
+gradients of the second step over the whole sequence (gathered over the ranks under sequence
+parallelism), one weight gradient of its shard, how many GEMMs ran through the FP8 function,
+and every delayed history's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+SEQ, BATCH, HIDDEN, HEADS, LAYERS, TP = 16, 2, 64, 4, 2, 2
+RECIPES = {
+    "bf16": {},
+    "tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise"),
+    "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
+                    fp8_amax_compute_algo="max"),
+}  # fmt: skip
+
+
+def launch(args: argparse.Namespace) -> int:
+    from gloo_ranks import run_ranks  # beside this script, on sys.path when it runs
+
+    cmd = [sys.executable, __file__, *sys.argv[1:]]
+    results = run_ranks(cmd, TP, Path(args.out), args.timeout)
+    Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+def build(recipe: str, sequence_parallel: bool):  # noqa: ANN201 - the block
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
+        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+        tensor_model_parallel_size=TP, sequence_parallel=sequence_parallel,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **RECIPES[recipe],
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    return TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec())
+
+
+def whole_sequence(x, sequence_parallel: bool):  # noqa: ANN001, ANN201
+    """``x`` [s, b, h] over the whole sequence: gathered over the TP ranks under sequence
+    parallelism (each holds its chunk of the sequence)."""
+    import torch
+    import torch.distributed as dist
+
+    if not sequence_parallel:
+        return x
+    parts = [torch.empty_like(x) for _ in range(TP)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def histories(block) -> dict:  # noqa: ANN001
+    """Every delayed history of the block: ring, running amax, position and scale."""
+    state = {}
+    for name, module in block.named_modules():
+        recipe = getattr(module, "fp8_recipe", None)
+        if recipe is None or recipe.delayed is None:
+            continue
+        for tensor, history in vars(recipe.delayed).items():
+            state[f"{name}.{tensor}"] = [
+                history.history.tolist(), history.current.item(), int(history.pos.item()),
+                history.scale.item(),
+            ]  # fmt: skip
+    return state
+
+
+def run_rank(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, args.tree)
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cpu_shim  # upstream's CUDA allocations on the CPU
+
+    cpu_shim.install()
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    from megatron.core import parallel_state
+
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    calls = {"n": 0}
+    forward = backend_fp8.Fp8LinearFunction.forward
+
+    def counted(ctx, *a):  # noqa: ANN001, ANN002, ANN202
+        calls["n"] += 1
+        return forward(ctx, *a)
+
+    backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
+    direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    chunk = SEQ // TP
+    result: dict = {}
+    for recipe in RECIPES:
+        for sequence_parallel in (False, True):
+            block = build(recipe, sequence_parallel)
+            before = calls["n"]
+            for scale in (1.0, 0.5):
+                block.set_is_first_microbatch()
+                block.zero_grad(set_to_none=True)
+                x = (hidden * scale).to(torch.bfloat16)
+                if sequence_parallel:
+                    x = x[rank * chunk : (rank + 1) * chunk]
+                x = x.detach().requires_grad_()
+                out = block(x, mask)
+                out = out[0] if isinstance(out, tuple) else out
+                mine = direction[rank * chunk : (rank + 1) * chunk] if sequence_parallel else (
+                    direction)  # fmt: skip
+                (out.float() * mine).sum().backward()
+            result[f"{recipe}{'-sp' if sequence_parallel else ''}"] = {
+                "fp8_gemms": calls["n"] - before,
+                "out": whole_sequence(out.detach(), sequence_parallel).float().tolist(),
+                "dx": whole_sequence(x.grad, sequence_parallel).float().tolist(),
+                "fc1_grad": block.layers[0].mlp.linear_fc1.weight.grad.float().tolist(),
+                "histories": histories(block),
+            }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    if "RANK" not in os.environ:
+        return launch(args)
+    try:
+        result = run_rank(args)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(args.out).with_suffix(f".rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    raise SystemExit(main())
