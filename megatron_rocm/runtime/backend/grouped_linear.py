@@ -6,7 +6,10 @@ projection instead of one GEMM per expert. These classes keep the wrappers' cont
 tag from core_v0.12.0 to main (``megatron/core/extensions/transformer_engine.py``):
 
 * constructor keywords (``tp_group`` 0.13-0.15, ``pg_collection`` 0.16+, ``name`` 0.18+);
-  unsupported TE features (FP8/FP4, delayed wgrad, grouped tensors, GTP) fail with one line;
+  unsupported TE features (FP4, delayed wgrad, grouped tensors, GTP) fail with one line;
+* FP8 under current scaling (``--fp8-recipe tensorwise``): each expert's GEMMs run on the
+  native FP8 linear function (``backend.fp8``) with a recipe of its own, on the token
+  segments upstream's ``Fp8Padding`` (``backend.fp8_padding``) aligned to 16;
 * parameters ``weight0..weight{n-1}`` ``[out, in]`` and ``bias0..`` (a plain empty tensor per
   expert without bias, as TE does), with the ``allreduce`` / ``tensor_model_parallel`` /
   ``partition_dim`` attributes the wrapper of the running tag leaves on them;
@@ -35,6 +38,7 @@ from megatron_rocm.runtime.backend import _grouped_compat as compat
 from megatron_rocm.runtime.backend._extra_state import NoFp8ExtraState
 from megatron_rocm.runtime.backend._init_rng import tracker_fork
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config, reject
+from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, recipe_name, weight_reuse
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
 from megatron_rocm.runtime.kernels.norm import param_device
 
@@ -46,7 +50,6 @@ def _wrapper_keywords(tp_group: Any = None, pg_collection: Any = None, name: Any
 def _reject_te_features(owner: str, config: Any) -> None:
     bf16 = "train in bf16 (--bf16)"
     checks = (
-        ("fp8", "FP8 (--fp8-format)", bf16),
         ("fp4", "FP4 (--fp4-format)", bf16),
         ("delay_wgrad_compute", "delayed wgrad (--delay-wgrad-compute)", "remove it"),
         (
@@ -64,6 +67,25 @@ def _reject_te_features(owner: str, config: Any) -> None:
     refuse_te_only_config(owner, config)  # what every native linear refuses
     if (getattr(config, "expert_gtp_weight_remat_size", None) or 1) > 1:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
+
+
+def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> list | None:
+    """One current-scaling FP8 recipe per expert weight, or None (bf16: no ``--fp8-format``,
+    or a layer ``--first-last-layers-bf16`` keeps in bf16). What the experts cannot do in FP8
+    fails with one line: delayed scaling (an expert's amax history would be reduced with other
+    ranks' different experts), FP8 weights (``--fp8-param-gather``), and core 0.12, whose
+    experts import TE's ``Fp8Padding`` without the extension module."""
+    if not getattr(config, "fp8", None):
+        return None
+    if compat.megatron_version() < (0, 13):
+        reject(owner, "FP8 (--fp8-format) for MoE experts on core 0.12", "train in bf16 (--bf16)")
+    name = recipe_name(config)
+    if name != "tensorwise":
+        reject(owner, f"--fp8-recipe {name} for MoE experts", "use --fp8-recipe tensorwise")
+    if getattr(config, "fp8_param", False):
+        reject(owner, "--fp8-param-gather for MoE experts", "drop --fp8-param-gather")
+    recipes = [module_recipe(owner, config, weight) for weight in weights]
+    return None if recipes[0] is None else recipes
 
 
 def _divide(size: int, parts: int, what: str) -> int:
@@ -136,6 +158,7 @@ class TEGroupedLinear(NoFp8ExtraState):
         self.fuse_wgrad_accumulation = bool(config.gradient_accumulation_fusion)
         self.rng_tracker_name = compat.expert_rng_tracker_name() if is_expert else None
         self._allocate(init_method)
+        self.fp8_recipes = expert_fp8_recipes(owner, config, self._weights())
         compat.mark_parameters(
             self,
             version=version,
@@ -173,19 +196,50 @@ class TEGroupedLinear(NoFp8ExtraState):
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """``(out, None)``, or ``(out, [bias_g])`` when the bias add is left to the caller."""
         n = self.num_gemms
-        weights = [getattr(self, f"weight{i}") for i in range(n)]
+        weights = self._weights()
         biases = [getattr(self, f"bias{i}") for i in range(n)] if self.use_bias else None
-        out = grouped_mm(
-            x,
-            weights,
-            m_splits,
-            bias=biases if self.apply_bias else None,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-        )
+        if self.fp8_recipes is not None:
+            out = self._fp8_forward(x, weights, m_splits, biases if self.apply_bias else None)
+        else:
+            out = grouped_mm(
+                x,
+                weights,
+                m_splits,
+                bias=biases if self.apply_bias else None,
+                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            )
         self.is_first_microbatch = False
         if self.te_return_bias:
             return out, [b.to(out.dtype) for b in biases]
         return out, None
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _fp8_forward(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        m_splits: Any,
+        biases: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Each expert's rows through the FP8 linear with its own recipe (the weight
+        quantized once a step, as the dense linears do: ``weight_reuse``), then joined."""
+        x = x.reshape(-1, x.shape[-1])
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        if len(splits) != self.num_gemms or sum(splits) != x.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}: {len(splits)} splits summing to {sum(splits)} for "
+                f"{self.num_gemms} experts and {x.shape[0]} rows"
+            )
+        reuse = weight_reuse(self)
+        outs = []
+        for i, rows in enumerate(x.split(splits)):
+            weight = weights[i]
+            fuse = self.fuse_wgrad_accumulation and weight.requires_grad
+            out = fp8_linear(rows, weight, fuse, self.fp8_recipes[i], reuse)
+            outs.append(out if biases is None else out + biases[i])
+        return torch.cat(outs)
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""

@@ -242,10 +242,7 @@ def fp8_problems(args: Any) -> list[str]:
             "use --fp8-recipe tensorwise or delayed (per-tensor scaling, native)"
         )
     if getattr(args, "num_experts", None):
-        problems.append(
-            "--fp8-format with --num-experts: without TransformerEngine MoE models train in "
-            "bf16 (upstream's MoE FP8 checks TE's version; the native experts have no FP8)"
-        )
+        problems.extend(_moe_fp8_problems(args, recipe))
     granularity = getattr(args, "recompute_granularity", None)
     modules = set(getattr(args, "recompute_modules", None) or ["core_attn"]) - {"core_attn"}
     if granularity == "full" or (granularity == "selective" and modules):
@@ -278,6 +275,33 @@ def fp8_problems(args: Any) -> list[str]:
     gpu = unsupported_gpu_reason()
     if gpu is not None:
         problems.append(f"--fp8-format {fmt}: this GPU ({gpu}); train in bf16")
+    return problems
+
+
+def _moe_fp8_problems(args: Any, recipe: str) -> list[str]:
+    """What the native FP8 experts (current scaling, bf16 weights, core 0.13 and later) cannot
+    do in an ``--fp8-format --num-experts`` run."""
+    problems = []
+    if recipe == "delayed":  # mxfp8 and the others get their own line above
+        problems.append(
+            f"--fp8-format with --num-experts under --fp8-recipe {recipe}: without "
+            "TransformerEngine the experts scale by current amaxes only (an expert's history "
+            "would be reduced with other ranks' experts); use --fp8-recipe tensorwise"
+        )
+    if getattr(args, "fp8_param_gather", False):
+        problems.append(
+            "--fp8-param-gather with --num-experts: without TransformerEngine the experts' "
+            "weights stay bf16; drop --fp8-param-gather"
+        )
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return problems
+    if (int(package_info.MAJOR), int(package_info.MINOR)) < (0, 13):
+        problems.append(
+            "--fp8-format with --num-experts: without TransformerEngine core 0.12's experts "
+            "import TE's FP8 padding; use core 0.13 or later, or train in bf16"
+        )
     return problems
 
 

@@ -11,6 +11,7 @@ code paths that really need TE still take their TE-less branch.
 from __future__ import annotations
 
 from megatron_rocm.runtime.backend.dot_product_attention import TEDotProductAttention
+from megatron_rocm.runtime.backend.fp8_padding import Fp8Padding, Fp8Unpadding
 from megatron_rocm.runtime.backend.grouped_linear import (
     TEColumnParallelGroupedLinear,
     TEGroupedLinear,
@@ -28,6 +29,8 @@ from megatron_rocm.runtime.backend.linear import (
 from megatron_rocm.runtime.backend.norm import TENorm
 
 __all__ = [
+    "Fp8Padding",
+    "Fp8Unpadding",
     "TEColumnParallelGroupedLinear",
     "TEColumnParallelLinear",
     "TEDotProductAttention",

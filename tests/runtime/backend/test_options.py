@@ -200,8 +200,9 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
     run = {**DEFAULTS, **FP8_RUN, "fp8": fmt, "fp8_recipe": recipe}
     tensor_parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
     reject_te_only_options(SimpleNamespace(**{**run, **tensor_parallel}))
-    if recipe == "tensorwise":  # delayed scaling's FP8 weights are refused with TP
+    if recipe == "tensorwise":  # delayed scaling's FP8 weights are refused with TP, MoE too
         reject_te_only_options(SimpleNamespace(**{**run, **tensor_parallel, **gathered}))
+        reject_te_only_options(SimpleNamespace(**{**run, "num_experts": 8}))
 
 
 @pytest.mark.parametrize(
@@ -215,7 +216,16 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
             "--fp8-param-gather with delayed scaling and --tensor-model-parallel-size 2",
             "--fp8-recipe tensorwise",
         ),
-        ({"num_experts": 8}, "--num-experts", "bf16"),
+        (
+            {"num_experts": 8, "fp8_recipe": "delayed"},
+            "--num-experts under --fp8-recipe delayed",
+            "use --fp8-recipe tensorwise",
+        ),
+        (
+            {"num_experts": 8, "fp8_param_gather": True},
+            "--fp8-param-gather with --num-experts",
+            "drop --fp8-param-gather",
+        ),
         ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "full_iteration"),
         ({"enable_cuda_graph": True}, "--cuda-graph-impl local", "FP8GlobalStateManager"),
@@ -277,3 +287,23 @@ def test_gpu_fp8_support_by_arch(monkeypatch) -> None:
     for cap, ok in (((9, 0), True), ((8, 9), True), ((8, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda cap=cap: cap)
         assert (fp8.unsupported_gpu_reason() is None) is ok, cap
+
+
+def test_fp8_experts_on_core_0_12_are_refused(no_gpu, monkeypatch) -> None:
+    """Core 0.12's experts import TE's FP8 padding without the extension module."""
+    import sys
+    import types
+
+    for version, refused in (("12", True), ("13", False)):
+        info = types.SimpleNamespace(MAJOR="0", MINOR=version)
+        core = types.ModuleType("megatron.core")
+        core.package_info = info
+        monkeypatch.setitem(sys.modules, "megatron", types.ModuleType("megatron"))
+        monkeypatch.setitem(sys.modules, "megatron.core", core)
+        args = SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "num_experts": 8})
+        problems = te_only_options_in_use(args)
+        assert problems == (
+            ["--fp8-format with --num-experts: without TransformerEngine core 0.12's experts "
+             "import TE's FP8 padding; use core 0.13 or later, or train in bf16"]
+            if refused else []
+        )  # fmt: skip

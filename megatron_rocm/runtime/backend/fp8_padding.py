@@ -1,0 +1,65 @@
+"""TE's ``Fp8Padding`` / ``Fp8Unpadding`` without TransformerEngine: MoE token segments
+aligned for the FP8 experts.
+
+Upstream's ``TEGroupedMLP`` pads each local expert's rows to a multiple of 16 before its FP8
+grouped GEMMs (``Fp8Padding``) and drops the padding after them (``Fp8Unpadding``), unless the
+router already padded the routing map (``--moe-router-padding-for-quantization``). Both come
+from ``megatron.core.extensions.transformer_engine``, where the ``te-spec-backend`` patch binds
+these. The padded rows are zeros; both directions are plain differentiable torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_ALIGN = 16  # torch._scaled_mm's (and TE's per-tensor recipes') multiple
+
+
+def _aligned(m_splits: list[int], align: int) -> list[int]:
+    return [(m + align - 1) // align * align for m in m_splits]
+
+
+def _checked_splits(owner: str, num_gemms: int, m_splits: list[int]) -> list[int]:
+    splits = [int(m) for m in m_splits]
+    if len(splits) != num_gemms:
+        raise ValueError(f"{owner}: {len(splits)} splits for {num_gemms} experts")
+    return splits
+
+
+class Fp8Padding(torch.nn.Module):
+    """``(padded, padded_m_splits)``: each segment of ``m_splits`` rows followed by zero rows
+    up to a multiple of ``align_size`` (16 by default, TE's for per-tensor FP8)."""
+
+    def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.align_size = align_size or FP8_ALIGN
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        splits = _checked_splits(type(self).__name__, self.num_gemms, m_splits)
+        padded = _aligned(splits, self.align_size)
+        if padded == splits:
+            return inp, splits
+        parts = []
+        for segment, rows, target in zip(inp.split(splits), splits, padded):
+            parts.append(segment)
+            if target > rows:
+                parts.append(segment.new_zeros(target - rows, *segment.shape[1:]))
+        return torch.cat(parts), padded
+
+
+class Fp8Unpadding(torch.nn.Module):
+    """The rows ``Fp8Padding`` added removed again: ``m_splits`` are the unpadded counts."""
+
+    def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.align_size = align_size or FP8_ALIGN
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        splits = _checked_splits(type(self).__name__, self.num_gemms, m_splits)
+        padded = _aligned(splits, self.align_size)
+        if padded == splits:
+            return inp
+        segments = inp.split(padded)
+        return torch.cat([segment[:rows] for segment, rows in zip(segments, splits)])
