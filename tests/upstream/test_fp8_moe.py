@@ -5,9 +5,10 @@ The series is applied to the 0.14.0 sdist (the ``fp8-without-te`` variant whose 
 builds upstream's TE-spec block with four experts (top-2) under ``--fp8-format hybrid
 --fp8-recipe tensorwise`` and in bf16, with ``--moe-grouped-gemm`` (``TEGroupedMLP`` on the native
 grouped linears) and without (``SequentialMLP`` on the native column and row linears). Without
-the patch upstream's config and ``TEGroupedMLP`` stop at "requires TE"; with it every expert
-GEMM runs in FP8 on token segments the native ``Fp8Padding`` aligned to 16, and the FP8 blocks
-stay within FP8's error of the bf16 ones.
+the patch upstream's config and ``TEGroupedMLP`` stop at "requires TE"; with it the grouped
+experts hold the native ``Fp8Padding``, every expert GEMM runs in FP8 (the grouped experts' rows
+in buckets of 128, the sequential experts' padded to 16 by upstream), and the FP8 blocks stay
+within FP8's error of the bf16 ones.
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ def test_every_expert_gemm_runs_fp8_on_aligned_rows(probed, experts: str) -> Non
     # per layer: QKV and the output projection over every token, then fc1 and fc2 per expert
     assert len(rows) == LAYERS * (2 + 2 * EXPERTS)
     expert_rows = [r for i, r in enumerate(rows) if i % (2 + 2 * EXPERTS) >= 2]
-    assert all(r % 16 == 0 for r in expert_rows)  # padded to the FP8 GEMMs' multiple
     routed = LAYERS * 2 * TOKENS * TOPK  # fc1 and fc2 see every routed token
-    assert routed <= sum(expert_rows) < routed + LAYERS * 2 * EXPERTS * 16
+    if experts == "grouped":  # each expert's rows in buckets of 128 (grouped_linear)
+        assert all(r % 128 == 0 for r in expert_rows)
+        assert routed <= sum(expert_rows) < routed + LAYERS * 2 * EXPERTS * 128
+    else:  # upstream's SequentialMLP pads each expert's rows to the FP8 GEMMs' 16
+        assert all(r % 16 == 0 for r in expert_rows)
+        assert routed <= sum(expert_rows) < routed + LAYERS * 2 * EXPERTS * 16
 
 
 @pytest.mark.parametrize("experts", ["grouped", "sequential"])

@@ -69,6 +69,12 @@ def _reject_te_features(owner: str, config: Any) -> None:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
 
 
+# An expert's FP8 GEMMs run on its rows zero-padded to a multiple of this: the token count per
+# expert changes every step, and each new GEMM shape costs the host a new cuBLASLt plan; in
+# buckets the shapes repeat.
+FP8_ROW_BUCKET = 128
+
+
 def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> list | None:
     """One current-scaling FP8 recipe per expert weight, or None (bf16: no ``--fp8-format``,
     or a layer ``--first-last-layers-bf16`` keeps in bf16). What the experts cannot do in FP8
@@ -224,7 +230,8 @@ class TEGroupedLinear(NoFp8ExtraState):
         biases: list[torch.Tensor] | None,
     ) -> torch.Tensor:
         """Each expert's rows through the FP8 linear with its own recipe (the weight
-        quantized once a step, as the dense linears do: ``weight_reuse``), then joined."""
+        quantized once a step, as the dense linears do: ``weight_reuse``; the rows padded to
+        ``FP8_ROW_BUCKET``), then joined."""
         x = x.reshape(-1, x.shape[-1])
         splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
         if len(splits) != self.num_gemms or sum(splits) != x.shape[0]:
@@ -237,7 +244,11 @@ class TEGroupedLinear(NoFp8ExtraState):
         for i, rows in enumerate(x.split(splits)):
             weight = weights[i]
             fuse = self.fuse_wgrad_accumulation and weight.requires_grad
-            out = fp8_linear(rows, weight, fuse, self.fp8_recipes[i], reuse)
+            count = rows.shape[0]
+            bucket = -(-count // FP8_ROW_BUCKET) * FP8_ROW_BUCKET
+            if bucket != count:  # zero rows: no amax, no output, no gradient changes
+                rows = torch.nn.functional.pad(rows, (0, 0, 0, bucket - count))
+            out = fp8_linear(rows, weight, fuse, self.fp8_recipes[i], reuse)[:count]
             outs.append(out if biases is None else out + biases[i])
         return torch.cat(outs)
 
