@@ -14,23 +14,9 @@ the projected path ran in each, and what ``a2a_projection`` logged.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import traceback
-import warnings
-from pathlib import Path
 
 SEQ, BATCH, VOCAB, CP = 16, 2, 96, 2
-
-
-def launch(args: argparse.Namespace) -> int:
-    from gloo_ranks import run_ranks  # beside this script, on sys.path when it runs
-
-    cmd = [sys.executable, __file__, *sys.argv[1:]]
-    results = run_ranks(cmd, CP, Path(args.out), args.timeout)
-    Path(args.out).write_text(json.dumps(results))
-    return 0
 
 
 def shard(x, dim: int, rank: int):  # noqa: ANN001, ANN201
@@ -66,17 +52,11 @@ def defer_parameters(model) -> None:  # noqa: ANN001
 
 
 def run_rank(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    from gloo_ranks import join_rank_world  # beside this script, on sys.path when it runs
+
+    rank = join_rank_world(args.tree, CP)  # cpu_shim: upstream's CUDA allocations on the CPU
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import cpu_shim  # upstream's CP rotary table asks for pinned CUDA memory
-
-    cpu_shim.install()
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -139,6 +119,8 @@ def run_rank(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    from gloo_ranks import rank_main  # beside this script, on sys.path when it runs
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True)
@@ -147,15 +129,7 @@ def main() -> int:
     ap.add_argument("--rope-fusion", action="store_true")
     ap.add_argument("--deferred-parameters", action="store_true", help="see defer_parameters")
     ap.add_argument("--timeout", type=float, default=300)
-    args = ap.parse_args()
-    if "RANK" not in os.environ:
-        return launch(args)
-    try:
-        result = run_rank(args)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(args.out).with_suffix(f".rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-    return 0
+    return rank_main(__file__, run_rank, CP, ap)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,7 @@ and every delayed history's state.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import traceback
-import warnings
-from pathlib import Path
 
 SEQ, BATCH, HIDDEN, HEADS, LAYERS, TP = 16, 2, 64, 4, 2, 2
 RECIPES = {
@@ -30,15 +25,6 @@ RECIPES = {
     "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                     fp8_amax_compute_algo="max"),
 }  # fmt: skip
-
-
-def launch(args: argparse.Namespace) -> int:
-    from gloo_ranks import run_ranks  # beside this script, on sys.path when it runs
-
-    cmd = [sys.executable, __file__, *sys.argv[1:]]
-    results = run_ranks(cmd, TP, Path(args.out), args.timeout)
-    Path(args.out).write_text(json.dumps(results))
-    return 0
 
 
 def build(recipe: str, sequence_parallel: bool):  # noqa: ANN201 - the block
@@ -90,17 +76,11 @@ def histories(block) -> dict:  # noqa: ANN001
 
 
 def run_rank(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, args.tree)
-    warnings.simplefilter("ignore")
+    from gloo_ranks import join_rank_world  # beside this script, on sys.path when it runs
+
+    rank = join_rank_world(args.tree, TP)  # cpu_shim: upstream's CUDA allocations on the CPU
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import cpu_shim  # upstream's CUDA allocations on the CPU
-
-    cpu_shim.install()
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
     from megatron.core import parallel_state
 
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
@@ -148,19 +128,13 @@ def run_rank(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    from gloo_ranks import rank_main  # beside this script, on sys.path when it runs
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=600)
-    args = ap.parse_args()
-    if "RANK" not in os.environ:
-        return launch(args)
-    try:
-        result = run_rank(args)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(args.out).with_suffix(f".rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-    return 0
+    return rank_main(__file__, run_rank, TP, ap)
 
 
 if __name__ == "__main__":
