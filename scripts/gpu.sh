@@ -35,8 +35,8 @@
 #            delayed (FP8TP_ITERS, default 100), each FP8 run's losses against bf16's; then each
 #            recipe saves and resumes (validate_distopt_resume.py, torch_dist); OUT/fp8tp2-*
 #   fp8moe   FP8 MoE experts on 2 GPUs (EP=2, 4 experts, top-2, alltoall): the small Llama in bf16 and
-#            tensorwise with --moe-grouped-gemm and tensorwise without (FP8MOE_ITERS, default 100),
-#            the FP8 runs' losses against bf16's; then a grouped FP8 run saves and resumes
+#            tensorwise, with --moe-grouped-gemm and without (FP8MOE_ITERS, default 100), each
+#            FP8 run's losses against its bf16 run's; then a grouped FP8 run saves and resumes
 #            (validate_distopt_resume.py, torch_dist); OUT/fp8moe-*
 #   mfu      issue 45's 0.85B on one GPU, MFU_ITERS iterations a run, the runs MFU_RUNS names
 #            (default "base example graphs full-iteration optimizer-graph"; empty: none; also
@@ -354,18 +354,19 @@ stage_fp8moe() {
   local iters=${FP8MOE_ITERS:-100} run flags
   local moe="--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-router-topk 2"
   local fp8="--fp8-format hybrid --fp8-recipe tensorwise"
-  for run in bf16-grouped fp8-grouped fp8-sequential; do
+  for run in bf16-grouped fp8-grouped bf16-sequential fp8-sequential; do
     case $run in
       bf16-grouped) flags="$moe --moe-grouped-gemm" ;;
       fp8-grouped) flags="$moe --moe-grouped-gemm $fp8" ;;
+      bf16-sequential) flags="$moe" ;;
       fp8-sequential) flags="$moe $fp8" ;;
     esac
     train "fp8moe-$run-$NEWEST" "$W/p-$NEWEST" --preset llama --iters "$iters" --nproc 2 -- $flags
     log "moe ep2 $run: $(cat "$OUT/fp8moe-$run-$NEWEST.json")"
   done
-  for run in fp8-grouped fp8-sequential; do
-    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8moe-bf16-grouped-$NEWEST.log" \
-       "$OUT/fp8moe-$run-$NEWEST.log" --last 20 > "$OUT/fp8moe-compare-$run.txt" 2>&1)
+  for run in grouped sequential; do
+    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8moe-bf16-$run-$NEWEST.log" \
+       "$OUT/fp8moe-fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8moe-compare-$run.txt" 2>&1)
     log "moe ep2 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8moe-compare-$run.txt")"
   done
   (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$NEWEST" --out "$W/fp8moeresume" \

@@ -122,9 +122,52 @@ def run_rank(args: argparse.Namespace) -> dict:
                 "fc1_grad": block.layers[0].mlp.linear_fc1.weight.grad.float().tolist(),
                 "histories": histories(block),
             }
+    result["local"] = local_gemms(rank)
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def local_gemms(rank: int) -> dict:
+    """The linears whose FP8 GEMM exchanges nothing over TP: expert linears (their dispatcher
+    communicates: ``explicit_expert_comm``) and a column linear built with
+    ``disable_grad_reduce``. Each rank feeds its own input; per linear, the output and input
+    gradient in FP8 and from the same weights and inputs in float64, on this rank alone."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rocm.runtime.backend.linear import TEColumnParallelLinear, TERowParallelLinear
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+        tensor_model_parallel_size=TP, gradient_accumulation_fusion=False, bf16=True,
+        params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise",
+    )  # fmt: skip
+    common = dict(config=config, init_method=torch.nn.init.xavier_normal_, bias=False,
+                  skip_bias_add=False)  # fmt: skip
+    linears = {
+        "expert-column": TEColumnParallelLinear(HIDDEN, 128, gather_output=False,
+                                                is_expert=True, **common),
+        "expert-row": TERowParallelLinear(128, HIDDEN, input_is_parallel=True, is_expert=True,
+                                          **common),
+        "column-no-grad-reduce": TEColumnParallelLinear(
+            HIDDEN, 128, gather_output=False, is_expert=False, disable_grad_reduce=True, **common
+        ),
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own input
+    got = {}
+    for name, linear in linears.items():
+        assert linear.fp8_recipe is not None, name
+        x = torch.randn(32, linear.weight.shape[1], generator=gen).bfloat16().requires_grad_()
+        out, _ = linear(x)
+        dy = torch.randn(out.shape, generator=gen).bfloat16()
+        out.backward(dy)
+        w = linear.weight.detach().double()
+        got[name] = {
+            "out": out.detach().float().tolist(), "want_out": (x.detach().double() @ w.T).tolist(),
+            "dx": x.grad.float().tolist(), "want_dx": (dy.double() @ w).tolist(),
+        }  # fmt: skip
+    return got
 
 
 def main() -> int:

@@ -1,14 +1,15 @@
 """FP8 MoE experts without TE, on real megatron-core sdists (CPU).
 
-The series is applied to the 0.14.0 sdist (the ``fp8-without-te`` variant whose experts assert
-"FP8 requires TE.") and the 0.19.2 one ("FP8 and FP4 requires TE."), and ``fp8_moe_probe.py``
-builds upstream's TE-spec block with four experts (top-2) under ``--fp8-format hybrid
---fp8-recipe tensorwise`` and in bf16, with ``--moe-grouped-gemm`` (``TEGroupedMLP`` on the native
-grouped linears) and without (``SequentialMLP`` on the native column and row linears). Without
-the patch upstream's config and ``TEGroupedMLP`` stop at "requires TE"; with it the grouped
-experts hold the native ``Fp8Padding``, every expert GEMM runs in FP8 (the grouped experts' rows
-in buckets of 128, the sequential experts' padded to 16 by upstream), and the FP8 blocks stay
-within FP8's error of the bf16 ones.
+The series is applied to three sdists, one per ``fp8-without-te`` variant of upstream's
+experts: 0.14.0 (its ``TEGroupedMLP`` asserts "FP8 requires TE."), 0.17.1 ("FP8 and FP4
+requires TE.") and 0.19.2 (the same, its padding taking an ``align_size``); ``main``'s variant
+runs in the GPU stage ``fp8moe``. ``fp8_moe_probe.py`` builds upstream's TE-spec block with
+four experts (top-2) under ``--fp8-format hybrid --fp8-recipe tensorwise`` and in bf16, with
+``--moe-grouped-gemm`` (``TEGroupedMLP`` on the native grouped linears) and without
+(``SequentialMLP`` on the native column and row linears). The grouped experts hold the native
+``Fp8Padding``, every expert GEMM runs in FP8 (the grouped experts' rows in buckets of 128, the
+sequential experts' padded to 16 by upstream), and the FP8 blocks stay within FP8's error of
+the bf16 ones.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROBE = Path(__file__).with_name("fp8_moe_probe.py")
 LAYERS, EXPERTS, TOKENS, TOPK = 2, 4, 32, 2
 
 
-@pytest.fixture(scope="module", params=["0.14.0", "0.19.2"])
+@pytest.fixture(scope="module", params=["0.14.0", "0.17.1", "0.19.2"])
 def probed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     dest = tmp_path_factory.mktemp("fp8-moe") / request.param
     return applied_and_probed(PROBE, request.param, dest)

@@ -94,6 +94,12 @@ def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> 
     return None if recipes[0] is None else recipes
 
 
+def _has_main_grad(weight: torch.Tensor) -> bool:
+    """Whether the weight gradient has a ``main_grad`` to go into (Megatron's DDP sets it;
+    Megatron-FSDP hands it out in the backward)."""
+    return hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+
+
 def _divide(size: int, parts: int, what: str) -> int:
     if size % parts:
         raise ValueError(f"TEGroupedLinear: {what}={size} is not divisible by the TP size {parts}")
@@ -244,6 +250,12 @@ class TEGroupedLinear(NoFp8ExtraState):
         for i, rows in enumerate(x.split(splits)):
             weight = weights[i]
             fuse = self.fuse_wgrad_accumulation and weight.requires_grad
+            if fuse and torch.is_grad_enabled() and not _has_main_grad(weight):
+                raise RuntimeError(
+                    f"{type(self).__name__}: gradient_accumulation_fusion needs "
+                    "weight.main_grad (set by Megatron's DDP or FSDP wrapper); build the model "
+                    "with gradient_accumulation_fusion=False otherwise"
+                )
             count = rows.shape[0]
             bucket = -(-count // FP8_ROW_BUCKET) * FP8_ROW_BUCKET
             if bucket != count:  # zero rows: no amax, no output, no gradient changes

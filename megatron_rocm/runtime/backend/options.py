@@ -241,6 +241,12 @@ def fp8_problems(args: Any) -> list[str]:
             f"--fp8-recipe {recipe}: needs TransformerEngine, which is not installed ({why}); "
             "use --fp8-recipe tensorwise or delayed (per-tensor scaling, native)"
         )
+    if not _native_spec(args):
+        problems.append(
+            f"--fp8-format with --transformer-impl {args.transformer_impl}: the local spec's "
+            "linears have no FP8 path, with or without TransformerEngine (they would train in "
+            "bf16); use --transformer-impl transformer_engine (the native backend)"
+        )
     if getattr(args, "num_experts", None):
         problems.extend(_moe_fp8_problems(args, recipe))
     granularity = getattr(args, "recompute_granularity", None)
@@ -292,6 +298,13 @@ def _moe_fp8_problems(args: Any, recipe: str) -> list[str]:
         problems.append(
             "--fp8-param-gather with --num-experts: without TransformerEngine the experts' "
             "weights stay bf16; drop --fp8-param-gather"
+        )
+    legacy = getattr(args, "moe_use_legacy_grouped_gemm", False)
+    if legacy and not _legacy_grouped_gemm_without_package(legacy):  # else refused as such
+        problems.append(
+            "--fp8-format with --moe-use-legacy-grouped-gemm: without TransformerEngine the "
+            "legacy GroupedMLP has no FP8 path; use --moe-grouped-gemm alone (the native "
+            "grouped experts run FP8)"
         )
     try:
         from megatron.core import package_info

@@ -209,8 +209,9 @@ class AmaxHistory:
     quantize replays it; capturing the first one raises. ``group``: each quantize's amax is
     all-reduced (max) over it right after the cast, as TE reduces over upstream's amax
     reduction group, so between two quantizes every rank of the group holds the same state (a
-    checkpoint, which one rank writes for all, holds the group's amax); None for weights (the
-    same on every rank that holds them) and single-rank groups.
+    checkpoint, which one rank writes for all, holds the group's amax); None for a whole weight
+    (the same on every rank that holds it) and single-rank groups, the group for a weight split
+    over TP ranks.
     """
 
     length: int

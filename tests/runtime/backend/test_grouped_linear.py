@@ -360,6 +360,27 @@ def test_fp8_experts_scale_each_expert_by_its_own_amax(world) -> None:
             assert rel < 5e-3, (i, rel)
 
 
+def test_fp8_experts_with_wgrad_fusion_need_main_grad(world) -> None:
+    """As the bf16 experts (and the dense FP8 linears): fusion without Megatron's ``main_grad``
+    is an error, not a gradient left in ``.grad``; evaluation needs none."""
+    if version() < (0, 13):
+        with pytest.raises(ValueError, match="core 0.12 needs TransformerEngine"):
+            _fp8_experts(gradient_accumulation_fusion=True)
+        return
+    fc1 = _fp8_experts(gradient_accumulation_fusion=True)
+    x = torch.randn(sum(SPLITS), HIDDEN).bfloat16()
+    with torch.no_grad():
+        fc1(x, SPLITS)
+    with pytest.raises(RuntimeError, match="gradient_accumulation_fusion needs weight.main_grad"):
+        fc1(x, SPLITS)
+    for i in range(EXPERTS):
+        weight = getattr(fc1, f"weight{i}")
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    out, _ = fc1(x, SPLITS)
+    out.float().sum().backward()
+    assert fc1.weight0.main_grad.any() and not fc1.weight1.main_grad.any()  # expert 1: no rows
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [

@@ -226,6 +226,7 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
             "--fp8-param-gather with --num-experts",
             "drop --fp8-param-gather",
         ),
+        ({"transformer_impl": "local"}, "--transformer-impl local", "transformer_engine"),
         ({"use_megatron_fsdp": True}, "--use-megatron-fsdp", "--use-distributed-optimizer"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local", "full_iteration"),
         ({"enable_cuda_graph": True}, "--cuda-graph-impl local", "FP8GlobalStateManager"),
@@ -307,3 +308,19 @@ def test_fp8_experts_on_core_0_12_are_refused(no_gpu, monkeypatch) -> None:
              "import TE's FP8 padding; use core 0.13 or later, or train in bf16"]
             if refused else []
         )  # fmt: skip
+
+
+def test_fp8_with_the_legacy_grouped_experts_is_refused(no_gpu, monkeypatch) -> None:
+    """With the ``grouped_gemm`` package installed (else its own refusal says so), the legacy
+    GroupedMLP would train FP8 runs' experts in bf16."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "grouped_gemm" else find_spec(name, *a),
+    )
+    args = {**DEFAULTS, **FP8_RUN, "num_experts": 8, "moe_use_legacy_grouped_gemm": True}
+    (message,) = te_only_options_in_use(SimpleNamespace(**args))
+    assert "--moe-use-legacy-grouped-gemm" in message and "--moe-grouped-gemm alone" in message
