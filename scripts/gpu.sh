@@ -162,6 +162,12 @@ train() {  # train NAME TREE ARGS... -> OUT/NAME.json (last line: train_small's 
      > "$OUT/$name.out" 2>&1; tail -1 "$OUT/$name.out" > "$OUT/$name.json")
 }
 
+compare_run() {  # compare_run NAME REFERENCE_LOG OTHER_LOG LABEL -> OUT/NAME.txt, a summary line
+  # the two runs' losses, the end on the mean of the last 20 iterations (compare_losses.py)
+  (cd "$HERE" && $PY -m scripts.training.compare_losses "$2" "$3" --last 20 > "$OUT/$1.txt" 2>&1)
+  log "$4: $(tail -c 600 "$OUT/$1.txt")"
+}
+
 stage_setup() {
   log "device: $($PY -c 'import torch;print(torch.cuda.get_device_name(0), torch.cuda.device_count(), torch.__version__, torch.version.cuda or torch.version.hip)')"
   $PY -m pip install -q --no-index --no-deps --target /tmp/site "$HERE"/.whl/*.whl "$HERE"/.whl/build/pybind11-*.whl 2>&1 | tail -2
@@ -297,9 +303,8 @@ stage_fp8() {
   done
   for run in $runs; do
     [ "$run" != bf16 ] && [ -f "$OUT/fp8-bf16-$NEWEST.log" ] && [ -f "$OUT/fp8-$run-$NEWEST.log" ] || continue
-    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8-bf16-$NEWEST.log" \
-       "$OUT/fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8-compare-$run.txt" 2>&1)
-    log "fp8 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8-compare-$run.txt")"
+    compare_run "fp8-compare-$run" "$OUT/fp8-bf16-$NEWEST.log" "$OUT/fp8-$run-$NEWEST.log" \
+      "fp8 $run vs bf16 losses"
   done
 }
 
@@ -336,9 +341,8 @@ stage_fp8tp2() {
     log "tp2 sp $run: $(cat "$OUT/fp8tp2-$run-$NEWEST.json")"
   done
   for run in hybrid delayed; do
-    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8tp2-bf16-$NEWEST.log" \
-       "$OUT/fp8tp2-$run-$NEWEST.log" --last 20 > "$OUT/fp8tp2-compare-$run.txt" 2>&1)
-    log "tp2 sp $run vs bf16 losses: $(tail -c 600 "$OUT/fp8tp2-compare-$run.txt")"
+    compare_run "fp8tp2-compare-$run" "$OUT/fp8tp2-bf16-$NEWEST.log" \
+      "$OUT/fp8tp2-$run-$NEWEST.log" "tp2 sp $run vs bf16 losses"
   done
   # the resume model's FFN (688) splits into 344 columns, not a multiple of FP8's 16: 704
   for recipe in tensorwise delayed; do
@@ -365,9 +369,8 @@ stage_fp8moe() {
     log "moe ep2 $run: $(cat "$OUT/fp8moe-$run-$NEWEST.json")"
   done
   for run in grouped sequential; do
-    (cd "$HERE" && $PY -m scripts.training.compare_losses "$OUT/fp8moe-bf16-$run-$NEWEST.log" \
-       "$OUT/fp8moe-fp8-$run-$NEWEST.log" --last 20 > "$OUT/fp8moe-compare-$run.txt" 2>&1)
-    log "moe ep2 $run vs bf16 losses: $(tail -c 600 "$OUT/fp8moe-compare-$run.txt")"
+    compare_run "fp8moe-compare-$run" "$OUT/fp8moe-bf16-$run-$NEWEST.log" \
+      "$OUT/fp8moe-fp8-$run-$NEWEST.log" "moe ep2 $run vs bf16 losses"
   done
   (cd "$HERE" && $PY -m scripts.training.validate_distopt_resume "$W/p-$NEWEST" --out "$W/fp8moeresume" \
      --formats torch_dist --extra "$fp8 $moe --moe-grouped-gemm" > "$OUT/fp8moe-resume.txt" 2>&1)
