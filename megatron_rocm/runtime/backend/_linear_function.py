@@ -15,7 +15,11 @@ import torch
 
 from megatron_rocm.runtime.backend.cp.early_output import Landing, take
 from megatron_rocm.runtime.backend.cp.handoff import Handoff, claim
-from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
+from megatron_rocm.runtime.kernels.grad_accum import (
+    has_main_grad,
+    main_grad_for_wgrad,
+    wgrad_gemm_accum,
+)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -37,10 +41,7 @@ class LinearFunction(torch.autograd.Function):
             x = landing.output
             output = _matmul_while_landing(x, weight, landing)
         ctx.save_for_backward(x, weight)
-        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
-        ctx.fuse_wgrad = fuse_wgrad and (
-            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
-        )
+        ctx.fuse_wgrad = fuse_wgrad and has_main_grad(weight)
         ctx.handoff = handoff
         return output
 

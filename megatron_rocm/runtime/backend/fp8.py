@@ -33,7 +33,7 @@ from megatron_rocm.runtime.kernels.fp8 import (
     quantize,
     quantize_transposed,
 )
-from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
+from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
 
 _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
 
@@ -266,10 +266,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
-        # Megatron-FSDP hands main_grad out in the backward (get_main_grad, __fsdp_param__)
-        ctx.fuse_wgrad = fuse_wgrad and (
-            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
-        )
+        ctx.fuse_wgrad = fuse_wgrad and has_main_grad(weight)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod

@@ -15,29 +15,32 @@ import torch
 FP8_ALIGN = 16  # torch._scaled_mm's (and TE's per-tensor recipes') multiple
 
 
-def _aligned(m_splits: list[int], align: int) -> list[int]:
-    return [(m + align - 1) // align * align for m in m_splits]
-
-
-def _checked_splits(owner: str, num_gemms: int, m_splits: list[int]) -> list[int]:
-    splits = [int(m) for m in m_splits]
-    if len(splits) != num_gemms:
-        raise ValueError(f"{owner}: {len(splits)} splits for {num_gemms} experts")
-    return splits
-
-
-class Fp8Padding(torch.nn.Module):
-    """``(padded, padded_m_splits)``: each segment of ``m_splits`` rows followed by zero rows
-    up to a multiple of ``align_size`` (16 by default, TE's for per-tensor FP8)."""
+class _Alignment(torch.nn.Module):
+    """TE's constructor for both: ``num_gemms`` segments, aligned to ``align_size`` rows (16
+    by default, TE's for per-tensor FP8)."""
 
     def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
         super().__init__()
         self.num_gemms = num_gemms
         self.align_size = align_size or FP8_ALIGN
 
+    def _splits(self, m_splits: list[int]) -> tuple[list[int], list[int]]:
+        """``(splits, padded)``: the segments' rows as given, and aligned."""
+        splits = [int(m) for m in m_splits]
+        if len(splits) != self.num_gemms:
+            raise ValueError(
+                f"{type(self).__name__}: {len(splits)} splits for {self.num_gemms} experts"
+            )
+        align = self.align_size
+        return splits, [(m + align - 1) // align * align for m in splits]
+
+
+class Fp8Padding(_Alignment):
+    """``(padded, padded_m_splits)``: each segment of ``m_splits`` rows followed by zero rows
+    up to a multiple of ``align_size``."""
+
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
-        splits = _checked_splits(type(self).__name__, self.num_gemms, m_splits)
-        padded = _aligned(splits, self.align_size)
+        splits, padded = self._splits(m_splits)
         if padded == splits:
             return inp, splits
         parts = []
@@ -48,17 +51,11 @@ class Fp8Padding(torch.nn.Module):
         return torch.cat(parts), padded
 
 
-class Fp8Unpadding(torch.nn.Module):
+class Fp8Unpadding(_Alignment):
     """The rows ``Fp8Padding`` added removed again: ``m_splits`` are the unpadded counts."""
 
-    def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
-        super().__init__()
-        self.num_gemms = num_gemms
-        self.align_size = align_size or FP8_ALIGN
-
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        splits = _checked_splits(type(self).__name__, self.num_gemms, m_splits)
-        padded = _aligned(splits, self.align_size)
+        splits, padded = self._splits(m_splits)
         if padded == splits:
             return inp
         segments = inp.split(padded)

@@ -39,6 +39,7 @@ from megatron_rocm.runtime.backend._extra_state import NoFp8ExtraState
 from megatron_rocm.runtime.backend._init_rng import tracker_fork
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config, reject
 from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, recipe_name, weight_reuse
+from megatron_rocm.runtime.kernels.grad_accum import has_main_grad
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
 from megatron_rocm.runtime.kernels.norm import param_device
 
@@ -92,12 +93,6 @@ def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> 
         reject(owner, "--fp8-param-gather for MoE experts", "drop --fp8-param-gather")
     recipes = [module_recipe(owner, config, weight) for weight in weights]
     return None if recipes[0] is None else recipes
-
-
-def _has_main_grad(weight: torch.Tensor) -> bool:
-    """Whether the weight gradient has a ``main_grad`` to go into (Megatron's DDP sets it;
-    Megatron-FSDP hands it out in the backward)."""
-    return hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
 
 
 def _divide(size: int, parts: int, what: str) -> int:
@@ -250,7 +245,7 @@ class TEGroupedLinear(NoFp8ExtraState):
         for i, rows in enumerate(x.split(splits)):
             weight = weights[i]
             fuse = self.fuse_wgrad_accumulation and weight.requires_grad
-            if fuse and torch.is_grad_enabled() and not _has_main_grad(weight):
+            if fuse and torch.is_grad_enabled() and not has_main_grad(weight):
                 raise RuntimeError(
                     f"{type(self).__name__}: gradient_accumulation_fusion needs "
                     "weight.main_grad (set by Megatron's DDP or FSDP wrapper); build the model "

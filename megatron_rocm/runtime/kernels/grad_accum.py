@@ -114,6 +114,12 @@ def wgrad_gemm_accum(
         wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
 
 
+def has_main_grad(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s gradient has a ``main_grad`` to go into: Megatron's DDP sets one
+    on the parameter; Megatron-FSDP (``__fsdp_param__``) hands it out in the backward."""
+    return hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
+
+
 def main_grad_for_wgrad(weight: torch.Tensor) -> torch.Tensor:
     """The buffer a fused weight-gradient GEMM adds into, ready to add into.
 

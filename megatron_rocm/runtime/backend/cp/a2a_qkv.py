@@ -40,7 +40,11 @@ from megatron_rocm.runtime.backend.cp.a2a import (
     attend_backward,
 )
 from megatron_rocm.runtime.backend.cp.block_attention import BlockKernel
-from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad, wgrad_gemm_accum
+from megatron_rocm.runtime.kernels.grad_accum import (
+    has_main_grad,
+    main_grad_for_wgrad,
+    wgrad_gemm_accum,
+)
 from megatron_rocm.runtime.kernels.rope import rotate_sbhd
 
 Tensor = torch.Tensor
@@ -173,9 +177,7 @@ class ProjectedUlyssesAttention(torch.autograd.Function):
         attended = attend(call, shards, wholes, pending, own[0], (shapes[0][0], shapes[2][1]))
         ctx.save_for_backward(x, weight, *attended.saved)
         ctx.has_bias = bias is not None
-        ctx.fuse_wgrad = projection.fuse_wgrad and (
-            hasattr(weight, "main_grad") or hasattr(weight, "__fsdp_param__")
-        )
+        ctx.fuse_wgrad = projection.fuse_wgrad and has_main_grad(weight)
         ctx.call, ctx.states, ctx.shapes, ctx.projection = call, attended.states, shapes, projection
         return attended.output
 
