@@ -79,3 +79,12 @@ def probed(probe: Path, tree: Path, out: Path, timeout: int = 900) -> dict:
     result = json.loads(out.read_text())
     assert "error" not in result, f"{result['error']}\n{result.get('trace')}"
     return result
+
+
+def relative_error(a: list, b: list) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, float64) of two results a probe wrote as lists: how
+    far a run's output or gradient is from its reference's."""
+    import torch
+
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm()).item()

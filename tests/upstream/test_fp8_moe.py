@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from probe_cli import applied_and_probed
+from probe_cli import applied_and_probed, relative_error
 
 pytestmark = [pytest.mark.full, pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
@@ -29,11 +29,6 @@ LAYERS, EXPERTS, TOKENS, TOPK = 2, 4, 32, 2
 def probed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     dest = tmp_path_factory.mktemp("fp8-moe") / request.param
     return applied_and_probed(PROBE, request.param, dest)
-
-
-def _rel(a: list, b: list) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_grouped_experts_pad_with_the_native_fp8_padding(probed) -> None:  # noqa: ANN001
@@ -61,5 +56,5 @@ def test_every_expert_gemm_runs_fp8_on_aligned_rows(probed, experts: str) -> Non
 @pytest.mark.parametrize("experts", ["grouped", "sequential"])
 @pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
 def test_fp8_experts_stay_within_fp8_error_of_bf16(probed, experts, what, bound) -> None:  # noqa: ANN001
-    rel = _rel(probed[f"{experts}-fp8"][what], probed[f"{experts}-bf16"][what])
+    rel = relative_error(probed[f"{experts}-fp8"][what], probed[f"{experts}-bf16"][what])
     assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error

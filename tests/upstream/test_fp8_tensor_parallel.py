@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from probe_cli import applied_and_probed
+from probe_cli import applied_and_probed, relative_error
 
 pytestmark = [pytest.mark.full, pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
@@ -35,11 +35,6 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         assert "error" not in result, f"rank {rank}: {result['error']}\n{result.get('trace')}"
     assert len(results) == 2
     return results
-
-
-def _rel(a: list, b: list) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("sp", ["", "-sp"])
@@ -59,7 +54,7 @@ def test_every_linear_runs_fp8_on_every_rank(ranks, sp: str) -> None:  # noqa: A
 def test_fp8_stays_within_fp8_error_of_bf16(ranks, recipe, sp, what, bound) -> None:  # noqa: ANN001
     bound = 0.25 if (recipe, what) == ("delayed", "fc1_grad") else bound
     for result in ranks:
-        rel = _rel(result[f"{recipe}{sp}"][what], result[f"bf16{sp}"][what])
+        rel = relative_error(result[f"{recipe}{sp}"][what], result[f"bf16{sp}"][what])
         assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error
 
 
@@ -87,5 +82,5 @@ def test_linears_whose_exchanges_are_elsewhere_exchange_nothing(ranks, linear: s
     the peer's, from a different input: about 100% off."""
     for result in ranks:
         got = result["local"][linear]
-        assert 1e-4 < _rel(got["out"], got["want_out"]) < 0.08
-        assert 1e-4 < _rel(got["dx"], got["want_dx"]) < 0.15
+        assert 1e-4 < relative_error(got["out"], got["want_out"]) < 0.08
+        assert 1e-4 < relative_error(got["dx"], got["want_dx"]) < 0.15

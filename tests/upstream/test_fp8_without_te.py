@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from probe_cli import applied_and_probed
+from probe_cli import applied_and_probed, relative_error
 
 pytestmark = [pytest.mark.full, pytest.mark.upstream, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
@@ -50,11 +50,6 @@ def test_delayed_scaling_runs_every_layer_on_its_histories(probed) -> None:  # n
     assert len(probed["delayed"]["history_positions"]) == 4 * len(LINEARS)
 
 
-def _rel(a: list, b: list) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm()).item()
-
-
 # E4M3 rounds within 2^-4 of a value, E5M2 (hybrid's gradients) within 2^-3: the weight
 # gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error. The delayed
 # block runs all four layers in FP8 (upstream's config refuses first/last bf16 layers with
@@ -63,7 +58,7 @@ def _rel(a: list, b: list) -> float:
 @pytest.mark.parametrize("recipe", ["fp8", "delayed"])
 @pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
 def test_fp8_block_stays_within_fp8_error_of_bf16(probed, recipe, what: str, bound: float) -> None:  # noqa: ANN001
-    rel = _rel(probed[recipe][what], probed["bf16"][what])
+    rel = relative_error(probed[recipe][what], probed["bf16"][what])
     bound = 0.25 if (recipe, what) == ("delayed", "fc1_grad") else bound
     assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error
 
