@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,9 +52,24 @@ import triton.language as tl
 from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.launch import cdiv, interpreting, is_hip
 
-BLOCK_R = 64
-BLOCK_C = 64
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A 2-D kernel's tile: ``rows x cols`` elements a program, ``warps`` warps."""
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# the cast-transpose's tile by its cast, from sweeps on an H200 (the Kernels table): the
+# hardware conversion is bound by memory and moves most with 64 x 128 (3.6-3.8 TB/s against
+# 3.1-3.2 at 64 x 64); the integer encode is bound by its arithmetic and runs best at 64 x 64
+ENCODE_TILE = Tile(64, 64, 4)
+HARDWARE_TILE = Tile(64, 128, 4)
+BYTES_TILE = Tile(64, 128, 4)  # ``_transpose_bytes``: 3.7-3.9 TB/s against 3.2-3.5 at 64 x 64
+_TILES = (ENCODE_TILE, HARDWARE_TILE, BYTES_TILE)
 # the amax: each of at most AMAX_PROGRAMS programs reduces a contiguous slice, AMAX_BLOCK
 # elements a step; the finalize program reads every partial in one block
 AMAX_BLOCK = 4096
@@ -278,18 +294,19 @@ def _cast_transpose(
     r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, WIDE)
     s = tl.load(scale)
     v = tl.load(x + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    if RECORD:  # delayed scaling: this tile's |x| as fp32 bits (int32), reduced after the stores
-        bits = _abs_bits_without_nan(v)
+    if RECORD:  # delayed scaling: each row's largest |x| as fp32 bits (int32), before the cast
+        row_bits = tl.max(_abs_bits_without_nan(v), axis=1)
     q = _scaled_byte(v, s, fp8_max, MANTISSA, BIAS, FNUZ, CAST)
     tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
     if RECORD:
-        # after the stores, one flat reduction and a relaxed atomic: the amax is read by a later
-        # launch only (stream order), so it needs no ordering against this program's stores,
-        # and the default acq_rel atomic's fence cost the cast about 30% on an H200
-        tile_max = tl.max(tl.reshape(bits, [BLOCK_R * BLOCK_C]), axis=0)
-        tl.atomic_max(amax_out, tile_max, sem="relaxed")
+        # the rows' maxima reduced along the rows (within a thread and its warp: only
+        # BLOCK_R values stay live across the cast, where a flat reduction of the whole
+        # tile after the stores cost the hardware cast a fifth of its speed on an H200), and
+        # a relaxed atomic after the stores: the amax is read by a later launch only (stream
+        # order), and the default acq_rel atomic's fence cost the cast about 30%
+        tl.atomic_max(amax_out, tl.max(row_bits, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -344,8 +361,10 @@ def has_fp8_conversion(device: torch.device) -> bool:
 
 
 def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
-    """Offsets past int32 in either output, the last tile's masked lanes included."""
-    return max((rows + BLOCK_R) * (cols + BLOCK_C), (cols + BLOCK_C) * (ld_t + BLOCK_R)) >= 2**31
+    """Offsets past int32 in either output, the last tile's masked lanes included (of the
+    largest tile: one answer for every kernel of this module)."""
+    block_r, block_c = max(t.rows for t in _TILES), max(t.cols for t in _TILES)
+    return max((rows + block_r) * (cols + block_c), (cols + block_c) * (ld_t + block_r)) >= 2**31
 
 
 def amax_programs(n: int) -> tuple[int, int]:
@@ -362,9 +381,15 @@ def amax_needs_int64(n: int) -> bool:
 
 
 def fits_grid(rows: int, cols: int) -> bool:
-    """Whether ``_cast_transpose``'s grid fits the GPU's limits (its second axis: 65,535 tiles
-    of columns on CUDA and ROCm alike)."""
-    return cdiv(cols, BLOCK_C) <= 65535 and cdiv(rows, BLOCK_R) < 2**31
+    """Whether the 2-D kernels' grids fit the GPU's limits (the second axis: 65,535 tiles of
+    columns on CUDA and ROCm alike), for the narrowest tile."""
+    block_r, block_c = min(t.rows for t in _TILES), min(t.cols for t in _TILES)
+    return cdiv(cols, block_c) <= 65535 and cdiv(rows, block_r) < 2**31
+
+
+def cast_tile(cast: int) -> Tile:
+    """``_cast_transpose``'s tile for its ``CAST`` (0: the integer encode)."""
+    return ENCODE_TILE if cast == 0 else HARDWARE_TILE
 
 
 def scales(
@@ -412,16 +437,16 @@ def cast_transpose(
     if yt is not None and ld_t > rows:
         yt[:, rows:].view(torch.uint8).zero_()
     if x.numel():
-        grid = (cdiv(rows, BLOCK_R), cdiv(cols, BLOCK_C))
+        cast = cast_kind(dtype, x.device)
+        tile = cast_tile(cast)
         y_bytes = y.view(torch.uint8)
         record = amax_out is not None
-        _cast_transpose[grid](
+        _cast_transpose[(cdiv(rows, tile.rows), cdiv(cols, tile.cols))](
             x, scale, y_bytes, y_bytes if yt is None else yt.view(torch.uint8),
             (amax_out if record else scale).view(torch.int32), rows, cols,
             rows if ld_t is None else ld_t, fp8_max, MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
-            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, ld_t or rows),
-            TRANSPOSE=yt is not None, RECORD=record, CAST=cast_kind(dtype, x.device),
-            num_warps=NUM_WARPS,
+            BLOCK_R=tile.rows, BLOCK_C=tile.cols, WIDE=needs_int64(rows, cols, ld_t or rows),
+            TRANSPOSE=yt is not None, RECORD=record, CAST=cast, num_warps=tile.warps,
         )  # fmt: skip
     return y, yt
 
@@ -465,9 +490,10 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("transpose_bytes takes a contiguous tensor of one byte an element")
     yt = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
     if x.numel():
-        _transpose_bytes[(cdiv(rows, BLOCK_R), cdiv(cols, BLOCK_C))](
-            x.view(torch.uint8), yt.view(torch.uint8), rows, cols, BLOCK_R=BLOCK_R,
-            BLOCK_C=BLOCK_C, WIDE=needs_int64(rows, cols, rows), num_warps=NUM_WARPS,
+        tile = BYTES_TILE
+        _transpose_bytes[(cdiv(rows, tile.rows), cdiv(cols, tile.cols))](
+            x.view(torch.uint8), yt.view(torch.uint8), rows, cols, BLOCK_R=tile.rows,
+            BLOCK_C=tile.cols, WIDE=needs_int64(rows, cols, rows), num_warps=tile.warps,
         )  # fmt: skip
     return yt
 
@@ -513,9 +539,10 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
         for mantissa, bias, fnuz in FORMATS.values():
             for wide in sorted({needs_int64(rows, widest, rows), False}):
                 for transpose, record in itertools.product((True, False), repeat=2):
-                    consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK_R=BLOCK_R,
-                                  BLOCK_C=BLOCK_C, WIDE=wide, TRANSPOSE=transpose,
-                                  RECORD=record, CAST=0)  # fmt: skip
+                    consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
+                                  BLOCK_R=ENCODE_TILE.rows, BLOCK_C=ENCODE_TILE.cols,
+                                  WIDE=wide, TRANSPOSE=transpose, RECORD=record,
+                                  CAST=0)  # fmt: skip
                     out.append(
                         aot.launch(
                             _cast_transpose,
@@ -524,8 +551,8 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                                 x=source, scale=torch.float32, y="u8", yt="u8", amax_out="i32"
                             ),
                             floats=("fp8_max",),
-                            num_warps=NUM_WARPS,
-                            grid=(cdiv(rows, BLOCK_R), cdiv(widest, BLOCK_C)),
+                            num_warps=ENCODE_TILE.warps,
+                            grid=(cdiv(rows, ENCODE_TILE.rows), cdiv(widest, ENCODE_TILE.cols)),
                             neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
                         )
                     )
@@ -557,10 +584,10 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
         out.append(
             aot.launch(
                 _transpose_bytes,
-                dict(BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, WIDE=wide),
+                dict(BLOCK_R=BYTES_TILE.rows, BLOCK_C=BYTES_TILE.cols, WIDE=wide),
                 ptrs=dict(x="u8", yt="u8"),
-                num_warps=NUM_WARPS,
-                grid=(cdiv(rows, BLOCK_R), cdiv(widest, BLOCK_C)),
+                num_warps=BYTES_TILE.warps,
+                grid=(cdiv(rows, BYTES_TILE.rows), cdiv(widest, BYTES_TILE.cols)),
             )
         )
     out.append(

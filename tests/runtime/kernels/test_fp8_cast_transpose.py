@@ -147,9 +147,9 @@ def test_the_hardware_cast_compiles_for_h100_as_inline_ptx(source: str, cast: in
         pytest.skip("ASTSource's signature format is only known for Triton 3.4-3.6")
     fn = fp8_triton._cast_transpose
     pointers = {"x": source, "scale": "*fp32", "y": "*u8", "yt": "*u8", "amax_out": "*i32"}
-    constants = dict(MANTISSA=3, BIAS=7, FNUZ=False, BLOCK_R=fp8_triton.BLOCK_R,
-                     BLOCK_C=fp8_triton.BLOCK_C, WIDE=False, TRANSPOSE=True, RECORD=True,
-                     CAST=cast)  # fmt: skip
+    tile = fp8_triton.cast_tile(cast)
+    constants = dict(MANTISSA=3, BIAS=7, FNUZ=False, BLOCK_R=tile.rows, BLOCK_C=tile.cols,
+                     WIDE=False, TRANSPOSE=True, RECORD=True, CAST=cast)  # fmt: skip
     scalars = {"fp8_max": "fp32"}
     signature = {
         n: pointers.get(n) or scalars.get(n) or ("constexpr" if n in constants else "i32")
@@ -159,7 +159,7 @@ def test_the_hardware_cast_compiles_for_h100_as_inline_ptx(source: str, cast: in
     kernel = triton.compile(
         ASTSource(fn, signature, constants, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": fp8_triton.NUM_WARPS},
+        options={"num_warps": tile.warps},
     )
     assert f"cvt.rn.satfinite.{ptx}.f32" in kernel.asm["ptx"]
     assert "tt.fp_to_fp" not in kernel.asm["ttgir"]
