@@ -28,8 +28,8 @@ ones have one zero and NaN at 0x80. ``TRANSPOSE=False`` writes ``y`` only (``qua
 
 On NVIDIA GPUs the OCP formats cast in hardware instead (``_hardware_cast``: one
 ``cvt.rn.satfinite`` for two values, where ``_encode`` spends about forty integer operations on
-each: on an H200 the cast-transpose reaches 1.7 TB/s with the encode, 2.8-3.1 TB/s with the
-hardware cast). The GPU tests hold it to torch's bytes for every value and tie, as the encode.
+each: the hardware cast moves about twice the bytes a second on an H200, the Kernels table of
+docs/performance.md). The GPU tests hold it to torch's bytes for every value and tie, as the encode.
 ROCm uses the encode (the hardware conversion has not run on gfx942 or gfx950), and so do the
 fnuz formats, GPUs before compute capability 8.9 and Triton's interpreter.
 
@@ -301,11 +301,10 @@ def _cast_transpose(
     if TRANSPOSE:
         tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
     if RECORD:
-        # the rows' maxima reduced along the rows (within a thread and its warp: only
-        # BLOCK_R values stay live across the cast, where a flat reduction of the whole
-        # tile after the stores cost the hardware cast a fifth of its speed on an H200), and
-        # a relaxed atomic after the stores: the amax is read by a later launch only (stream
-        # order), and the default acq_rel atomic's fence cost the cast about 30%
+        # the row maxima (taken along the rows, within a thread and its warp, so only
+        # BLOCK_R values stay live across the cast; the whole tile reduced here was slower on
+        # an H200) and a relaxed atomic after the stores: the amax is read by a later launch
+        # only (stream order), and the default acq_rel atomic's fence cost the cast about 30%
         tl.atomic_max(amax_out, tl.max(row_bits, axis=0), sem="relaxed")
 
 
