@@ -53,7 +53,6 @@ from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.launch import cdiv, interpreting, is_hip
 
 
-
 @dataclass(frozen=True)
 class Tile:
     """A 2-D kernel's tile: ``rows x cols`` elements a program, ``warps`` warps."""
@@ -63,13 +62,16 @@ class Tile:
     warps: int
 
 
-# the cast-transpose's tile by its cast, from sweeps on an H200 (the Kernels table): the
-# hardware conversion is bound by memory and moves most with 64 x 128 (3.6-3.8 TB/s against
-# 3.1-3.2 at 64 x 64); the integer encode is bound by its arithmetic and runs best at 64 x 64
+# the cast-transpose's tile by its cast, the fastest of a sweep on an H200 (the Kernels table):
+# the hardware conversion is bound by memory and moves the most bytes with 64 x 128 tiles; the
+# integer encode is bound by its arithmetic and runs best at 64 x 64. The byte transpose, bound
+# by memory, as the hardware cast.
 ENCODE_TILE = Tile(64, 64, 4)
 HARDWARE_TILE = Tile(64, 128, 4)
-BYTES_TILE = Tile(64, 128, 4)  # ``_transpose_bytes``: 3.7-3.9 TB/s against 3.2-3.5 at 64 x 64
+BYTES_TILE = Tile(64, 128, 4)
 _TILES = (ENCODE_TILE, HARDWARE_TILE, BYTES_TILE)
+_WIDEST = (max(t.rows for t in _TILES), max(t.cols for t in _TILES))  # for int64 offsets
+_NARROWEST = (min(t.rows for t in _TILES), min(t.cols for t in _TILES))  # for the grid limits
 # the amax: each of at most AMAX_PROGRAMS programs reduces a contiguous slice, AMAX_BLOCK
 # elements a step; the finalize program reads every partial in one block
 AMAX_BLOCK = 4096
@@ -362,7 +364,7 @@ def has_fp8_conversion(device: torch.device) -> bool:
 def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
     """Offsets past int32 in either output, the last tile's masked lanes included (of the
     largest tile: one answer for every kernel of this module)."""
-    block_r, block_c = max(t.rows for t in _TILES), max(t.cols for t in _TILES)
+    block_r, block_c = _WIDEST
     return max((rows + block_r) * (cols + block_c), (cols + block_c) * (ld_t + block_r)) >= 2**31
 
 
@@ -382,7 +384,7 @@ def amax_needs_int64(n: int) -> bool:
 def fits_grid(rows: int, cols: int) -> bool:
     """Whether the 2-D kernels' grids fit the GPU's limits (the second axis: 65,535 tiles of
     columns on CUDA and ROCm alike), for the narrowest tile."""
-    block_r, block_c = min(t.rows for t in _TILES), min(t.cols for t in _TILES)
+    block_r, block_c = _NARROWEST
     return cdiv(cols, block_c) <= 65535 and cdiv(rows, block_r) < 2**31
 
 
