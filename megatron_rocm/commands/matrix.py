@@ -173,7 +173,9 @@ def matrix(
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """This verb's options, on ``main``'s parser."""
-    p = sub.add_parser("matrix", help="check the series against every upstream tag")
+    p = sub.add_parser(
+        "matrix", help="check the series against releases, main, dev and pull-request refs"
+    )
     options.add_source(p)
     p.add_argument(
         "--tags",
