@@ -1,8 +1,10 @@
 """Render docs/performance.md's tables from the result records in benchmarks/results/.
 
 Each ``*.jsonl`` line is one measured figure: area, name, metric, value, unit, gpu, command,
-date (when it was measured), source. The tables sit between the BEGIN/END markers below;
-everything outside them is hand-written. ``--check`` exits 1 when the file is out of step.
+date (when it was measured), source, and optionally notes (what the table cell would be too
+long to hold: rendered as a numbered list under the area's table, the row pointing at it). The
+tables sit between the BEGIN/END markers below; everything outside them is hand-written.
+``--check`` exits 1 when the file is out of step.
 
     python3 scripts/render_results.py          # rewrite docs/performance.md
     python3 scripts/render_results.py --check  # CI: fail if it differs
@@ -71,11 +73,19 @@ def tables(records: list[dict]) -> str:
             "| what | value | GPU | command | date |",
             "|---|---|---|---|---|",
         ]
+        notes = []
         for r in rows:
             value = f"**{r['value']}** {r['unit']}"
+            if r.get("notes"):
+                notes.append(r["notes"])
+                value += f" (note {len(notes)})"
             cells = (r["name"], value, r["gpu"], f"`{r['command']}`", r["date"])
             out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         out.append("")
+        if notes:
+            out += ["Notes to the table:", ""]
+            out += [f"{number}. {text}" for number, text in enumerate(notes, 1)]
+            out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 
 

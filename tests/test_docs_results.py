@@ -52,3 +52,24 @@ def test_check_mode_fails_on_a_stale_doc(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(render, "REPO", tmp_path)
     assert render.main(["--check"]) == 1
     assert render.main([]) == 0 and render.main(["--check"]) == 0
+
+
+def test_notes_render_numbered_under_their_table() -> None:
+    render = _renderer()
+    base = {f: "x" for f in render.FIELDS} | {"date": "2026-01-01"}
+    records = [
+        base | {"area": "kernels", "name": "a", "notes": "first detail"},
+        base | {"area": "kernels", "name": "b"},
+        base | {"area": "kernels", "name": "c", "notes": "second detail"},
+        base | {"area": "training", "name": "d", "notes": "its own first"},
+    ]
+    text = render.tables(records)
+    lines = text.splitlines()
+    assert next(line for line in lines if line.startswith("| a |")).count("(note 1)") == 1
+    assert "(note" not in next(line for line in lines if line.startswith("| b |"))
+    assert "(note 2)" in next(line for line in lines if line.startswith("| c |"))
+    assert "(note 1)" in next(line for line in lines if line.startswith("| d |"))
+    kernels = text[text.index("### Kernels") :]
+    assert "1. first detail" in kernels and "2. second detail" in kernels
+    training = text[text.index("### Training") : text.index("### Kernels")]
+    assert "1. its own first" in training and "detail" not in training
