@@ -42,8 +42,8 @@ REQUIREMENTS = (
         "grouped GEMM via torch._grouped_mm (MoE)",
         (2, 9),
         "only an explicit MEGATRON_ROCM_GROUPED_GEMM=torch request, which also needs "
-        "gfx942/gfx950 (CK; elsewhere a per-expert loop); auto takes our Triton grouped GEMM "
-        "on ROCm at any torch",
+        "gfx942/gfx950 (CK; on other archs torch's is a per-expert loop, so the request is "
+        "refused); auto takes our Triton grouped GEMM on ROCm at any torch",
     ),
     Requirement(
         "SDPA flash / memory-efficient kernels",
