@@ -1,0 +1,48 @@
+"""scripts/bench/fp8_wgrad_accum.py: its kernel's sums under Triton's CPU interpreter, and its
+bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, *args: str, interpret: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.bench.fp8_wgrad_accum", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_smoke_run_adds_the_fp8_product_into_main_grad_on_every_path(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    done = _run(tmp_path, "--smoke", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["main_grad"] for r in rows] == ["float32", "bfloat16"]
+    for row in rows:
+        # masked tiles on every side (80 tokens over tiles of 32; 48 x 40 over tiles of 16)
+        assert row["shape"] == "80x48x40"
+        bound = 1e-5 if row["main_grad"] == "float32" else 1e-2  # bf16: the result's rounding
+        for path in ("torch", "triton_fast", "triton_promoted"):
+            assert row[path]["rel_error"] <= bound, (row["main_grad"], path, row[path])
+            assert row[path]["ms"] > 0
+
+
+def test_smoke_without_the_interpreter_is_a_usage_error(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--smoke", interpret=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "bench_fp8_wgrad_accum: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1"
+    )
