@@ -52,6 +52,14 @@ def load(folder: Path = RESULTS) -> list[dict]:
                 raise ValueError(f"{where}: unknown area {record['area']!r}")
             if not DATE.match(record["date"]):
                 raise ValueError(f"{where}: date {record['date']!r} is not YYYY-MM-DD")
+            unknown = sorted(set(record) - set(FIELDS) - {"notes"})
+            if unknown:
+                raise ValueError(f"{where}: unknown field {', '.join(unknown)}")
+            notes = record.get("notes")
+            if notes is not None and (
+                not isinstance(notes, str) or not notes.strip() or "\n" in notes
+            ):
+                raise ValueError(f"{where}: notes must be one line of text")
             records.append(record)
     return records
 

@@ -73,3 +73,19 @@ def test_notes_render_numbered_under_their_table() -> None:
     assert "1. first detail" in kernels and "2. second detail" in kernels
     training = text[text.index("### Training") : text.index("### Kernels")]
     assert "1. its own first" in training and "detail" not in training
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"note": "misspelt"}, "unknown field note"),
+        ({"notes": "two\nlines"}, "notes must be one line of text"),
+        ({"notes": ["a list"]}, "notes must be one line of text"),
+    ],
+)
+def test_a_malformed_record_is_refused(tmp_path: Path, extra: dict, message: str) -> None:
+    render = _renderer()
+    record = {f: "x" for f in render.FIELDS} | {"area": "kernels", "date": "2026-01-01"} | extra
+    (tmp_path / "a.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=message):
+        render.load(tmp_path)

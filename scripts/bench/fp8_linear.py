@@ -47,7 +47,8 @@ SHAPES = {
 SMOKE = [(48, 32, 64)]
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def parse_shapes(text: str, prog: str = "bench_fp8_linear") -> list[tuple[int, int, int]]:
+    """``--shapes``: named sets and ``MxNxK`` items; a bad item exits 2 with one line."""
     shapes: list[tuple[int, int, int]] = []
     for item in text.split(","):
         if item in SHAPES:
@@ -57,7 +58,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
             m, n, k = (int(v) for v in item.lower().split("x"))
         except ValueError:
             print(
-                f"bench_fp8_linear: bad shape {item!r}: expected MxNxK, 8b or 0.85b",
+                f"{prog}: bad shape {item!r}: expected MxNxK, 8b or 0.85b",
                 file=sys.stderr,
             )
             raise SystemExit(2) from None

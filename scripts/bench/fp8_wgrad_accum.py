@@ -17,8 +17,8 @@ tensor cores' precision.
 
 For each shape ``MxNxK`` (``fp8_linear``'s: the weight gradient ``[N, K]`` reduces over the M
 tokens) and each ``main_grad`` dtype (fp32, and bf16 as ``--grad-reduce-in-bf16`` makes it):
-``torch`` (``_scaled_mm`` in fp32, then ``add_``), ``triton_fast`` (the Triton GEMM, whole-K
-accumulation in the tensor cores) and ``triton_promoted`` (promoted after every tile of 128 tokens):
+``torch`` (``_scaled_mm`` in fp32, then ``add_``), ``torch_fast`` (the same with
+``use_fast_accum``), ``triton_fast`` (the Triton GEMM, whole-K accumulation in the tensor cores) and ``triton_promoted`` (promoted after every tile of 128 tokens):
 milliseconds, TFLOP/s (2MNK) and the largest error against fp32 math on the same FP8 operands,
 relative to the result's largest magnitude. Times are medians of CUDA-graph replays.
 """
@@ -38,7 +38,7 @@ from scripts.bench import timing as bench_timing
 from scripts.bench.fp8_cli import device_name, fp8_device, report
 from scripts.bench.fp8_linear import parse_shapes
 
-SMOKE = [(80, 48, 40)]
+SMOKE = [(80, 150, 40)]  # a partial tile on every side, more tiles of N than one group
 # (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages): the best of a small sweep on an H200; the
 # smoke run's tiles are small enough for the interpreter
 TILES = {"cuda": (128, 256, 128, 8, 3), "cpu": (16, 16, 32, 4, 1)}
@@ -108,12 +108,16 @@ def torch_accumulate(
     main_grad: torch.Tensor,
     dy_inv: torch.Tensor,
     x_inv: torch.Tensor,
+    fast: bool = False,
 ) -> None:
-    """The FP8 linear's way: the GEMM in fp32, then an add (fp32 emulation on the CPU)."""
+    """The FP8 linear's way: the GEMM in fp32, then an add (fp32 emulation on the CPU).
+    ``fast``: ``use_fast_accum``, the whole sum in the tensor cores' precision (what the FP8
+    linear does not use for its weight gradient)."""
     if dy_t.is_cuda:
         wgrad = torch._scaled_mm(
-            dy_t, x_t.t(), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.float32
-        )
+            dy_t, x_t.t(), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.float32,
+            use_fast_accum=fast,
+        )  # fmt: skip
     else:
         wgrad = (dy_t.float() @ x_t.float().t()) * (dy_inv * x_inv)
     main_grad.add_(wgrad)
@@ -130,6 +134,7 @@ def bench_shape(shape: tuple[int, int, int], grad_dtype: torch.dtype, device: st
     want = start.float() + (dy_t.float() @ x_t.float().t()) * (dy_inv * x_inv)
     paths = {
         "torch": lambda g: torch_accumulate(dy_t, x_t, g, dy_inv, x_inv),
+        "torch_fast": lambda g: torch_accumulate(dy_t, x_t, g, dy_inv, x_inv, fast=True),
         "triton_fast": lambda g: wgrad_accumulate(dy_t, x_t, g, dy_inv, x_inv, False),
         "triton_promoted": lambda g: wgrad_accumulate(dy_t, x_t, g, dy_inv, x_inv, True),
     }
@@ -164,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes, "bench_fp8_wgrad_accum")
     device = fp8_device("bench_fp8_wgrad_accum", opts.smoke)
     if device is None:
         return 3
-    shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes)
     rows = [
         bench_shape(shape, dtype, device)
         for shape in shapes
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(
                 f"{name} {r[name]['ms']} ms ({r[name]['tflops']} TFLOP/s, error "
                 f"{r[name]['rel_error']:.2g})"
-                for name in ("torch", "triton_fast", "triton_promoted")
+                for name in ("torch", "torch_fast", "triton_fast", "triton_promoted")
             )
         )
     return report({"device": device_name(device), "rows": rows}, opts.json)

@@ -32,10 +32,11 @@ def test_smoke_run_adds_the_fp8_product_into_main_grad_on_every_path(tmp_path: P
     rows = json.loads(out.read_text())["rows"]
     assert [r["main_grad"] for r in rows] == ["float32", "bfloat16"]
     for row in rows:
-        # masked tiles on every side (80 tokens over tiles of 32; 48 x 40 over tiles of 16)
-        assert row["shape"] == "80x48x40"
+        # masked tiles on every side (80 tokens over tiles of 32, 150 x 40 over tiles of 16)
+        # and ten tiles of N, more than one group of 8
+        assert row["shape"] == "80x150x40"
         bound = 1e-5 if row["main_grad"] == "float32" else 1e-2  # bf16: the result's rounding
-        for path in ("torch", "triton_fast", "triton_promoted"):
+        for path in ("torch", "torch_fast", "triton_fast", "triton_promoted"):
             assert row[path]["rel_error"] <= bound, (row["main_grad"], path, row[path])
             assert row[path]["ms"] > 0
 
@@ -45,4 +46,12 @@ def test_smoke_without_the_interpreter_is_a_usage_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "bench_fp8_wgrad_accum: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1"
+    )
+
+
+def test_a_bad_shape_is_a_usage_error_before_the_device_is_asked(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--shapes", "bogus", interpret=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "bench_fp8_wgrad_accum: bad shape 'bogus': expected MxNxK, 8b or 0.85b"
     )

@@ -519,11 +519,14 @@ def delayed_update(
 
 
 def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
-    """The one tile for every input dtype and FP8 format (the output is bytes: one code per
-    arch serves them all), with and without the transpose; int32 and int64 offsets (the largest
-    activation: every sequence length x batch x FFN width); the two scale kernels."""
+    """What ROCm launches: the cast with the integer encode (``CAST=0``, the only cast on ROCm)
+    on its tile for every input dtype and FP8 format (the output is bytes: one code per arch
+    serves them all), with and without the transpose and the record; int32 and int64 offsets
+    (the largest activation: every sequence length x batch x FFN width); the flat cast, the byte
+    transpose and the scale kernels."""
     rows = max(shapes.seq_lens) * max(shapes.batch)
     widest = max(shapes.ffn_hiddens + shapes.hiddens)
+    encode = cast_tile(0)
     out = []
     for source in shapes.dtypes:
         for wide in sorted({amax_needs_int64(rows * widest), False}):
@@ -541,7 +544,7 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
             for wide in sorted({needs_int64(rows, widest, rows), False}):
                 for transpose, record in itertools.product((True, False), repeat=2):
                     consts = dict(MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
-                                  BLOCK_R=ENCODE_TILE.rows, BLOCK_C=ENCODE_TILE.cols,
+                                  BLOCK_R=encode.rows, BLOCK_C=encode.cols,
                                   WIDE=wide, TRANSPOSE=transpose, RECORD=record,
                                   CAST=0)  # fmt: skip
                     out.append(
@@ -552,8 +555,8 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                                 x=source, scale=torch.float32, y="u8", yt="u8", amax_out="i32"
                             ),
                             floats=("fp8_max",),
-                            num_warps=ENCODE_TILE.warps,
-                            grid=(cdiv(rows, ENCODE_TILE.rows), cdiv(widest, ENCODE_TILE.cols)),
+                            num_warps=encode.warps,
+                            grid=(cdiv(rows, encode.rows), cdiv(widest, encode.cols)),
                             neutral=("BIAS",),  # FNUZ changes the code: gfx942 runs True
                         )
                     )

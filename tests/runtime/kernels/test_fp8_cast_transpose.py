@@ -270,7 +270,10 @@ def test_quantize_on_the_kernels_is_the_eager_quantize_for_every_operand_kind() 
 
 @triton_test
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("rows", "cols", "margin"), [(70, 48, 0), (33, 80, 1), (128, 16, 0)])
+# 200 columns: a partial second tile on the widest tile (128) too
+@pytest.mark.parametrize(
+    ("rows", "cols", "margin"), [(70, 48, 0), (33, 80, 1), (128, 16, 0), (70, 200, 0)]
+)
 def test_quantize_transposed_is_quantize_and_its_padded_transpose(
     monkeypatch: pytest.MonkeyPatch, source: torch.dtype, rows: int, cols: int, margin: int
 ) -> None:
@@ -370,7 +373,7 @@ def test_the_flat_cast_into_a_buffer_is_torchs_bytes(
 
 @triton_test
 @pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
-@pytest.mark.parametrize(("rows", "cols"), [(70, 48), (33, 80), (1, 1), (128, 16)])
+@pytest.mark.parametrize(("rows", "cols"), [(70, 48), (33, 80), (1, 1), (128, 16), (70, 200)])
 def test_the_byte_transpose_is_torchs_transpose(
     monkeypatch: pytest.MonkeyPatch, rows: int, cols: int, wide: bool
 ) -> None:

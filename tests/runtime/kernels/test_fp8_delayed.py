@@ -159,7 +159,9 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("transpose", [True, False])
 @pytest.mark.parametrize("most_recent", quick_few([False, True]), ids=["max", "most_recent"])
 def test_kernels_are_torchs_path_bit_for_bit(monkeypatch, dtype, transpose, most_recent) -> None:
-    xs = _tensors(seed=1, shape=(70, 96))  # partial tiles both ways; 70 rows pad to 80
+    xs = _tensors(
+        seed=1, shape=(70, 200)
+    )  # partial tiles both ways, 64 and 128 wide; 70 rows pad to 80
     xs[5][3, 7] = float("nan")
     calls = _launches(monkeypatch)
     kernel_history = fp8.AmaxHistory(3, most_recent)
