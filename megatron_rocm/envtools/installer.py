@@ -251,7 +251,8 @@ def check_python(tree: Path) -> None:
     if not specifiers.contains(here, prereleases=True):
         raise SourceError(
             f"this Megatron-LM tree requires Python {spec}, but this is Python {here}; "
-            "use a matching interpreter (and its ROCm PyTorch)"
+            "use a matching interpreter (and its ROCm PyTorch), or apply a release this Python "
+            "runs (megatron-rocm apply --ref <tag>; core_v0.16.x on 3.11)"
         )
 
 

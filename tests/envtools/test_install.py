@@ -213,8 +213,9 @@ def test_tree_requiring_newer_python_is_refused_before_any_step(tmp_path):
     (tree / "pyproject.toml").write_text(
         f'[project]\nname = "megatron-core"\nrequires-python = ">={nxt}"\n'
     )
-    with pytest.raises(SourceError, match=f"requires Python >={nxt}"):
+    with pytest.raises(SourceError, match=f"requires Python >={nxt}") as refused:
         plan(tree, editable=True, workdir=tmp_path, have={"torch": "2.13.0"})
+    assert "megatron-rocm apply --ref <tag>" in str(refused.value)  # the way out, named
 
 
 def test_training_imports_upstream_leaves_undeclared_are_added():
