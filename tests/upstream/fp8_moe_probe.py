@@ -25,17 +25,12 @@ def build(fp8: bool, grouped: bool):  # noqa: ANN201 - the block
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     recipe = dict(fp8="hybrid", fp8_recipe="tensorwise") if fp8 else {}
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=64,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped, moe_aux_loss_coeff=0.0,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **recipe,
+    config = probe_cli.small_block_config(
+        LAYERS, HIDDEN, HEADS, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        moe_ffn_hidden_size=64, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
+        moe_aux_loss_coeff=0.0, **recipe,
     )  # fmt: skip
     torch.manual_seed(1234)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped)

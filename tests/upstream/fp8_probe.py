@@ -47,16 +47,10 @@ def build(kind: str, **overrides):  # noqa: ANN003, ANN201 - the block
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    extra = {**RECIPES.get(kind, {}), **overrides}
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **extra,
-    )  # fmt: skip
+    config = probe_cli.small_block_config(
+        LAYERS, HIDDEN, HEADS, **{**RECIPES.get(kind, {}), **overrides}
+    )
     torch.manual_seed(1234)
     block = TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec())
     return block

@@ -32,16 +32,16 @@ def build(recipe: str, sequence_parallel: bool):  # noqa: ANN201 - the block
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from probe_cli import small_block_config  # beside this script, on sys.path when it runs
 
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=128,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
-        tensor_model_parallel_size=TP, sequence_parallel=sequence_parallel,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **RECIPES[recipe],
-    )  # fmt: skip
+    config = small_block_config(
+        LAYERS,
+        HIDDEN,
+        HEADS,
+        tensor_model_parallel_size=TP,
+        sequence_parallel=sequence_parallel,
+        **RECIPES[recipe],
+    )
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     return TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec())

@@ -2,7 +2,8 @@
 the probe's result (or the error it raised, with its trace) written to ``--out`` as JSON, so
 the test reports a probe's failure instead of a missing file; and ``applied_and_probed``, the
 tests' side: apply the series to a PyPI sdist and run a probe on it (``probed``: run a probe on
-a tree as it is); ``one_rank_world``, the probe's side: the tree, the CPU and a one-rank world."""
+a tree as it is); ``one_rank_world``, the probe's side: the tree, the CPU and a one-rank world;
+``small_block_config``, the FP8 probes' block."""
 
 from __future__ import annotations
 
@@ -88,3 +89,19 @@ def relative_error(a: list, b: list) -> float:
 
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return ((a - b).norm() / b.norm()).item()
+
+
+def small_block_config(layers: int, hidden: int, heads: int, **settings):  # noqa: ANN003, ANN201
+    """The FP8 probes' ``TransformerConfig``: a small bf16 RMSNorm block without biases,
+    dropout, gradient-accumulation fusion or upstream's fused kernels, initialised on the CPU;
+    ``settings`` add the recipe, the parallelism or the experts."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=128,
+        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **settings,
+    )  # fmt: skip
