@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rocm.runtime.kernels.launch import cdiv
+
 FP8_ALIGN = 16  # torch._scaled_mm's (and TE's per-tensor recipes') multiple
 
 
@@ -32,7 +34,7 @@ class _Alignment(torch.nn.Module):
                 f"{type(self).__name__}: {len(splits)} splits for {self.num_gemms} experts"
             )
         align = self.align_size
-        return splits, [(m + align - 1) // align * align for m in splits]
+        return splits, [cdiv(m, align) * align for m in splits]
 
 
 class Fp8Padding(_Alignment):

@@ -41,6 +41,7 @@ from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_onl
 from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, recipe_name, weight_reuse
 from megatron_rocm.runtime.kernels.grad_accum import has_main_grad
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
+from megatron_rocm.runtime.kernels.launch import cdiv
 from megatron_rocm.runtime.kernels.norm import param_device
 
 
@@ -252,7 +253,7 @@ class TEGroupedLinear(NoFp8ExtraState):
                     "with gradient_accumulation_fusion=False otherwise"
                 )
             count = rows.shape[0]
-            bucket = -(-count // FP8_ROW_BUCKET) * FP8_ROW_BUCKET
+            bucket = cdiv(count, FP8_ROW_BUCKET) * FP8_ROW_BUCKET
             if bucket != count:  # zero rows: no amax, no output, no gradient changes
                 rows = torch.nn.functional.pad(rows, (0, 0, 0, bucket - count))
             out = fp8_linear(rows, weight, fuse, self.fp8_recipes[i], reuse)[:count]
