@@ -578,6 +578,25 @@ def fp8_mm(
     return mm(a, a_inv, b, b_inv, out_dtype, fast_accum)
 
 
+def fp8_mm_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    fast_accum: bool = False,
+) -> None:
+    """``fp8_mm`` written into ``out`` (contiguous, ``out``'s dtype), for a row-major ``a`` and
+    a column-major ``b``: no output allocated on a GPU (``torch._scaled_mm(out=)``)."""
+    if a.device.type != "cuda":
+        out.copy_(_emulated_mm(a, a_inv, b, b_inv, out.dtype))
+        return
+    torch._scaled_mm(
+        a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out.dtype, use_fast_accum=fast_accum,
+        out=out,
+    )  # fmt: skip
+
+
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] with zero rows up to a multiple of 16 (the weight gradient's inner
     dimension): zeros add nothing to the product."""
