@@ -269,6 +269,7 @@ stage_fp8() {
   if [ "${FP8_BENCH:-1}" = 1 ]; then
     (cd "$HERE" && timeout 180 $PY -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/runtime/kernels/test_fp8.py \
        tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/kernels/test_fp8_delayed.py \
+       tests/runtime/kernels/test_fp8_segments.py tests/runtime/backend/test_fp8_experts.py \
        tests/runtime/backend/test_fp8_recipe.py tests/runtime/backend/test_fp8_param.py \
        > "$OUT/fp8-gpu-tests.txt" 2>&1)
     log "fp8 gpu tests: $(tail -1 "$OUT/fp8-gpu-tests.txt")"

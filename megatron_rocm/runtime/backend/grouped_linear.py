@@ -7,8 +7,8 @@ tag from core_v0.12.0 to main (``megatron/core/extensions/transformer_engine.py`
 
 * constructor keywords (``tp_group`` 0.13-0.15, ``pg_collection`` 0.16+, ``name`` 0.18+);
   unsupported TE features (FP4, delayed wgrad, grouped tensors, GTP) fail with one line;
-* FP8 under current scaling (``--fp8-recipe tensorwise``): each expert's GEMMs run on the
-  native FP8 linear function (``backend.fp8``) with a recipe of its own, on the token
+* FP8 under current scaling (``--fp8-recipe tensorwise``): every expert's GEMMs run in one
+  native FP8 function (``backend.fp8_experts``), each expert scaled by its own amax, on the token
   segments upstream's ``Fp8Padding`` (``backend.fp8_padding``) aligned to 16;
 * parameters ``weight0..weight{n-1}`` ``[out, in]`` and ``bias0..`` (a plain empty tensor per
   expert without bias, as TE does), with the ``allreduce`` / ``tensor_model_parallel`` /
@@ -38,10 +38,16 @@ from megatron_rocm.runtime.backend import _grouped_compat as compat
 from megatron_rocm.runtime.backend._extra_state import NoFp8ExtraState
 from megatron_rocm.runtime.backend._init_rng import tracker_fork
 from megatron_rocm.runtime.backend._kwargs import accepted_kwargs, refuse_te_only_config, reject
-from megatron_rocm.runtime.backend.fp8 import fp8_linear, module_recipe, recipe_name, weight_reuse
+from megatron_rocm.runtime.backend.fp8 import module_recipe, recipe_name, weight_reuse
+from megatron_rocm.runtime.backend.fp8_experts import (
+    EXPERT_ROW_BUCKET,
+    ExpertsCall,
+    ExpertWeightCache,
+    fp8_experts,
+)
+from megatron_rocm.runtime.kernels.fp8_segments import Segments
 from megatron_rocm.runtime.kernels.grad_accum import has_main_grad
 from megatron_rocm.runtime.kernels.grouped_gemm import grouped_mm
-from megatron_rocm.runtime.kernels.launch import cdiv
 from megatron_rocm.runtime.kernels.norm import param_device
 
 
@@ -69,12 +75,6 @@ def _reject_te_features(owner: str, config: Any) -> None:
     refuse_te_only_config(owner, config)  # what every native linear refuses
     if (getattr(config, "expert_gtp_weight_remat_size", None) or 1) > 1:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
-
-
-# An expert's FP8 GEMMs run on its rows zero-padded to a multiple of this: the token count per
-# expert changes every step, and each new GEMM shape costs the host a new cuBLASLt plan; in
-# buckets the shapes repeat.
-FP8_ROW_BUCKET = 128
 
 
 def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> list | None:
@@ -167,6 +167,7 @@ class TEGroupedLinear(NoFp8ExtraState):
         self.rng_tracker_name = compat.expert_rng_tracker_name() if is_expert else None
         self._allocate(init_method)
         self.fp8_recipes = expert_fp8_recipes(owner, config, self._weights())
+        self._fp8_weight_cache = ExpertWeightCache()
         compat.mark_parameters(
             self,
             version=version,
@@ -231,9 +232,9 @@ class TEGroupedLinear(NoFp8ExtraState):
         m_splits: Any,
         biases: list[torch.Tensor] | None,
     ) -> torch.Tensor:
-        """Each expert's rows through the FP8 linear with its own recipe (the weight
-        quantized once a step, as the dense linears do: ``weight_reuse``; the rows padded to
-        ``FP8_ROW_BUCKET``), then joined."""
+        """Every expert's rows through its weight in FP8 (``backend.fp8_experts``: the experts
+        quantized together, the weights once a step as the dense linears do:
+        ``weight_reuse``), plus each expert's bias."""
         x = x.reshape(-1, x.shape[-1])
         splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
         if len(splits) != self.num_gemms or sum(splits) != x.shape[0]:
@@ -241,24 +242,24 @@ class TEGroupedLinear(NoFp8ExtraState):
                 f"{type(self).__name__}: {len(splits)} splits summing to {sum(splits)} for "
                 f"{self.num_gemms} experts and {x.shape[0]} rows"
             )
-        reuse = weight_reuse(self)
-        outs = []
-        for i, rows in enumerate(x.split(splits)):
-            weight = weights[i]
-            fuse = self.fuse_wgrad_accumulation and weight.requires_grad
-            if fuse and torch.is_grad_enabled() and not has_main_grad(weight):
-                raise RuntimeError(
-                    f"{type(self).__name__}: gradient_accumulation_fusion needs "
-                    "weight.main_grad (set by Megatron's DDP or FSDP wrapper); build the model "
-                    "with gradient_accumulation_fusion=False otherwise"
-                )
-            count = rows.shape[0]
-            bucket = cdiv(count, FP8_ROW_BUCKET) * FP8_ROW_BUCKET
-            if bucket != count:  # zero rows: no amax, no output, no gradient changes
-                rows = torch.nn.functional.pad(rows, (0, 0, 0, bucket - count))
-            out = fp8_linear(rows, weight, fuse, self.fp8_recipes[i], reuse)[:count]
-            outs.append(out if biases is None else out + biases[i])
-        return torch.cat(outs)
+        fuse = self.fuse_wgrad_accumulation and weights[0].requires_grad
+        if fuse and torch.is_grad_enabled() and not all(has_main_grad(w) for w in weights):
+            raise RuntimeError(
+                f"{type(self).__name__}: gradient_accumulation_fusion needs "
+                "weight.main_grad (set by Megatron's DDP or FSDP wrapper); build the model "
+                "with gradient_accumulation_fusion=False otherwise"
+            )
+        call = ExpertsCall(
+            segs=Segments(tuple(int(c) for c in splits), EXPERT_ROW_BUCKET),
+            recipe=self.fp8_recipes[0],
+            fuse_wgrad=fuse,
+            cache=self._fp8_weight_cache,
+            reuse_weight=weight_reuse(self),
+        )
+        out = fp8_experts(x, tuple(weights), call)
+        if biases is None:
+            return out
+        return torch.cat([rows + b for rows, b in zip(out.split(splits), biases, strict=True)])
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""
