@@ -7,7 +7,7 @@ One gloo rank. Builds upstream's ``TransformerBlock`` from the TE layer spec wit
 linears, its tokens padded by ``Fp8Padding``) and once without (``SequentialMLP`` on the native
 column and row linears), each in FP8 (``tensorwise``) and in bf16 from one seed, one forward
 and backward each. Records which FP8 padding class the experts hold, the rows of every GEMM that
-ran through the FP8 function, and the outputs and gradients for the test to compare.
+ran through the FP8 functions (each grouped expert's bucket), and the outputs and gradients for the test to compare.
 """
 
 from __future__ import annotations
@@ -42,15 +42,22 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
+    from megatron_rocm.runtime.backend import fp8_experts
 
-    rows: list[int] = []  # the rows of each GEMM through the FP8 function
+    rows: list[int] = []  # the rows of each GEMM through the FP8 functions
     forward = backend_fp8.Fp8LinearFunction.forward
+    experts_forward = fp8_experts.Fp8ExpertsFunction.forward
 
     def counted(ctx, x, *a):  # noqa: ANN001, ANN002, ANN202
         rows.append(x.reshape(-1, x.shape[-1]).shape[0])
         return forward(ctx, x, *a)
 
+    def counted_experts(ctx, x, call, *a):  # noqa: ANN001, ANN002, ANN202
+        rows.extend(call.segs.buckets)  # each expert's GEMM rows (0: no tokens, no GEMM)
+        return experts_forward(ctx, x, call, *a)
+
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
+    fp8_experts.Fp8ExpertsFunction.forward = staticmethod(counted_experts)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
     direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)

@@ -7,8 +7,8 @@ runs in the GPU stage ``fp8moe``. ``fp8_moe_probe.py`` builds upstream's TE-spec
 four experts (top-2) under ``--fp8-format hybrid --fp8-recipe tensorwise`` and in bf16, with
 ``--moe-grouped-gemm`` (``TEGroupedMLP`` on the native grouped linears) and without
 (``SequentialMLP`` on the native column and row linears). The grouped experts hold the native
-``Fp8Padding``, every expert GEMM runs in FP8 (the grouped experts' rows in buckets of 128, the
-sequential experts' padded to 16 by upstream), and the FP8 blocks stay within FP8's error of
+``Fp8Padding``, every expert GEMM runs in FP8 (the grouped experts in one FP8 function, each
+expert's rows in buckets of 128; the sequential experts' padded to 16 by upstream), and the FP8 blocks stay within FP8's error of
 the bf16 ones.
 """
 
@@ -45,7 +45,7 @@ def test_every_expert_gemm_runs_fp8_on_aligned_rows(probed, experts: str) -> Non
     assert len(rows) == LAYERS * (2 + 2 * EXPERTS)
     expert_rows = [r for i, r in enumerate(rows) if i % (2 + 2 * EXPERTS) >= 2]
     routed = LAYERS * 2 * TOKENS * TOPK  # fc1 and fc2 see every routed token
-    if experts == "grouped":  # each expert's rows in buckets of 128 (grouped_linear)
+    if experts == "grouped":  # each expert's rows in buckets of 128 (fp8_experts)
         assert all(r % 128 == 0 for r in expert_rows)
         assert routed <= sum(expert_rows) < routed + LAYERS * 2 * EXPERTS * 128
     else:  # upstream's SequentialMLP pads each expert's rows to the FP8 GEMMs' 16

@@ -13,6 +13,7 @@ so a bucket's spare rows are overwritten by the next expert's GEMM or fall past 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +86,9 @@ class Fp8ExpertsFunction(torch.autograd.Function):
 
     Backward: the output gradient quantized per expert (the backward format), each expert's
     input gradient ``dy_e W_e`` in FP8 into one buffer, each weight gradient ``dy_e^T x_e`` in
-    FP8 with an fp32 result (from the activations in fp32 without ``wgrad_in_fp8``), added into
+    FP8 with an fp32 result (in fp32 from the activations without ``wgrad_in_fp8``), added into
     ``main_grad`` under gradient-accumulation fusion (Megatron's placeholder returned), as the
-    dense FP8 linear does.
+    dense FP8 linear does. The forward keeps only the transposes its backward reads.
     """
 
     @staticmethod
@@ -104,33 +105,36 @@ class Fp8ExpertsFunction(torch.autograd.Function):
             if call.reuse_weight is not None:
                 call.cache.put(weights, wq)
         out = x.new_empty(segs.padded_rows, weights[0].shape[0])
-        for e in segs.nonempty():
-            start = segs.starts[e]
-            rows = out[start : start + segs.buckets[e]]
-            fp8_mm_into(rows, xq.rows(e), xq.inv(e), wq.rows(e).t(), wq.inv(e), fast_accum=True)
-        ctx.call, ctx.xq, ctx.wq = call, xq if wgrad_fp8 else None, wq
-        ctx.save_for_backward(None if wgrad_fp8 or not need_wgrad else x, *weights)
-        ctx.fuse = [call.fuse_wgrad and has_main_grad(w) for w in weights]
-        return out[: segs.rows]
+        _gemms_into(out, xq, lambda e: (wq.rows(e).t(), wq.inv(e)), fast_accum=True)
+        ctx.call, ctx.x_cols, ctx.w_segs = call, xq.cols, wq.segs
+        ctx.save_for_backward(
+            x if need_wgrad and not wgrad_fp8 else None,
+            xq.transposed if wgrad_fp8 else None,
+            xq.inverse,
+            wq.transposed if need_dgrad else None,
+            wq.inverse,
+            *weights,
+        )
+        ctx.fuse = [call.fuse_wgrad and w.requires_grad and has_main_grad(w) for w in weights]
+        return _viewless(out[: segs.rows])
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
-        saved_x, *weights = ctx.saved_tensors
+        saved_x, x_t, x_inv, w_t, w_inv, *weights = ctx.saved_tensors
         call: ExpertsCall = ctx.call
-        segs, recipe, wq = call.segs, call.recipe, ctx.wq
+        segs, recipe = call.segs, call.recipe
+        out_features, in_features = weights[0].shape
+        xq = QuantizedSegments(segs, ctx.x_cols, None, x_t, x_inv)
+        wq = QuantizedSegments(ctx.w_segs, in_features, None, w_t, w_inv)
         needs = ctx.needs_input_grad
-        need_wgrad = any(needs[3:])
-        dy = grad_output.reshape(segs.rows, -1)
-        wgrad_fp8 = need_wgrad and recipe.wgrad_in_fp8
+        dy = grad_output.reshape(segs.rows, out_features)
+        wgrad_fp8 = any(needs[3:]) and recipe.wgrad_in_fp8
         dyq = quantize_segments(dy, segs, recipe.formats.backward, recipe.margin, wgrad_fp8)
         grad_x = None
         if needs[0]:
-            grad_x = dy.new_empty(segs.padded_rows, weights[0].shape[1])
-            for e in segs.nonempty():
-                start = segs.starts[e]
-                rows = grad_x[start : start + segs.buckets[e]]
-                fp8_mm_into(rows, dyq.rows(e), dyq.inv(e), wq.t(e).t(), wq.inv(e))
-            grad_x = grad_x[: segs.rows]
+            grad_x = dy.new_empty(segs.padded_rows, in_features)
+            _gemms_into(grad_x, dyq, lambda e: (wq.t(e).t(), wq.inv(e)))
+            grad_x = _viewless(grad_x[: segs.rows])
         grads = []
         for e, weight in enumerate(weights):
             if not needs[3 + e]:
@@ -138,13 +142,38 @@ class Fp8ExpertsFunction(torch.autograd.Function):
                 continue
             wgrad = None
             if segs.counts[e] and wgrad_fp8:
-                xq: QuantizedSegments = ctx.xq
                 wgrad = fp8_mm(dyq.t(e), dyq.inv(e), xq.t(e).t(), xq.inv(e), torch.float32)
             elif segs.counts[e]:
                 rows = slice(segs.starts[e], segs.starts[e + 1])
                 wgrad = dy[rows].t().float() @ saved_x[rows].float()
             grads.append(_deliver(ctx.fuse[e], weight, wgrad, dy))
         return (grad_x, None, None, *grads)
+
+
+def _gemms_into(
+    out: torch.Tensor,
+    a: QuantizedSegments,
+    b: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    fast_accum: bool = False,
+) -> None:
+    """``out`` [padded rows, n]: each expert's rows of ``a`` (its bucket) times ``b(e)`` (a
+    column-major operand and its inverse scale), in expert order, so that the rows a bucket
+    writes past its expert's are the next experts' to overwrite, or past the rows returned."""
+    segs = a.segs
+    for e in segs.nonempty():
+        start = segs.starts[e]
+        b_e, b_inv = b(e)
+        rows = out[start : start + segs.buckets[e]]
+        fp8_mm_into(rows, a.rows(e), a.inv(e), b_e, b_inv, fast_accum)
+
+
+def _viewless(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor that is no view for autograd (Megatron's
+    ``make_viewless_tensor``): a caller may change the experts' output in place, as it could
+    the per-expert path's ``torch.cat``."""
+    out = torch.empty((1,), dtype=t.dtype, device=t.device)
+    out.data = t.data
+    return out
 
 
 def _deliver(fuse: bool, weight: Any, wgrad: torch.Tensor | None, like: torch.Tensor) -> Any:

@@ -77,9 +77,11 @@ def _reject_te_features(owner: str, config: Any) -> None:
         reject(owner, "expert GTP weight rematerialisation", "set its size to 1")
 
 
-def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> list | None:
-    """One current-scaling FP8 recipe per expert weight, or None (bf16: no ``--fp8-format``,
-    or a layer ``--first-last-layers-bf16`` keeps in bf16). What the experts cannot do in FP8
+def expert_fp8_recipe(owner: str, config: Any, weight: torch.Tensor) -> Any:
+    """The experts' current-scaling FP8 recipe (formats and margin: each expert is still
+    scaled by its own amax, ``backend.fp8_experts``), or None (bf16: no ``--fp8-format``, or a
+    layer ``--first-last-layers-bf16`` keeps in bf16). ``weight``: one expert's, all alike.
+    What the experts cannot do in FP8
     fails with one line: delayed scaling (an expert's amax history would be reduced with other
     ranks' different experts), FP8 weights (``--fp8-param-gather``), and core 0.12, whose
     experts import TE's ``Fp8Padding`` without the extension module."""
@@ -92,8 +94,7 @@ def expert_fp8_recipes(owner: str, config: Any, weights: list[torch.Tensor]) -> 
         reject(owner, f"--fp8-recipe {name} for MoE experts", "use --fp8-recipe tensorwise")
     if getattr(config, "fp8_param", False):
         reject(owner, "--fp8-param-gather for MoE experts", "drop --fp8-param-gather")
-    recipes = [module_recipe(owner, config, weight) for weight in weights]
-    return None if recipes[0] is None else recipes
+    return module_recipe(owner, config, weight)
 
 
 def _divide(size: int, parts: int, what: str) -> int:
@@ -166,7 +167,7 @@ class TEGroupedLinear(NoFp8ExtraState):
         self.fuse_wgrad_accumulation = bool(config.gradient_accumulation_fusion)
         self.rng_tracker_name = compat.expert_rng_tracker_name() if is_expert else None
         self._allocate(init_method)
-        self.fp8_recipes = expert_fp8_recipes(owner, config, self._weights())
+        self.fp8_recipe = expert_fp8_recipe(owner, config, self.weight0)
         self._fp8_weight_cache = ExpertWeightCache()
         compat.mark_parameters(
             self,
@@ -207,7 +208,7 @@ class TEGroupedLinear(NoFp8ExtraState):
         n = self.num_gemms
         weights = self._weights()
         biases = [getattr(self, f"bias{i}") for i in range(n)] if self.use_bias else None
-        if self.fp8_recipes is not None:
+        if self.fp8_recipe is not None:
             out = self._fp8_forward(x, weights, m_splits, biases if self.apply_bias else None)
         else:
             out = grouped_mm(
@@ -242,8 +243,9 @@ class TEGroupedLinear(NoFp8ExtraState):
                 f"{type(self).__name__}: {len(splits)} splits summing to {sum(splits)} for "
                 f"{self.num_gemms} experts and {x.shape[0]} rows"
             )
-        fuse = self.fuse_wgrad_accumulation and weights[0].requires_grad
-        if fuse and torch.is_grad_enabled() and not all(has_main_grad(w) for w in weights):
+        fuse = bool(self.fuse_wgrad_accumulation)  # for each weight that trains
+        lacking = [w for w in weights if w.requires_grad and not has_main_grad(w)]
+        if fuse and torch.is_grad_enabled() and lacking:
             raise RuntimeError(
                 f"{type(self).__name__}: gradient_accumulation_fusion needs "
                 "weight.main_grad (set by Megatron's DDP or FSDP wrapper); build the model "
@@ -251,7 +253,7 @@ class TEGroupedLinear(NoFp8ExtraState):
             )
         call = ExpertsCall(
             segs=Segments(tuple(int(c) for c in splits), EXPERT_ROW_BUCKET),
-            recipe=self.fp8_recipes[0],
+            recipe=self.fp8_recipe,
             fuse_wgrad=fuse,
             cache=self._fp8_weight_cache,
             reuse_weight=weight_reuse(self),

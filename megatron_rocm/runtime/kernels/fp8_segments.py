@@ -22,6 +22,7 @@ The layout serves ``torch._scaled_mm`` without copies:
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,7 @@ class Segments:
     @functools.cached_property
     def starts(self) -> tuple[int, ...]:
         """Each segment's first row, then the total."""
-        out = [0]
-        for count in self.counts:
-            out.append(out[-1] + count)
-        return tuple(out)
+        return tuple(itertools.accumulate(self.counts, initial=0))
 
     @functools.cached_property
     def buckets(self) -> tuple[int, ...]:
@@ -58,11 +56,9 @@ class Segments:
 
     @functools.cached_property
     def t_starts(self) -> tuple[int, ...]:
-        """Where each segment's transposed block starts, in units of ``cols`` elements."""
-        out = [0]
-        for bucket in self.buckets:
-            out.append(out[-1] + bucket)
-        return tuple(out)
+        """Where each segment's transposed block starts, in units of ``cols`` elements, then the
+        total."""
+        return tuple(itertools.accumulate(self.buckets, initial=0))
 
     @property
     def rows(self) -> int:
@@ -102,24 +98,26 @@ def _table(segs: Segments, block_rows: int, device: torch.device) -> tuple[torch
 
 @dataclass(frozen=True)
 class QuantizedSegments:
-    """A tensor's segments in FP8 (the module docstring's layout)."""
+    """A tensor's segments in FP8 (the module docstring's layout); ``data`` None where only
+    the transposes are kept (a backward's operands)."""
 
     segs: Segments
-    data: torch.Tensor
+    cols: int
+    data: torch.Tensor | None
     transposed: torch.Tensor | None
     inverse: torch.Tensor
 
     def rows(self, s: int) -> torch.Tensor:
         """Segment ``s``'s rows rounded up to its bucket: [bucket, cols], row-major."""
+        assert self.data is not None
         start = self.segs.starts[s]
         return self.data[start : start + self.segs.buckets[s]]
 
     def t(self, s: int) -> torch.Tensor:
         """Segment ``s``'s transpose: [cols, bucket], row-major, zeros past its rows."""
-        cols = self.data.shape[1]
-        first, bucket = self.segs.t_starts[s] * cols, self.segs.buckets[s]
+        first, bucket = self.segs.t_starts[s] * self.cols, self.segs.buckets[s]
         assert self.transposed is not None
-        return self.transposed[first : first + cols * bucket].view(cols, bucket)
+        return self.transposed[first : first + self.cols * bucket].view(self.cols, bucket)
 
     def inv(self, s: int) -> torch.Tensor:
         """Segment ``s``'s inverse scale, a 0-d fp32 tensor 16-byte aligned."""
@@ -158,7 +156,7 @@ def quantize_segments(
                         x, table, len(segs.counts), tiles, y, yt, inverse, dtype, fp8_max,
                         margin_factor,
                     )  # fmt: skip
-                    return QuantizedSegments(segs, y, yt, inverse)
+                    return QuantizedSegments(segs, cols, y, yt, inverse)
 
                 done = fp8._launch_or_none((dtype, x.dtype), launch)
                 if done is not None:
@@ -173,9 +171,11 @@ def _quantize_segments_torch(
     cols = x.shape[1]
     with torch.no_grad():
         y = torch.zeros(segs.padded_rows, cols, dtype=dtype, device=x.device)
-        yt = torch.zeros(segs.t_starts[-1] * cols, dtype=dtype, device=x.device)
+        yt = None
+        if transpose:
+            yt = torch.zeros(segs.t_starts[-1] * cols, dtype=dtype, device=x.device)
         inverse = torch.ones(len(segs.counts), SCALE_STRIDE, dtype=torch.float32, device=x.device)
-        done = QuantizedSegments(segs, y, yt if transpose else None, inverse)
+        done = QuantizedSegments(segs, cols, y, yt, inverse)
         for s in segs.nonempty():
             start, count = segs.starts[s], segs.counts[s]
             q, inv = fp8.quantize(x[start : start + count].detach(), dtype, margin, triton=False)

@@ -14,12 +14,14 @@ of docs/performance.md). Here all of a tensor's segments quantize in two launche
   with ``TRANSPOSE``, the segment's transpose into its own contiguous ``[cols, bucket]`` block
   with zeros past the segment's rows; the segment's first tile writes the inverse scale.
 
-The segment layout comes from one small int32 table (``fp8_segments.Segments.table``): each
+The segment layout comes from one small int32 table: each
 segment's first row (and the total), its bucket (its rows rounded up), its first tile (and
-the total) and where its transposed block starts.
+the total) and where its transposed block starts (``fp8_segments._table``).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -35,8 +37,10 @@ from megatron_rocm.runtime.kernels.fp8_triton import (
 )
 from megatron_rocm.runtime.kernels.launch import cdiv
 
-# programs per segment for the amax, AMAX_BLOCK elements a step
-AMAX_PROGRAMS = 64
+# the amax: about AMAX_TOTAL programs over all segments (a power of two per segment, within
+# AMAX_PROGRAMS_RANGE), AMAX_BLOCK elements a step; the cast reads a segment's partials at once
+AMAX_TOTAL = 1024
+AMAX_PROGRAMS_RANGE = (16, 256)
 AMAX_BLOCK = 4096
 AMAX_WARPS = 8
 # the inverse scales sit SCALE_STRIDE floats apart: cuBLASLt refuses a scale pointer that is
@@ -137,9 +141,15 @@ def _segment_cast_transpose(
         tl.store(dst, tl.trans(q), mask=t_mask)
 
 
+def amax_programs(segments: int) -> int:
+    """``_segment_amax``'s programs per segment: about ``AMAX_TOTAL`` in all."""
+    low, high = AMAX_PROGRAMS_RANGE
+    return min(high, max(low, triton.next_power_of_2(cdiv(AMAX_TOTAL, segments))))
+
+
 def needs_int64(rows: int, cols: int, transposed: int) -> bool:
-    """Offsets past int32 in ``x``/``y`` (``rows`` of them, the tiles' masked lanes included)
-    or in the transposed blocks (``transposed`` elements in all)."""
+    """Offsets past int32 in ``x``/``y`` (``rows`` of them, with a tile's reach past the last)
+    or in the transposed blocks (``transposed`` elements in all, with a tile's reach)."""
     tile = max(cast_tile(0).rows, cast_tile(1).rows), max(cast_tile(0).cols, cast_tile(1).cols)
     return (
         max((rows + tile[0]) * (cols + tile[1]), transposed + tile[0] * (cols + tile[1])) >= 2**31
@@ -162,9 +172,10 @@ def quantize_segments(
     segment of ``table`` (on ``x``'s device) cast by its own scale, in two launches."""
     cols = x.shape[1]
     wide = needs_int64(y.shape[0], cols, 0 if yt is None else yt.numel())
-    partials = torch.empty(segments * AMAX_PROGRAMS, dtype=torch.int32, device=x.device)
-    _segment_amax[(segments, AMAX_PROGRAMS)](
-        x, table, partials, cols, segments, PROGRAMS=AMAX_PROGRAMS, BLOCK=AMAX_BLOCK, WIDE=wide,
+    programs = amax_programs(segments)
+    partials = torch.empty(segments * programs, dtype=torch.int32, device=x.device)
+    _segment_amax[(segments, programs)](
+        x, table, partials, cols, segments, PROGRAMS=programs, BLOCK=AMAX_BLOCK, WIDE=wide,
         num_warps=AMAX_WARPS,
     )  # fmt: skip
     mantissa, bias, fnuz = FORMATS[dtype]
@@ -173,7 +184,7 @@ def quantize_segments(
     y_bytes = y.view(torch.uint8)
     _segment_cast_transpose[(tiles, cdiv(cols, tile.cols))](
         x, partials, y_bytes, y_bytes if yt is None else yt.view(torch.uint8), inverse, table,
-        cols, segments, fp8_max, margin_factor, PROGRAMS=AMAX_PROGRAMS,
+        cols, segments, fp8_max, margin_factor, PROGRAMS=programs,
         SEGMENTS_BLOCK=triton.next_power_of_2(segments), SCALE_STRIDE=SCALE_STRIDE,
         MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz, BLOCK_R=tile.rows, BLOCK_C=tile.cols, WIDE=wide,
         TRANSPOSE=yt is not None, CAST=cast, num_warps=tile.warps,
@@ -183,46 +194,47 @@ def quantize_segments(
 def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
     """What ROCm launches: the amax and the cast on the integer encode's tile (``CAST=0``) for
     every input dtype and FP8 format, with and without the transpose, int32 and int64
-    offsets, for up to 64 local experts."""
+    offsets, for each local expert count of ``shapes`` (its segment block and programs)."""
     rows = max(shapes.seq_lens) * max(shapes.batch)
     widest = max(shapes.ffn_hiddens + shapes.hiddens)
     encode = cast_tile(0)
     wides = sorted({needs_int64(rows, widest, rows * widest), False})
     out = []
-    for source in shapes.dtypes:
+    for source, experts in itertools.product(shapes.dtypes, shapes.experts):
+        programs = amax_programs(experts)
         for wide in wides:
             out.append(
                 aot.launch(
                     _segment_amax,
-                    dict(PROGRAMS=AMAX_PROGRAMS, BLOCK=AMAX_BLOCK, WIDE=wide),
+                    dict(PROGRAMS=programs, BLOCK=AMAX_BLOCK, WIDE=wide),
                     ptrs=dict(x=source, table="i32", partials="i32"),
                     num_warps=AMAX_WARPS,
-                    grid=(8, AMAX_PROGRAMS),
+                    grid=(experts, programs),
                 )
             )
-        for mantissa, bias, fnuz in FORMATS.values():
-            for wide in wides:
-                for transpose in (True, False):
-                    consts = dict(PROGRAMS=AMAX_PROGRAMS, SEGMENTS_BLOCK=64,
-                                  SCALE_STRIDE=SCALE_STRIDE, MANTISSA=mantissa, BIAS=bias,
-                                  FNUZ=fnuz, BLOCK_R=encode.rows, BLOCK_C=encode.cols,
-                                  WIDE=wide, TRANSPOSE=transpose, CAST=0)  # fmt: skip
-                    out.append(
-                        aot.launch(
-                            _segment_cast_transpose,
-                            consts,
-                            ptrs=dict(
-                                x=source,
-                                partials="i32",
-                                y="u8",
-                                yt="u8",
-                                inverse=torch.float32,
-                                table="i32",
-                            ),  # fmt: skip
-                            floats=("fp8_max", "margin_factor"),
-                            num_warps=encode.warps,
-                            grid=(cdiv(rows, encode.rows), cdiv(widest, encode.cols)),
-                            neutral=("BIAS",),
-                        )
-                    )
+        for (mantissa, bias, fnuz), wide, transpose in itertools.product(
+            FORMATS.values(), wides, (True, False)
+        ):
+            consts = dict(PROGRAMS=programs, SEGMENTS_BLOCK=triton.next_power_of_2(experts),
+                          SCALE_STRIDE=SCALE_STRIDE, MANTISSA=mantissa, BIAS=bias, FNUZ=fnuz,
+                          BLOCK_R=encode.rows, BLOCK_C=encode.cols, WIDE=wide,
+                          TRANSPOSE=transpose, CAST=0)  # fmt: skip
+            out.append(
+                aot.launch(
+                    _segment_cast_transpose,
+                    consts,
+                    ptrs=dict(
+                        x=source,
+                        partials="i32",
+                        y="u8",
+                        yt="u8",
+                        inverse=torch.float32,
+                        table="i32",
+                    ),  # fmt: skip
+                    floats=("fp8_max", "margin_factor"),
+                    num_warps=encode.warps,
+                    grid=(cdiv(rows, encode.rows) + experts, cdiv(widest, encode.cols)),
+                    neutral=("BIAS",),
+                )
+            )
     return out

@@ -188,3 +188,51 @@ def test_evaluation_keeps_no_transposes(monkeypatch: pytest.MonkeyPatch) -> None
     with torch.no_grad():
         fp8_experts.fp8_experts(x, tuple(weights), _call())
     assert asked == [False, False]  # the tokens, then the weights: no transposes
+
+
+def test_a_rank_whose_experts_got_no_tokens_runs_forward_and_backward() -> None:
+    """Expert parallelism can leave a rank without any routed token."""
+    weights = _weights(torch.device("cpu"), experts=2)
+    x = torch.zeros(0, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    call = ExpertsCall(Segments((0, 0), 128), _recipe(), False, ExpertWeightCache(), None)
+    out = fp8_experts.fp8_experts(x, tuple(weights), call)
+    assert out.shape == (0, OUT)
+    out.sum().backward()
+    assert x.grad.shape == (0, HIDDEN)
+    assert all(torch.equal(w.grad, torch.zeros_like(w)) for w in weights)
+
+
+def test_the_output_may_be_changed_in_place_and_holds_only_its_rows() -> None:
+    """As the per-expert path's ``torch.cat``: no autograd view of the padded buffer."""
+    weights = _weights(torch.device("cpu"))
+    x, dy = _inputs(torch.device("cpu"))
+    xg = x.clone().requires_grad_()
+    out = fp8_experts.fp8_experts(xg, tuple(weights), _call())
+    assert out._base is None and out.shape == (sum(COUNTS), OUT)
+    out.mul_(2)  # autograd refuses this on a view created inside a custom function
+    out.backward(dy)
+    want = fp8_experts.fp8_experts(x.clone().requires_grad_(), tuple(weights), _call())
+    assert torch.equal(out, 2 * want.detach())
+
+
+def test_the_forward_keeps_only_what_its_backward_reads() -> None:
+    """The transposes and scales, not the row-major FP8 copies (the weights' are in the step's
+    cache when it is on; here it is off)."""
+    weights = _weights(torch.device("cpu"))
+    x, _ = _inputs(torch.device("cpu"))
+    out = fp8_experts.fp8_experts(x.clone().requires_grad_(), tuple(weights), _call())
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    fp8_bytes = sum(t.numel() for t in saved if t.element_size() == 1)
+    segs = Segments(COUNTS, fp8_experts.EXPERT_ROW_BUCKET)
+    assert fp8_bytes == segs.t_starts[-1] * HIDDEN + len(COUNTS) * OUT * HIDDEN
+
+
+def test_a_frozen_expert_gets_no_gradient_and_the_others_still_fuse() -> None:
+    weights = _weights(torch.device("cpu"))
+    weights[2].requires_grad_(False)
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    x, dy = _inputs(torch.device("cpu"))
+    fp8_experts.fp8_experts(x.clone().requires_grad_(), tuple(weights), _call(True)).backward(dy)
+    assert not weights[2].main_grad.any() and weights[2].grad is None
+    assert weights[0].main_grad.any() and weights[3].main_grad.any()
