@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import TRITON_DEVICE, triton_test
+from triton_interpreter import TRITON_DEVICE, quick_few, triton_test
 
 from megatron_rocm.runtime.kernels import fp8, fp8_segments
 from megatron_rocm.runtime.kernels.fp8_segments import Segments, quantize_segments
@@ -113,9 +113,9 @@ CASES = [
 ]
 
 
-@triton_test
-@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("counts", "cols", "multiple"), CASES)
+@triton_test  # the quick tier: one layout from bf16 under the interpreter; the full tier all
+@pytest.mark.parametrize("source", quick_few([torch.bfloat16, torch.float16, torch.float32]))
+@pytest.mark.parametrize(("counts", "cols", "multiple"), quick_few(CASES, unpack=True))
 def test_the_kernels_give_each_segments_eager_bytes_and_scale(
     monkeypatch: pytest.MonkeyPatch, source: torch.dtype, counts, cols: int, multiple: int
 ) -> None:
