@@ -1,9 +1,10 @@
 """FP8 on this device (``--fp8-format`` without TE): the formats its arch trains in (the
 ``fnuz`` ones on gfx942, OCP elsewhere); the bytes of every quantize a training step makes
 (current scaling with the padded transpose the GEMMs read, delayed scaling's history under
-both amax algorithms, a shard cast into a byte buffer at an odd offset, the byte transpose),
-each against torch's own cast on this device; and the FP8 linear's three GEMMs, called as
-training calls them, against fp32 math on the same FP8 operands. Inputs are finite bf16, as
+both amax algorithms, a shard cast into a byte buffer at an odd offset, the byte transpose,
+the MoE experts' segments each by its own amax), each against torch's own cast on this device;
+and the FP8 linear's and the MoE experts' GEMMs, called as training calls them, against fp32
+math on the same FP8 operands. Inputs are finite bf16, as
 the linears quantize. A GPU without FP8 GEMMs skips: there ``--fp8-format`` is refused at
 argument validation."""
 
@@ -98,6 +99,63 @@ def _delayed(k: ModuleType, ctx: Context, check: _Bytes, dtype: torch.dtype) -> 
             earlier.append(amax)
 
 
+# the MoE experts' rows: an expert without tokens, one past a 16-row bucket, one of a single row
+EXPERT_ROWS = (20, 0, 1)
+
+
+def _segments(ctx: Context, check: _Bytes, dtype: torch.dtype) -> None:
+    """Each expert's rows quantized by its own amax (``fp8_segments``, as the FP8 experts
+    quantize their tokens): the rows and their zero-padded transpose."""
+    from megatron_rocm.runtime.kernels.fp8_segments import Segments, quantize_segments
+
+    segs = Segments(EXPERT_ROWS, 16)
+    x = torch.cat([_randn(ctx, (rows, 48), 30 + e, 4.0**-e) for e, rows in enumerate(EXPERT_ROWS)])
+    got = quantize_segments(x, segs, dtype)
+    for e in segs.nonempty():
+        start, rows = segs.starts[e], segs.counts[e]
+        want, scale = refmath.fp8_quantize(x[start : start + rows], dtype)
+        label = f"{dtype} expert {e} of {len(EXPERT_ROWS)}"
+        check.same(label, got.data[start : start + rows], want)
+        check.same(f"{label} transpose", got.t(e)[:, :rows], want.t())
+        if got.t(e)[:, rows:].view(torch.uint8).any():
+            raise CheckFailed(f"{label} transpose: its padding past row {rows} is not zero")
+        check.scale(label, got.inv(e), scale)
+
+
+def _experts(ctx: Context, tally: _Tally, formats: object) -> None:
+    """The FP8 MoE experts' function (``backend.fp8_experts``: every expert's GEMMs over its
+    bucket, written into one output) against fp32 math on each expert's operands quantized
+    as refmath quantizes them."""
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+    from megatron_rocm.runtime.backend import fp8_experts
+    from megatron_rocm.runtime.kernels.fp8_segments import Segments
+
+    segs = Segments(EXPERT_ROWS, fp8_experts.EXPERT_ROW_BUCKET)
+    x = _randn(ctx, (segs.rows, 64), 40).requires_grad_()
+    weights = [_randn(ctx, (32, 64), 41 + e, 0.1).requires_grad_() for e in range(len(EXPERT_ROWS))]
+    dy = _randn(ctx, (segs.rows, 32), 45)
+    call = fp8_experts.ExpertsCall(
+        segs, backend_fp8.Fp8Recipe(formats=formats), False, fp8_experts.ExpertWeightCache(), None
+    )
+    y = fp8_experts.fp8_experts(x, tuple(weights), call)
+    y.backward(dy)
+
+    def dequantized(t: Tensor, dtype: torch.dtype) -> Tensor:
+        t_fp8, scale = refmath.fp8_quantize(t, dtype)
+        return t_fp8.float() / scale
+
+    for e in segs.nonempty():
+        rows = slice(segs.starts[e], segs.starts[e + 1])
+        xq, wq = dequantized(x[rows], formats.forward), dequantized(weights[e], formats.forward)
+        dyq = dequantized(dy[rows], formats.backward)
+        label = f"FP8 expert {e}"
+        tally.compare(f"{label} forward", y[rows], xq @ wq.t(), torch.bfloat16)
+        tally.compare(f"{label} input gradient", x.grad[rows], dyq @ wq, torch.bfloat16)
+        tally.compare(f"{label} weight gradient", weights[e].grad, dyq.t() @ xq, torch.bfloat16)
+    if weights[EXPERT_ROWS.index(0)].grad.any():
+        raise CheckFailed("FP8 experts: the expert without tokens got a weight gradient")
+
+
 def _linear(ctx: Context, tally: _Tally, formats: object) -> None:
     """The FP8 linear's forward, input gradient and weight gradient (``backend.fp8``: its
     GEMM calls, fast accumulation and the padded token dimension included) against fp32
@@ -139,7 +197,9 @@ def fp8(ctx: Context) -> str:
     for dtype in (formats.forward, formats.backward):
         _current(k, ctx, check, dtype)
         _delayed(k, ctx, check, dtype)
+        _segments(ctx, check, dtype)
     _linear(ctx, tally, formats)
+    _experts(ctx, tally, formats)
     failed = k.failed_kernels()
     if failed:  # then torch's path answered: the comparisons above proved nothing of Triton
         raise CheckFailed(
@@ -149,6 +209,6 @@ def fp8(ctx: Context) -> str:
     sample = torch.empty(1, device=ctx.device, dtype=torch.bfloat16)
     return (
         f"{formats.forward} / {formats.backward}: {check.cases} tensors byte for byte "
-        f"torch's cast, the FP8 linear's GEMMs worst rel err {tally.worst:.2e} "
+        f"torch's cast, the FP8 linear's and experts' GEMMs worst rel err {tally.worst:.2e} "
         f"({_path(ctx, sample, 'fp8')})"
     )
