@@ -99,6 +99,12 @@ def _delayed(k: ModuleType, ctx: Context, check: _Bytes, dtype: torch.dtype) -> 
             earlier.append(amax)
 
 
+def _dequantized(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The FP8 operand refmath quantizes from ``t``, in fp32: what the GEMMs multiply."""
+    t_fp8, scale = refmath.fp8_quantize(t, dtype)
+    return t_fp8.float() / scale
+
+
 # the MoE experts' rows: an expert without tokens, one past a 16-row bucket, one of a single row
 EXPERT_ROWS = (20, 0, 1)
 
@@ -140,14 +146,10 @@ def _experts(ctx: Context, tally: _Tally, formats: object) -> None:
     y = fp8_experts.fp8_experts(x, tuple(weights), call)
     y.backward(dy)
 
-    def dequantized(t: Tensor, dtype: torch.dtype) -> Tensor:
-        t_fp8, scale = refmath.fp8_quantize(t, dtype)
-        return t_fp8.float() / scale
-
     for e in segs.nonempty():
         rows = slice(segs.starts[e], segs.starts[e + 1])
-        xq, wq = dequantized(x[rows], formats.forward), dequantized(weights[e], formats.forward)
-        dyq = dequantized(dy[rows], formats.backward)
+        xq, wq = _dequantized(x[rows], formats.forward), _dequantized(weights[e], formats.forward)
+        dyq = _dequantized(dy[rows], formats.backward)
         label = f"FP8 expert {e}"
         tally.compare(f"{label} forward", y[rows], xq @ wq.t(), torch.bfloat16)
         tally.compare(f"{label} input gradient", x.grad[rows], dyq @ wq, torch.bfloat16)
@@ -169,12 +171,8 @@ def _linear(ctx: Context, tally: _Tally, formats: object) -> None:
     y = backend_fp8.fp8_linear(x, w, False, recipe)
     y.backward(dy)
 
-    def dequantized(t: Tensor, dtype: torch.dtype) -> Tensor:  # the FP8 operand, in fp32
-        t_fp8, scale = refmath.fp8_quantize(t, dtype)
-        return t_fp8.float() / scale
-
-    xq, wq = dequantized(x, formats.forward), dequantized(w, formats.forward)
-    dyq = dequantized(dy, formats.backward)
+    xq, wq = _dequantized(x, formats.forward), _dequantized(w, formats.forward)
+    dyq = _dequantized(dy, formats.backward)
     tally.compare("FP8 linear forward", y, xq @ wq.t(), torch.bfloat16)
     tally.compare("FP8 linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
     tally.compare("FP8 linear weight gradient", w.grad, dyq.t() @ xq, torch.bfloat16)

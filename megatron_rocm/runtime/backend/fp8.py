@@ -290,19 +290,21 @@ class Fp8LinearFunction(torch.autograd.Function):
                 wgrad = fp8_mm(dy_fp8_t, dy_inv, x_fp8_t.t(), x_inv, torch.float32)
             else:
                 wgrad = dy.t().float() @ saved_x.float()
-            grad_weight = _deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+            grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
         return grad_input, grad_weight, None, None, None, None
 
 
-def _deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor, like: torch.Tensor) -> Any:
-    """The weight gradient for autograd (in the weight's dtype), or added into ``main_grad``
-    with Megatron's placeholder returned instead (``LinearFunction``'s contract)."""
+def deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor | None, like: torch.Tensor) -> Any:
+    """The weight gradient for autograd (in the weight's dtype; None: no tokens, zeros), or
+    added into ``main_grad`` with Megatron's placeholder returned instead
+    (``LinearFunction``'s contract)."""
     if not fuse:
-        return wgrad.to(weight.dtype)
+        return torch.zeros_like(weight) if wgrad is None else wgrad.to(weight.dtype)
     from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
 
     main_grad = main_grad_for_wgrad(weight)
-    main_grad.add_(wgrad)
+    if wgrad is not None:
+        main_grad.add_(wgrad)
     return added_to_main_grad(weight, main_grad, like)
 
 

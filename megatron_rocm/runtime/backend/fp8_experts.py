@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
+from megatron_rocm.runtime.backend.fp8 import deliver_wgrad
 from megatron_rocm.runtime.kernels.fp8 import fp8_mm, fp8_mm_into
 from megatron_rocm.runtime.kernels.fp8_segments import (
     QuantizedSegments,
     Segments,
     quantize_segments,
 )
-from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
+from megatron_rocm.runtime.kernels.grad_accum import has_main_grad
 from megatron_rocm.runtime.kernels.grouped_gemm_ops import Matrices
 
 # each expert's GEMMs run on its rows rounded up to a multiple of this (module docstring)
@@ -146,7 +146,7 @@ class Fp8ExpertsFunction(torch.autograd.Function):
             elif segs.counts[e]:
                 rows = slice(segs.starts[e], segs.starts[e + 1])
                 wgrad = dy[rows].t().float() @ saved_x[rows].float()
-            grads.append(_deliver(ctx.fuse[e], weight, wgrad, dy))
+            grads.append(deliver_wgrad(ctx.fuse[e], weight, wgrad, dy))
         return (grad_x, None, None, *grads)
 
 
@@ -174,17 +174,6 @@ def _viewless(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty((1,), dtype=t.dtype, device=t.device)
     out.data = t.data
     return out
-
-
-def _deliver(fuse: bool, weight: Any, wgrad: torch.Tensor | None, like: torch.Tensor) -> Any:
-    """An expert's weight gradient for autograd (None: no tokens, zeros), or added into its
-    ``main_grad`` with Megatron's placeholder returned instead."""
-    if not fuse:
-        return torch.zeros_like(weight) if wgrad is None else wgrad.to(weight.dtype)
-    main_grad = main_grad_for_wgrad(weight)
-    if wgrad is not None:
-        main_grad.add_(wgrad)
-    return added_to_main_grad(weight, main_grad, like)
 
 
 def fp8_experts(x: torch.Tensor, weights: tuple[torch.Tensor, ...], call: ExpertsCall) -> Any:

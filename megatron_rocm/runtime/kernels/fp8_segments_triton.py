@@ -29,6 +29,7 @@ import triton.language as tl
 
 from megatron_rocm.runtime.kernels import aot
 from megatron_rocm.runtime.kernels.fp8_triton import (
+    _WIDEST,
     FORMATS,
     _scale_of,
     _scaled_byte,
@@ -150,10 +151,9 @@ def amax_programs(segments: int) -> int:
 def needs_int64(rows: int, cols: int, transposed: int) -> bool:
     """Offsets past int32 in ``x``/``y`` (``rows`` of them, with a tile's reach past the last)
     or in the transposed blocks (``transposed`` elements in all, with a tile's reach)."""
-    tile = max(cast_tile(0).rows, cast_tile(1).rows), max(cast_tile(0).cols, cast_tile(1).cols)
-    return (
-        max((rows + tile[0]) * (cols + tile[1]), transposed + tile[0] * (cols + tile[1])) >= 2**31
-    )
+    block_r, block_c = _WIDEST  # fp8_triton's widest tile: one answer for every cast tile
+    reach = block_r * (cols + block_c)
+    return max((rows + block_r) * (cols + block_c), transposed + reach) >= 2**31
 
 
 def quantize_segments(
