@@ -33,6 +33,7 @@ from megatron_rocm.runtime.kernels.fp8 import (
     quantize,
     quantize_transposed,
 )
+from megatron_rocm.runtime.kernels.fp8_amax_reduction import Scope, active
 from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
 
 _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
@@ -106,10 +107,12 @@ def is_first_last_bf16_layer(config: Any, layer_no: int) -> bool:
 
 def layer_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
     """``get_fp8_context`` without TE. Around a layer's construction under ``--fp8-format``
-    it records whether that layer trains in FP8; otherwise (the forward's contexts) it does
-    nothing: the modules decided when they were built."""
-    if not is_init or not getattr(config, "fp8", None):
+    it records whether that layer trains in FP8 (the modules decide when they are built);
+    around a forward it is a :func:`forward_region`."""
+    if not getattr(config, "fp8", None):
         return contextlib.nullcontext()
+    if not is_init:
+        return forward_region()
     return _building(is_first_last_bf16_layer(config, layer_no))
 
 
@@ -120,6 +123,52 @@ def _building(bf16: bool) -> Iterator[None]:
         yield
     finally:
         _bf16_layer.pop()
+
+
+@dataclass
+class _ForwardRegion:
+    """The outermost forward region open now: the scope its forward's amaxes defer to, the
+    one its backward's defer to, and whether its first FP8 linear is still to come."""
+
+    forward: Scope = field(default_factory=Scope)
+    backward: Scope = field(default_factory=Scope)
+    first_open: bool = True
+
+
+_open_regions: list[_ForwardRegion | None] = []  # the outermost region, then None per nested
+
+
+@contextlib.contextmanager
+def forward_region() -> Iterator[None]:
+    """Where upstream enters its FP8 context around a forward (the whole block's under
+    delayed scaling), the amax all-reduces of delayed scaling batch as in TE's
+    ``fp8_autocast`` (``kernels.fp8_amax_reduction``): the outermost region's end reduces its
+    forward's amaxes, and its first FP8 linear the backward's at the end of its own backward,
+    the region's last. Not on an exception: the other ranks may not be here."""
+    region = None if _open_regions else _ForwardRegion()
+    _open_regions.append(region)
+    try:
+        if region is None:
+            yield
+        else:
+            with active(region.forward):
+                yield
+    finally:
+        _open_regions.pop()
+    if region is not None:
+        region.forward.flush()
+
+
+def backward_scope(backward_comes: bool) -> tuple[Scope | None, bool]:
+    """For a linear's forward: the scope its backward's amaxes defer to (None outside a
+    forward region), and whether its backward flushes that scope at its end (the first FP8
+    linear of the region whose backward will run: ``backward_comes``)."""
+    region = _open_regions[0] if _open_regions else None
+    if region is None:
+        return None, False
+    settles = backward_comes and region.first_open
+    region.first_open &= not settles
+    return region.backward, settles
 
 
 def module_recipe(
@@ -267,6 +316,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
         ctx.fuse_wgrad = fuse_wgrad and has_main_grad(weight)
+        ctx.amax_scope, ctx.settles = backward_scope(need_dgrad or need_wgrad)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -277,10 +327,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         wgrad_fp8 = ctx.needs_input_grad[1] and recipe.wgrad_in_fp8
         dy_history = recipe.history("grad_output")
-        if wgrad_fp8:
-            dy_fp8, dy_fp8_t, dy_inv = quantize_transposed(dy, fmt, recipe.margin, dy_history)
-        else:
-            dy_fp8, dy_inv = quantize(dy, fmt, recipe.margin, history=dy_history)
+        with active(ctx.amax_scope):
+            if wgrad_fp8:
+                dy_fp8, dy_fp8_t, dy_inv = quantize_transposed(dy, fmt, recipe.margin, dy_history)
+            else:
+                dy_fp8, dy_inv = quantize(dy, fmt, recipe.margin, history=dy_history)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:  # [M, N] x [N, K]: W^T's transpose is W, column-major
             grad_input = fp8_mm(dy_fp8, dy_inv, w_fp8_t.t(), w_inv, ctx.x_dtype)
@@ -291,6 +342,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 wgrad = dy.t().float() @ saved_x.float()
             grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+        if ctx.settles:  # the forward region's last FP8 backward: its amaxes reduced
+            ctx.amax_scope.flush()
         return grad_input, grad_weight, None, None, None, None
 
 

@@ -24,6 +24,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from megatron_rocm.runtime.kernels.fp8_amax_reduction import (
+    AmaxReduction,
+    current_scope,
+    reduction_for,
+)
 from megatron_rocm.runtime.kernels.launch import (
     log_fallback_once,
     use_triton,
@@ -207,11 +212,12 @@ class AmaxHistory:
     (current scaling), so the first step's output gradients do not flush to zero in E5M2. The
     state lives on the device (no host sync), so a CUDA graph captured after the first
     quantize replays it; capturing the first one raises. ``group``: each quantize's amax is
-    all-reduced (max) over it right after the cast, as TE reduces over upstream's amax
-    reduction group, so between two quantizes every rank of the group holds the same state (a
-    checkpoint, which one rank writes for all, holds the group's amax); None for a whole weight
-    (the same on every rank that holds it) and single-rank groups, the group for a weight split
-    over TP ranks.
+    all-reduced (max) over it, as TE reduces over upstream's amax reduction group: at once, or
+    inside a forward region or its backward together with the group's other amaxes at the
+    region's end (``fp8_amax_reduction``), and always before this history advances again, so
+    every rank scales alike and a checkpoint, which one rank writes for all, holds the group's
+    amax; None for a whole weight (the same on every rank that holds it) and single-rank
+    groups, the group for a weight split over TP ranks.
     """
 
     length: int
@@ -222,6 +228,9 @@ class AmaxHistory:
     current: torch.Tensor | None = None  # fp32 0-d: the running quantize's amax
     pos: torch.Tensor | None = None  # int32 0-d: where ``current`` goes next
     scale: torch.Tensor | None = None  # fp32 0-d: the scale the next cast uses
+    reduction: AmaxReduction | None = None  # the group's batched all-reduces (``current``'s)
+    buffer_index: int = -1  # which of the reduction's buffers holds ``current``
+    deferred_at: int = -1  # the reduction's flush count when ``current`` was last deferred
 
     def __post_init__(self) -> None:
         if self.length < 1:
@@ -230,7 +239,12 @@ class AmaxHistory:
     def allocate(self, device: torch.device) -> None:
         """The state on ``device``, empty."""
         self.history = torch.zeros(self.length, dtype=torch.float32, device=device)
-        self.current = torch.zeros((), dtype=torch.float32, device=device)
+        if self.group is None:
+            self.current = torch.zeros((), dtype=torch.float32, device=device)
+        else:  # a slot in the group's buffers, all-reduced together
+            self.reduction = reduction_for(self.group)
+            self.current, self.buffer_index = self.reduction.slot(device)
+            self.deferred_at = -1
         self.pos = torch.zeros((), dtype=torch.int32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
 
@@ -263,11 +277,25 @@ class AmaxHistory:
         self.started = True
 
     def reduce(self) -> None:
-        """The running amax, all-reduced (max) over ``group``: after each quantize's cast."""
-        if self.group is not None:
+        """After each quantize's cast: the running amax all-reduced (max) over ``group``,
+        deferred to the active scope's end where there is one (``fp8_amax_reduction``), else,
+        and while a CUDA graph is being captured (a replay runs no flush), at once."""
+        if self.group is None:
+            return
+        scope = current_scope()
+        if scope is None or capturing(self.current):
             torch.distributed.all_reduce(
                 self.current, op=torch.distributed.ReduceOp.MAX, group=self.group
             )
+            return
+        self.deferred_at = self.reduction.defer(self.buffer_index)
+        scope.add(self.reduction)
+
+    def settle(self) -> None:
+        """The running amax reduced over ``group`` if it is not yet (a flush of every
+        buffer of the group the amax shares): before the history advances."""
+        if self.reduction is not None and not self.reduction.settled(self.deferred_at):
+            self.reduction.flush()
 
     def advance(self, fp8_max: float, margin: int, triton: bool) -> torch.Tensor:
         """Fold the running amax into the history and set the scale (``fp8_triton``'s
@@ -275,6 +303,7 @@ class AmaxHistory:
         inverse, a new tensor (a linear saves it for its backward, by which time the state
         may have moved on). A zero amax (an all-zero tensor) changes nothing, as in TE: it
         neither joins the history nor pushes an entry out."""
+        self.settle()
         inverse = torch.empty((), dtype=torch.float32, device=self.scale.device)
         if triton:
             from megatron_rocm.runtime.kernels import fp8_triton
