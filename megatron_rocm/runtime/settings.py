@@ -143,7 +143,16 @@ SETTINGS: dict[str, Setting] = {
             "kernels",
             frozenset(),
             area="Triton kernels (both specs)",
-            choices=("softmax", "rope", "cross_entropy", "norm", "grouped_gemm", "swiglu", "fp8"),
+            choices=(
+                "softmax",
+                "rope",
+                "cross_entropy",
+                "norm",
+                "grouped_gemm",
+                "swiglu",
+                "fp8",
+                "fp8_accumulate",
+            ),
             default_text="auto",
             doc="put every kernel, or the named ones, on torch's reference path (A/B runs, "
             "debugging)",

@@ -18,7 +18,10 @@ tensor cores' precision.
 For each shape ``MxNxK`` (``fp8_linear``'s: the weight gradient ``[N, K]`` reduces over the M
 tokens) and each ``main_grad`` dtype (fp32, and bf16 as ``--grad-reduce-in-bf16`` makes it):
 ``torch`` (``_scaled_mm`` in fp32, then ``add_``), ``torch_fast`` (the same with
-``use_fast_accum``), ``triton_fast`` (the Triton GEMM, whole-K accumulation in the tensor cores) and ``triton_promoted`` (promoted after every tile of 128 tokens):
+``use_fast_accum``), ``blaslt`` (on a GPU: ``kernels.fp8_accumulate``, cuBLASLt or hipBLASLt
+adding in the GEMM's epilogue, what the FP8 linears use), ``triton_fast`` (the Triton GEMM,
+whole-K accumulation in the tensor cores) and ``triton_promoted`` (promoted after every tile of
+128 tokens):
 milliseconds, TFLOP/s (2MNK) and the largest error against fp32 math on the same FP8 operands,
 relative to the result's largest magnitude. Times are medians of CUDA-graph replays.
 """
@@ -34,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_rocm.runtime.kernels import fp8_accumulate
 from scripts.bench import timing as bench_timing
 from scripts.bench.fp8_cli import device_name, fp8_device, report
 from scripts.bench.fp8_linear import parse_shapes
@@ -123,6 +127,18 @@ def torch_accumulate(
     main_grad.add_(wgrad)
 
 
+def blas_accumulate(
+    dy_t: torch.Tensor,
+    x_t: torch.Tensor,
+    main_grad: torch.Tensor,
+    dy_inv: torch.Tensor,
+    x_inv: torch.Tensor,
+) -> None:
+    """The FP8 linears' way on a GPU: the BLAS adds into ``main_grad`` in the GEMM itself."""
+    if not fp8_accumulate.accumulate(main_grad, dy_t, dy_inv, x_t.t(), x_inv):
+        raise RuntimeError("fp8_accumulate declined: this GPU's BLAS path is not available")
+
+
 def bench_shape(shape: tuple[int, int, int], grad_dtype: torch.dtype, device: str) -> dict:
     tokens, n, k = shape
     torch.manual_seed(0)
@@ -135,9 +151,12 @@ def bench_shape(shape: tuple[int, int, int], grad_dtype: torch.dtype, device: st
     paths = {
         "torch": lambda g: torch_accumulate(dy_t, x_t, g, dy_inv, x_inv),
         "torch_fast": lambda g: torch_accumulate(dy_t, x_t, g, dy_inv, x_inv, fast=True),
+        "blaslt": lambda g: blas_accumulate(dy_t, x_t, g, dy_inv, x_inv),
         "triton_fast": lambda g: wgrad_accumulate(dy_t, x_t, g, dy_inv, x_inv, False),
         "triton_promoted": lambda g: wgrad_accumulate(dy_t, x_t, g, dy_inv, x_inv, True),
     }
+    if device != "cuda":
+        del paths["blaslt"]
     row: dict = {"shape": f"{tokens}x{n}x{k}", "main_grad": str(grad_dtype).removeprefix("torch.")}
     scratch = torch.zeros_like(start)
     for name, path in paths.items():
@@ -184,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(
                 f"{name} {r[name]['ms']} ms ({r[name]['tflops']} TFLOP/s, error "
                 f"{r[name]['rel_error']:.2g})"
-                for name in ("torch", "torch_fast", "triton_fast", "triton_promoted")
+                for name in ("torch", "torch_fast", "blaslt", "triton_fast", "triton_promoted")
+                if name in r
             )
         )
     return report({"device": device_name(device), "rows": rows}, opts.json)

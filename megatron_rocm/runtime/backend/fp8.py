@@ -33,6 +33,7 @@ from megatron_rocm.runtime.kernels.fp8 import (
     quantize,
     quantize_transposed,
 )
+from megatron_rocm.runtime.kernels.fp8_accumulate import accumulate
 from megatron_rocm.runtime.kernels.fp8_amax_reduction import Scope, active
 from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
 
@@ -338,27 +339,58 @@ class Fp8LinearFunction(torch.autograd.Function):
             grad_input = grad_input.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if wgrad_fp8:  # [N, M'] x [M', K], M' the tokens padded to 16 with zeros
-                wgrad = fp8_mm(dy_fp8_t, dy_inv, x_fp8_t.t(), x_inv, torch.float32)
+                grad_weight = fp8_wgrad(
+                    ctx.fuse_wgrad, weight, (dy_fp8_t, dy_inv), (x_fp8_t.t(), x_inv), dy
+                )
             else:
                 wgrad = dy.t().float() @ saved_x.float()
-            grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+                grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
         if ctx.settles:  # the forward region's last FP8 backward: its amaxes reduced
             ctx.amax_scope.flush()
         return grad_input, grad_weight, None, None, None, None
 
 
-def deliver_wgrad(fuse: bool, weight: Any, wgrad: torch.Tensor | None, like: torch.Tensor) -> Any:
+def deliver_wgrad(
+    fuse: bool,
+    weight: Any,
+    wgrad: torch.Tensor | None,
+    like: torch.Tensor,
+    main_grad: torch.Tensor | None = None,
+) -> Any:
     """The weight gradient for autograd (in the weight's dtype; None: no tokens, zeros), or
-    added into ``main_grad`` with Megatron's placeholder returned instead
-    (``LinearFunction``'s contract)."""
+    added into ``main_grad`` (``main_grad_for_wgrad``'s unless given) with Megatron's
+    placeholder returned instead (``LinearFunction``'s contract)."""
     if not fuse:
         return torch.zeros_like(weight) if wgrad is None else wgrad.to(weight.dtype)
     from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
 
-    main_grad = main_grad_for_wgrad(weight)
+    if main_grad is None:
+        main_grad = main_grad_for_wgrad(weight)
     if wgrad is not None:
         main_grad.add_(wgrad)
     return added_to_main_grad(weight, main_grad, like)
+
+
+def fp8_wgrad(
+    fuse: bool,
+    weight: Any,
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    like: torch.Tensor,
+) -> Any:
+    """The weight gradient ``a @ b`` of two FP8 operands with their inverse scales (``a``
+    row-major, ``b`` column-major), delivered as :func:`deliver_wgrad` delivers it; under
+    gradient-accumulation fusion the GEMM adds into ``main_grad`` itself where the GPU's BLAS
+    can (``kernels.fp8_accumulate``: no fp32 temporary, no separate add)."""
+    main_grad = None
+    if fuse:
+        main_grad = main_grad_for_wgrad(weight)
+        if accumulate(main_grad, a[0], a[1], b[0], b[1]):
+            from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
+
+            return added_to_main_grad(weight, main_grad, like)
+    wgrad = fp8_mm(a[0], a[1], b[0], b[1], torch.float32)
+    return deliver_wgrad(fuse, weight, wgrad, like, main_grad)
 
 
 def fp8_linear(

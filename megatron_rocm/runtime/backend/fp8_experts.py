@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend.fp8 import deliver_wgrad
-from megatron_rocm.runtime.kernels.fp8 import fp8_mm, fp8_mm_into
+from megatron_rocm.runtime.backend.fp8 import deliver_wgrad, fp8_wgrad
+from megatron_rocm.runtime.kernels.fp8 import fp8_mm_into
 from megatron_rocm.runtime.kernels.fp8_segments import (
     QuantizedSegments,
     Segments,
@@ -140,10 +140,12 @@ class Fp8ExpertsFunction(torch.autograd.Function):
             if not needs[3 + e]:
                 grads.append(None)
                 continue
-            wgrad = None
             if segs.counts[e] and wgrad_fp8:
-                wgrad = fp8_mm(dyq.t(e), dyq.inv(e), xq.t(e).t(), xq.inv(e), torch.float32)
-            elif segs.counts[e]:
+                a, b = (dyq.t(e), dyq.inv(e)), (xq.t(e).t(), xq.inv(e))
+                grads.append(fp8_wgrad(ctx.fuse[e], weight, a, b, dy))
+                continue
+            wgrad = None
+            if segs.counts[e]:
                 rows = slice(segs.starts[e], segs.starts[e + 1])
                 wgrad = dy[rows].t().float() @ saved_x[rows].float()
             grads.append(deliver_wgrad(ctx.fuse[e], weight, wgrad, dy))

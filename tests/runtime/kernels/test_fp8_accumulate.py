@@ -1,0 +1,152 @@
+"""The FP8 GEMM that adds into its output (``kernels.fp8_accumulate``: cuBLASLt / hipBLASLt with
+``beta = 1``), and the FP8 linears' weight gradients through it.
+
+The oracle is torch's own ``torch._scaled_mm`` into fp32 followed by ``out.add_``, the path the
+linears take without it. The GPU cases assert the BLAS path ran (``accumulate`` answered True),
+so none passes on the fallback. On the CPU: the C layouts and enum tables against the libraries'
+headers, and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8, fp8_accumulate  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.mark.parametrize(
+    ("vendor", "size"), [(fp8_accumulate.CUBLASLT, 96), (fp8_accumulate.HIPBLASLT, 56)]
+)
+def test_the_heuristic_result_has_the_headers_size(vendor, size) -> None:
+    """cublasLt.h: a 64-byte algorithm; hipblaslt.h: 16 bytes and a size_t; then workspace
+    size, state, waves and four reserved ints (a wrong size corrupts the caller's memory)."""
+    assert ctypes.sizeof(fp8_accumulate._heuristic_type(vendor)) == size
+
+
+@pytest.mark.parametrize(("hip", "arch"), [(None, None), ("6.4", "gfx942"), ("6.4", "gfx950")])
+def test_every_fp8_format_of_a_gpu_has_a_blas_type(monkeypatch, hip, arch) -> None:
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(fp8, "gpu_arch", lambda: arch)
+    vendor = fp8_accumulate.HIPBLASLT if hip else fp8_accumulate.CUBLASLT
+    for name in ("hybrid", "e4m3"):
+        formats = fp8.formats(name)
+        assert {formats.forward, formats.backward} <= set(vendor.types)
+
+
+def test_a_loaded_library_is_found_by_its_name() -> None:
+    path = fp8_accumulate._loaded_library("libc.so")
+    assert path is not None and path.rsplit("/", 1)[-1].startswith("libc.so")
+    assert fp8_accumulate._loaded_library("libnothing-of-that-name.so") is None
+
+
+def test_cpu_tensors_add_separately() -> None:
+    out = torch.zeros(16, 16)
+    a = torch.zeros(16, 32).to(torch.float8_e4m3fn)
+    b = torch.zeros(16, 32).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    assert fp8_accumulate.accumulate(out, a, one, b, one) is False
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+def _operands(device, m, n, k, a_dtype, b_dtype, seed=0):  # noqa: ANN001, ANN202
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(m, k, device=device, generator=gen).clamp(-6, 6).to(a_dtype)
+    b = torch.randn(n, k, device=device, generator=gen).clamp(-6, 6).to(b_dtype).t()
+    return a, torch.tensor(0.03, device=device), b, torch.tensor(0.7, device=device)
+
+
+def _gpu_formats() -> list[tuple[torch.dtype, torch.dtype]]:
+    """(a, b) as the weight gradient pairs them: the output gradient, then the input."""
+    if not torch.cuda.is_available():
+        return [(torch.float8_e5m2, torch.float8_e4m3fn)]
+    hybrid = fp8.formats("hybrid")
+    return [(hybrid.backward, hybrid.forward), (hybrid.forward, hybrid.forward)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", _gpu_formats())
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(48, 64, 80), (1024, 1536, 4096), (4096, 1536, 2048)])
+def test_gpu_accumulate_adds_what_scaled_mm_computes(
+    cuda_device, formats, out_dtype, m, n, k
+) -> None:
+    a, a_inv, b, b_inv = _operands(cuda_device, m, n, k, *formats)
+    start = torch.randn(m, n, device=cuda_device).to(out_dtype)
+    want = start.clone()
+    want.add_(torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.float32))
+    got = start.clone()
+    assert fp8_accumulate.accumulate(got, a, a_inv, b, b_inv) is True
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    assert err <= (1e-5 if out_dtype == torch.float32 else 8e-3) * scale, (err, scale)
+
+
+@pytest.mark.gpu
+def test_gpu_accumulate_replays_in_a_cuda_graph(cuda_device) -> None:
+    a, a_inv, b, b_inv = _operands(cuda_device, 256, 512, 1024, *_gpu_formats()[0])
+    out = torch.zeros(256, 512, device=cuda_device)
+    assert fp8_accumulate.accumulate(out, a, a_inv, b, b_inv)  # the first use, eager
+    once = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        assert fp8_accumulate.accumulate(out, a, a_inv, b, b_inv)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, 2 * once, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed"])
+def test_gpu_fp8_linear_adds_its_weight_gradient_in_the_gemm(
+    cuda_device, monkeypatch, recipe_name
+) -> None:
+    """main_grad after two backward steps: the same as the separate add leaves it (the same
+    operands; only the GEMM's kernel differs), and the separate add never ran."""
+
+    def run(separate: bool) -> torch.Tensor:
+        if separate:
+            monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8_accumulate")
+        else:
+            monkeypatch.delenv("MEGATRON_ROCM_KERNELS", raising=False)
+        torch.manual_seed(3)
+        w = torch.nn.Parameter(torch.randn(256, 512, device=cuda_device, dtype=torch.bfloat16))
+        w.main_grad = torch.zeros(256, 512, device=cuda_device, dtype=torch.float32)
+        delayed = None
+        if recipe_name == "delayed":
+            delayed = backend_fp8.DelayedScaling(
+                *(fp8.AmaxHistory(16, most_recent=False) for _ in range(3))
+            )
+        recipe = backend_fp8.Fp8Recipe(formats=fp8.formats("hybrid"), delayed=delayed)
+        calls = []
+        original = fp8_accumulate.accumulate
+
+        def counted(*args):  # noqa: ANN002, ANN202
+            done = original(*args)
+            calls.append(done)
+            return done
+
+        monkeypatch.setattr(backend_fp8, "accumulate", counted)
+        for _ in range(2):
+            x = torch.randn(1000, 512, device=cuda_device, dtype=torch.bfloat16)
+            y = backend_fp8.fp8_linear(x, w, True, recipe)
+            y.backward(torch.randn_like(y))
+        assert calls == [not separate] * 2
+        return w.main_grad.clone()
+
+    fused, separate = run(False), run(True)
+    err = (fused - separate).abs().max().item()
+    assert err <= 1e-5 * separate.abs().max().item()
