@@ -109,11 +109,12 @@ def is_first_last_bf16_layer(config: Any, layer_no: int) -> bool:
 def layer_context(config: Any, layer_no: int = -1, is_init: bool = False) -> Any:
     """``get_fp8_context`` without TE. Around a layer's construction under ``--fp8-format``
     it records whether that layer trains in FP8 (the modules decide when they are built);
-    around a forward it is a :func:`forward_region`."""
+    around a forward under delayed scaling it is a :func:`forward_region` (current scaling
+    has no amaxes to reduce)."""
     if not getattr(config, "fp8", None):
         return contextlib.nullcontext()
     if not is_init:
-        return forward_region()
+        return forward_region() if recipe_name(config) == "delayed" else contextlib.nullcontext()
     return _building(is_first_last_bf16_layer(config, layer_no))
 
 

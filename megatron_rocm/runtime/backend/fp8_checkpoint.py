@@ -14,7 +14,8 @@ from a checkpoint taken without FP8.
 
 Every rank that holds a whole weight has the same weight history, and a weight split over TP
 ranks reduces its amax over upstream's amax reduction group; the input and gradient histories
-are the same on every rank of that group (their amaxes are all-reduced after each quantize).
+are the same on every rank of that group (their amaxes are all-reduced before a history
+advances and at the ends of the forward and backward regions, ``kernels.fp8_amax_reduction``).
 Rank 0's are then every rank's, except under ``--tp-only-amax-red`` with more than
 one data-parallel rank, where each rank keeps its own and a resume gives every rank rank 0's
 (as with TE, which saves its state the same way).
@@ -92,7 +93,7 @@ def _snapshot(history: AmaxHistory) -> dict[str, torch.Tensor]:
     """The history's tensors on the CPU (a checkpoint is written from the host)."""
     return {
         "history": history.history.detach().cpu(),
-        "current": history.current.detach().cpu(),
+        "current": history.current.detach().cpu().clone(),  # a slot's own bytes, not its buffer
         "pos": history.pos.detach().cpu(),
         "scale": history.scale.detach().cpu(),
     }

@@ -263,6 +263,7 @@ class AmaxHistory:
         if not self.started:
             self._begin(x)
         else:
+            self.settle()
             self.advance(fp8_max, margin, triton=False)
         self.reduce()
 
@@ -293,7 +294,8 @@ class AmaxHistory:
 
     def settle(self) -> None:
         """The running amax reduced over ``group`` if it is not yet (a flush of every
-        buffer of the group the amax shares): before the history advances."""
+        buffer of the group the amax shares): before the history advances, outside the
+        kernels' fallback (a collective is no kernel failure, and is issued once)."""
         if self.reduction is not None and not self.reduction.settled(self.deferred_at):
             self.reduction.flush()
 
@@ -302,8 +304,8 @@ class AmaxHistory:
         ``_delayed_update`` on a GPU, the same bits in torch otherwise); returns the scale's
         inverse, a new tensor (a linear saves it for its backward, by which time the state
         may have moved on). A zero amax (an all-zero tensor) changes nothing, as in TE: it
-        neither joins the history nor pushes an entry out."""
-        self.settle()
+        neither joins the history nor pushes an entry out. The caller settles the amax first
+        (:meth:`settle`)."""
         inverse = torch.empty((), dtype=torch.float32, device=self.scale.device)
         if triton:
             from megatron_rocm.runtime.kernels import fp8_triton
@@ -378,6 +380,7 @@ def advance_history(
     scale. On the Triton update where ``x`` quantizes on the kernels (``triton``: None asks
     ``_triton_takes``), else, or once that launch failed (logged once), torch's."""
     fp8_max = float(torch.finfo(dtype).max)
+    history.settle()
     if _triton_takes(x, dtype) if triton is None else triton:
         inverse = _launch_or_none((dtype, x.dtype), lambda: history.advance(fp8_max, margin, True))
         if inverse is not None:
@@ -468,7 +471,8 @@ def _on_history(
 ) -> _Quantized:
     """Delayed scaling's bookkeeping around one quantize (``quantize``, ``quantize_transposed``):
     ``delayed()`` once ``history`` has started; else ``current()`` (current scaling), whose
-    tensor starts the history; then the amax is all-reduced over the history's group. An
+    tensor starts the history; then the amax is all-reduced over the history's group (at
+    once, or deferred to the active scope: ``AmaxHistory.reduce``). An
     empty ``x`` casts by ``current()``; on a rank of an amax reduction group it keeps the
     history in step with the group (:meth:`AmaxHistory.skip`), elsewhere it leaves the
     history as it was."""

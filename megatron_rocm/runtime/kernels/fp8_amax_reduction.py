@@ -14,13 +14,16 @@ settled slots again changes nothing: the scales are bitwise those of reducing af
 quantize, and a checkpoint taken between steps holds the group's amaxes.
 
 Every rank of a group takes the same quantizes in the same order, so the flushes fall at the
-same places on each and their collectives pair up. Outside a scope, and while a CUDA graph is
-being captured (a replay runs no Python to flush), a quantize reduces at once.
+same places on each, their collectives pair up, and each history holds the same slot on every
+rank (a max pairs slots by position): the first flush checks that every rank has handed out as
+many slots, and raises where they differ. Outside a scope, and while a CUDA graph is being
+captured (a replay runs no Python to flush), a quantize reduces at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ class AmaxReduction:
     used: int = SLOTS  # slots handed out from the last buffer
     unreduced: set[int] = field(default_factory=set)  # buffer indices
     flushes: int = 0  # flushes run so far: an amax deferred before the last one is reduced
+    layout_checked: bool = False  # the first flush compared the slot counts of the ranks
 
     def slot(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """A fresh zero amax slot on ``device`` (a 0-d view) and its buffer's index."""
@@ -68,12 +72,28 @@ class AmaxReduction:
         on every rank of the group)."""
         if not self.unreduced:
             return
+        if not self.layout_checked:
+            self._check_layout()
         for index in sorted(self.unreduced):
             torch.distributed.all_reduce(
                 self.buffers[index], op=torch.distributed.ReduceOp.MAX, group=self.group
             )
         self.unreduced.clear()
         self.flushes += 1
+
+    def _check_layout(self) -> None:
+        """Every rank of the group has handed out as many slots (one all-reduce of the count
+        and its negation): else the max would pair one history's amax with another's."""
+        slots = len(self.buffers) * SLOTS - (SLOTS - self.used)
+        counts = torch.tensor([slots, -slots], dtype=torch.float64, device=self.buffers[0].device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most != fewest:
+            raise RuntimeError(
+                f"FP8 delayed scaling: the ranks of an amax reduction group hold {fewest} to "
+                f"{most} amax histories; every rank must quantize the same tensors in the same order"
+            )
+        self.layout_checked = True
 
 
 # id(group) -> its reduction, alive while a history holds it (which keeps the group, and so
@@ -106,19 +126,26 @@ class Scope:
         self.reductions.clear()
 
 
-_active: list[Scope] = []  # the innermost scope last
+class _ActiveScopes(threading.local):
+    """Each thread's scopes, the innermost last (autograd runs backwards on its own thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Scope | None] = []
+
+
+_active = _ActiveScopes()
 
 
 @contextlib.contextmanager
 def active(scope: Scope | None) -> Iterator[None]:
     """Quantizes inside defer their amaxes' reduction to ``scope`` (None: reduce at once)."""
-    _active.append(scope)
+    _active.stack.append(scope)
     try:
         yield
     finally:
-        _active.pop()
+        _active.stack.pop()
 
 
 def current_scope() -> Scope | None:
     """The scope a quantize now defers to, or None."""
-    return _active[-1] if _active else None
+    return _active.stack[-1] if _active.stack else None

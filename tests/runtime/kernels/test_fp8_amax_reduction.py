@@ -24,8 +24,13 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
 
+LAYOUT = 2  # the first flush's check of the ranks' slot counts: one all-reduce of 2 numbers
+SLOTS = fp8_amax_reduction.SLOTS
+
+
 class _Recorder:
-    """``all_reduce`` against a second rank holding twice this rank's amaxes."""
+    """``all_reduce`` against a second rank holding twice this rank's amaxes (and, for the
+    first flush's check, as many amax slots: ``[n, -n]`` doubled still says n on both)."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []  # each call's element count
@@ -43,11 +48,17 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
     return record
 
 
-GROUP = object()  # a stand-in for a two-rank amax reduction group
+_GROUP = [object()]  # a stand-in for a two-rank amax reduction group
+
+
+@pytest.fixture(autouse=True)
+def _fresh_group() -> None:
+    """Each test's own group: its reduction's buffers and first-flush check start anew."""
+    _GROUP[0] = object()
 
 
 def _history() -> fp8.AmaxHistory:
-    return fp8.AmaxHistory(4, most_recent=False, group=GROUP)
+    return fp8.AmaxHistory(4, most_recent=False, group=_GROUP[0])
 
 
 def _quantize(history: fp8.AmaxHistory, amax: float) -> float:
@@ -72,10 +83,10 @@ def test_a_scope_reduces_its_amaxes_in_one_all_reduce_at_its_end(recorder) -> No
     assert recorder.calls == []
     assert [h.current.item() for h in histories] == [1.0, 2.0, 3.0, 4.0, 5.0]
     scope.flush()
-    assert recorder.calls == [fp8_amax_reduction.SLOTS]
+    assert recorder.calls == [LAYOUT, SLOTS]
     assert [h.current.item() for h in histories] == [2.0, 4.0, 6.0, 8.0, 10.0]
     scope.flush()  # nothing left: no collective
-    assert recorder.calls == [fp8_amax_reduction.SLOTS]
+    assert recorder.calls == [LAYOUT, SLOTS]
 
 
 def test_a_history_advancing_with_its_amax_unreduced_reduces_it_first(recorder) -> None:
@@ -85,7 +96,7 @@ def test_a_history_advancing_with_its_amax_unreduced_reduces_it_first(recorder) 
         _quantize(history, 1.0)
         assert recorder.calls == []
         inverse = _quantize(history, 1.0)
-    assert recorder.calls == [fp8_amax_reduction.SLOTS]
+    assert recorder.calls == [LAYOUT, SLOTS]
     assert inverse == pytest.approx(2.0 / E4M3_MAX)
 
 
@@ -96,7 +107,7 @@ def test_histories_past_one_buffer_take_another(recorder) -> None:
         for h in histories:
             _quantize(h, 1.0)
     scope.flush()
-    assert recorder.calls == [fp8_amax_reduction.SLOTS] * 2
+    assert recorder.calls == [LAYOUT, SLOTS, SLOTS]
     assert histories[-1].current.item() == 2.0
 
 
@@ -110,6 +121,39 @@ def test_while_capturing_a_quantize_reduces_at_once(recorder, monkeypatch) -> No
         _quantize(history, 1.0)
     assert recorder.calls == [1, 1]
     assert not scope.reductions
+
+
+def test_ranks_holding_different_slot_counts_stop_at_the_first_flush(monkeypatch) -> None:
+    """A max pairs slots by position: a rank with one more history would mix amaxes."""
+
+    def another_rank_has_more(tensor, op=None, group=None) -> None:  # noqa: ANN001
+        if tensor.numel() == LAYOUT:
+            tensor[0] += 1  # the largest count is one more than this rank's
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", another_rank_has_more)
+    scope = fp8_amax_reduction.Scope()
+    with fp8_amax_reduction.active(scope):
+        _quantize(_history(), 1.0)
+    with pytest.raises(RuntimeError, match="hold 1 to 2 amax histories"):
+        scope.flush()
+
+
+def test_an_unreduced_amax_is_settled_outside_the_kernels_fallback(recorder, monkeypatch) -> None:
+    """The fallback catches a failing launch and retries on torch: a collective inside it
+    would be caught as a kernel failure and issued again on this rank only."""
+    history = _history()
+    with fp8_amax_reduction.active(fp8_amax_reduction.Scope()):
+        _quantize(history, 1.0)
+    settled_before_launch = []
+
+    def launch(key, run):  # noqa: ANN001, ANN202
+        settled_before_launch.append(history.reduction.settled(history.deferred_at))
+        return None  # as a failed launch: torch's update runs
+
+    monkeypatch.setattr(fp8, "_launch_or_none", launch)
+    fp8.advance_history(history, torch.ones(4, 16), E4M3, 0, triton=True)
+    assert settled_before_launch == [True]
+    assert recorder.calls == [LAYOUT, SLOTS]
 
 
 def _delayed_recipe() -> backend_fp8.Fp8Recipe:
@@ -138,7 +182,7 @@ def test_a_forward_region_reduces_its_forward_at_its_end_and_its_backward_at_the
         with backend_fp8.forward_region():  # nested: the outermost one counts
             y, _ = _two_linears(recipes)
         assert recorder.calls == []
-    assert recorder.calls == [fp8_amax_reduction.SLOTS]
+    assert recorder.calls == [LAYOUT, SLOTS]
     forward_amaxes = [r.history("input").current.item() for r in recipes]
     seen: list[int] = []
     first = recipes[0].history("grad_output")
@@ -154,7 +198,7 @@ def test_a_forward_region_reduces_its_forward_at_its_end_and_its_backward_at_the
         y.backward(torch.ones_like(y))
     finally:
         backend_fp8.Fp8LinearFunction.backward = staticmethod(original)
-    assert seen == [1, 2]  # the second linear's backward defers; the first's flushes
+    assert seen == [2, 3]  # the second linear's backward defers; the first's flushes
     assert first.current.item() > 0 and forward_amaxes[0] > 0
     assert not any(r.unreduced for r in fp8_amax_reduction._reductions.values())
 
@@ -225,8 +269,20 @@ def _rank_batched_vs_at_once(rank: int, port: int, results) -> None:  # noqa: AN
 @pytest.mark.slow
 def test_two_ranks_scale_bitwise_alike_with_one_all_reduce_per_region_end() -> None:
     """Three steps of two linears: 12 all-reduces one by one (an input and an output
-    gradient a linear a step), 6 batched (each step's forward end and backward end), and
-    the same scales and running amaxes on both ranks either way."""
+    gradient a linear a step), 7 batched (each step's forward end and backward end, and the
+    first flush's check of the slot counts), and the same scales and running amaxes on both
+    ranks either way."""
     got = _two_ranks(_rank_batched_vs_at_once)
-    assert [g[:4] for g in got] == [(0, True, 6, 12), (1, True, 6, 12)]
+    assert [g[:4] for g in got] == [(0, True, 7, 12), (1, True, 7, 12)]
     assert got[0][4] == got[1][4]  # the group's amaxes, the same on both ranks
+
+
+@pytest.mark.parametrize(("recipe", "region"), [("delayed", True), ("tensorwise", False)])
+def test_upstreams_forward_context_is_a_region_under_delayed_scaling(recipe, region) -> None:
+    """``get_fp8_context(config)`` without TE: current scaling has no amaxes to batch."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(fp8="hybrid", fp8_recipe=recipe)
+    with backend_fp8.layer_context(config, 0, is_init=False):
+        assert bool(backend_fp8._open_regions) is region
+    assert backend_fp8._open_regions == []

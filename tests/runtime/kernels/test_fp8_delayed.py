@@ -226,8 +226,8 @@ def _rank(rank: int, port: int, results) -> None:  # noqa: ANN001 - a spawned pr
 
 @pytest.mark.slow
 def test_ranks_scale_by_the_amax_over_the_reduction_group() -> None:
-    """Reduced right after each quantize: a checkpoint, which rank 0 writes for the group,
-    holds the group's amax, not rank 0's own."""
+    """Outside a forward region, reduced right after each quantize: a checkpoint, which rank 0
+    writes for the group, holds the group's amax, not rank 0's own."""
     got = _two_ranks(_rank)
     assert got == [(0, pytest.approx(2 / 448), 2.0), (1, pytest.approx(2 / 448), 2.0)]
 
