@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import TRITON_DEVICE, triton_test  # noqa: E402
 from two_gloo_ranks import join  # noqa: E402
 from two_gloo_ranks import two_ranks as _two_ranks  # noqa: E402
 
@@ -20,6 +21,7 @@ from megatron_rocm.runtime.backend import fp8 as backend_fp8  # noqa: E402
 from megatron_rocm.runtime.kernels import fp8, fp8_amax_reduction  # noqa: E402
 
 pytestmark = pytest.mark.torch
+TRITON_SKIPS_ALLOWED = False
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
@@ -286,3 +288,48 @@ def test_upstreams_forward_context_is_a_region_under_delayed_scaling(recipe, reg
     with backend_fp8.layer_context(config, 0, is_init=False):
         assert bool(backend_fp8._open_regions) is region
     assert backend_fp8._open_regions == []
+
+
+@triton_test
+def test_the_kernels_run_on_a_slot_of_a_shared_buffer(monkeypatch) -> None:
+    """The update and the cast-transpose read and raise ``current`` through a 0-d view at an
+    offset in the buffer: bit for bit a history of its own, and the neighbouring slot left
+    alone (one rank: the all-reduce changes nothing)."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)
+    from megatron_rocm.runtime.kernels import fp8_triton
+
+    launches = []
+    for name in ("cast_transpose", "delayed_update"):
+        real = getattr(fp8_triton, name)
+        monkeypatch.setattr(
+            fp8_triton, name, lambda *a, _r=real, _n=name, **k: launches.append(_n) or _r(*a, **k)
+        )
+    device = TRITON_DEVICE or "cpu"
+    gen = torch.Generator().manual_seed(2)
+    xs = [
+        (torch.randn(70, 200, generator=gen) * m).to(torch.bfloat16).to(device)
+        for m in (1, 3, 0.5, 8)
+    ]
+    neighbour, slotted = _history(), _history()
+    alone = fp8.AmaxHistory(4, most_recent=False)
+    scope = fp8_amax_reduction.Scope()
+    with fp8_amax_reduction.active(scope):
+        fp8.quantize(torch.full((4, 16), 7.0, device=device), E4M3, history=neighbour)
+    scope.flush()
+    assert slotted.current is None or slotted.current.data_ptr() != neighbour.current.data_ptr()
+    for x in xs:
+        with fp8_amax_reduction.active(scope):
+            got = fp8.quantize_transposed(x, E4M3, 0, slotted)
+        want = fp8.quantize_transposed(x, E4M3, 0, alone)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(
+                g.view(torch.uint8) if g.dtype == E4M3 else g,
+                w.view(torch.uint8) if w.dtype == E4M3 else w,
+            )
+    scope.flush()
+    assert slotted.current.data_ptr() == neighbour.current.data_ptr() + 4
+    for name in ("history", "current", "pos", "scale"):
+        assert torch.equal(getattr(slotted, name), getattr(alone, name)), name
+    assert neighbour.current.item() == 7.0
+    assert launches.count("cast_transpose") == 1 + 2 * len(xs)  # every quantize on the kernels
+    assert launches.count("delayed_update") == 2 * (len(xs) - 1)  # both, after their first
