@@ -7,14 +7,17 @@ tensor and a separate add would read it and ``main_grad`` and write ``main_grad`
 8B's linears that add costs a few percent of an FP8 step. TE adds in the GEMM's epilogue
 (``beta = 1``); so does this module, through the same BLAS-Lt library torch itself calls for
 ``_scaled_mm``, found among the libraries the process has loaded and called with ``ctypes`` (the
-two libraries share one API; only names and enum values differ). The epilogue computes
-``1 * acc + 1 * out`` in fp32 and rounds once into ``out``'s dtype, as ``out.add_(fp32)`` does.
+two libraries share one API; only names and enum values differ). Into an fp32 ``out`` the
+result is the separate add's to fp32 rounding; into a bf16 one (``--grad-reduce-in-bf16``) the
+library's epilogue rounds more than ``out.add_(fp32)`` does (about twice the error on an NVIDIA
+H200, as TE's accumulating GEMM has: ``scripts/bench/fp8_wgrad_accum.py``).
 
-A library, format or shape the BLAS cannot serve answers False (``accumulate``) and the caller
-adds as before. Each combination of operand formats and output dtype is checked once per
-process against ``torch._scaled_mm`` plus the add on a small problem before the BLAS path takes
-it; a mismatch or an error is logged once and leaves that combination on the add. No AMD GPU has
-run the hipBLASLt branch here: there the first check decides.
+A library, format, shape or alignment the BLAS cannot serve answers False (``accumulate``) and
+the caller adds as before. Each combination of operand formats and output dtype is checked once
+per process against ``torch._scaled_mm`` plus the add on a small problem before the BLAS path
+takes it; under hipBLASLt, which no AMD GPU has run here, every new plan (shape) is also checked
+on its own shape first. A mismatch, an error or a failed call is logged once and leaves that
+combination (or that plan) on the add.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class _Vendor:
     desc_a_scale: int
     desc_b_scale: int
     pref_max_workspace: int
+    pref_min_alignment: tuple[int, int, int, int] | None  # A, B, C, D; None: not settable
     algo_bytes: int  # sizeof(...MatmulAlgo_t)
+    check_each_plan: bool  # no GPU of this vendor has run it here: check every new shape
 
 
 CUBLASLT = _Vendor(
@@ -55,15 +60,17 @@ CUBLASLT = _Vendor(
     types={torch.float32: 0, torch.bfloat16: 14, torch.float8_e4m3fn: 28,
            torch.float8_e5m2: 29},
     desc_transa=3, desc_transb=4, desc_a_scale=17, desc_b_scale=18, pref_max_workspace=1,
-    algo_bytes=64,
+    pref_min_alignment=(5, 6, 7, 8), algo_bytes=64, check_each_plan=False,
 )  # fmt: skip
 HIPBLASLT = _Vendor(
     library="libhipblaslt.so", prefix="hipblasLt", op_n=111, op_t=112, compute_32f=2, r_32f=0,
     types={torch.float32: 0, torch.bfloat16: 14, torch.float8_e4m3fn: 28,
            torch.float8_e5m2: 29, torch.float8_e4m3fnuz: 1000, torch.float8_e5m2fnuz: 1001},
     desc_transa=0, desc_transb=1, desc_a_scale=5, desc_b_scale=6, pref_max_workspace=1,
-    algo_bytes=24,
+    pref_min_alignment=None, algo_bytes=24, check_each_plan=True,
 )  # fmt: skip
+MIN_ALIGNMENT = 16  # bytes every pointer needs where the planner cannot be told its alignment
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _heuristic_type(vendor: _Vendor) -> type[ctypes.Structure]:
@@ -94,17 +101,32 @@ def _loaded_library(name: str) -> str | None:
     return None
 
 
+def alignment(ptr: int) -> int:
+    """The largest power of two up to 256 that divides ``ptr`` (a planner's alignment)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
 class _BlasLt:
-    """One process's handle on the library: a handle, a workspace, and a plan per problem."""
+    """One device's handle on the library: a handle, a workspace per stream (two GEMMs on two
+    streams must not share one), and a plan per problem."""
 
     def __init__(self, vendor: _Vendor, path: str, device: torch.device) -> None:
-        self.vendor, self.lib = vendor, ctypes.CDLL(path)
+        self.vendor, self.lib, self.device = vendor, ctypes.CDLL(path), device
         self.handle = ctypes.c_void_p()
         self._check(self._fn("Create")(ctypes.byref(self.handle)), "Create")
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.plans: dict[tuple, tuple] = {}
+        self.workspaces: dict[int, torch.Tensor] = {}  # stream -> its workspace
+        self.plans: dict[tuple, tuple | None] = {}  # None: this plan failed, add instead
         self.lock = threading.Lock()  # the backward's thread and the main one share the plans
         self.heuristic = _heuristic_type(vendor)
+
+    def workspace(self, stream: int) -> torch.Tensor | None:
+        """``stream``'s workspace, made on first use (None while capturing: a graph's pool
+        must not own it)."""
+        space = self.workspaces.get(stream)
+        if space is None and not torch.cuda.is_current_stream_capturing():
+            space = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            self.workspaces[stream] = space
+        return space
 
     def _fn(self, name: str) -> Any:
         return getattr(self.lib, self.vendor.prefix + name)
@@ -116,7 +138,8 @@ class _BlasLt:
     def _set(
         self, setter: str, obj: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData
     ) -> None:
-        self._check(self._fn(setter)(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), setter)
+        size = ctypes.c_size_t(ctypes.sizeof(value))
+        self._check(self._fn(setter)(obj, attr, ctypes.byref(value), size), setter)
 
     def _layout(self, dtype: torch.dtype, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
@@ -128,18 +151,13 @@ class _BlasLt:
         self._check(status, "MatrixLayoutCreate")
         return layout
 
-    def plan(
-        self, m: int, n: int, k: int, a: torch.dtype, b: torch.dtype, out: torch.dtype
-    ) -> tuple:
+    def plan(self, key: tuple) -> tuple:
         """The descriptor, layouts and algorithm of ``out [m, n] += a [m, k] @ b [k, n]``.
 
         In the library's column-major terms ``out^T [n, m] += b^T a^T``: its first operand is
         ``b``'s memory ([k, n] column-major read transposed), its second ``a``'s ([m, k]
         row-major is [k, m] column-major) untransposed: the TN layout FP8 GEMMs require."""
-        key = (m, n, k, a, b, out)
-        plan = self.plans.get(key)
-        if plan is not None:
-            return plan
+        m, n, k, a, b, out, aligns = key
         v = self.vendor
         desc = ctypes.c_void_p()
         self._check(
@@ -157,6 +175,10 @@ class _BlasLt:
             "MatmulPreferenceSetAttribute", pref, v.pref_max_workspace,
             ctypes.c_uint64(WORKSPACE_BYTES),
         )  # fmt: skip
+        for attr, align in zip(v.pref_min_alignment or (), aligns, strict=False):
+            # the operands' own alignment (main_grad is a view into DDP's buffer), so the
+            # planner picks no kernel that needs more
+            self._set("MatmulPreferenceSetAttribute", pref, attr, ctypes.c_uint32(align))
         found = self.heuristic()
         count = ctypes.c_int(0)
         status = self._fn("MatmulAlgoGetHeuristic")(
@@ -167,8 +189,7 @@ class _BlasLt:
         self._check(status, "MatmulAlgoGetHeuristic")
         if count.value < 1 or found.workspace > WORKSPACE_BYTES:
             raise RuntimeError(f"{v.prefix}: no algorithm for {key}")
-        plan = self.plans[key] = (desc, first, second, result, found)
-        return plan
+        return desc, first, second, result, found
 
     def matmul(
         self,
@@ -177,14 +198,17 @@ class _BlasLt:
         a_inv: torch.Tensor,
         b: torch.Tensor,
         b_inv: torch.Tensor,
+        plan: tuple,
     ) -> None:
-        m, k = a.shape
-        n = b.shape[1]
+        """``out += a @ b`` on ``plan`` (:meth:`plan`), on the current stream."""
         v = self.vendor
         one = ctypes.c_float(1.0)
-        stream = ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        workspace = self.workspace(stream)
+        if workspace is None:
+            raise RuntimeError("no workspace for this stream outside a graph capture")
         with self.lock:
-            desc, first, second, result, found = self.plan(m, n, k, a.dtype, b.dtype, out.dtype)
+            desc, first, second, result, found = plan
             self._set(
                 "MatmulDescSetAttribute", desc, v.desc_a_scale, ctypes.c_void_p(b_inv.data_ptr())
             )
@@ -195,18 +219,18 @@ class _BlasLt:
                 self.handle, desc, ctypes.byref(one), ctypes.c_void_p(b.data_ptr()), first,
                 ctypes.c_void_p(a.data_ptr()), second, ctypes.byref(one),
                 ctypes.c_void_p(out.data_ptr()), result, ctypes.c_void_p(out.data_ptr()), result,
-                ctypes.byref(found.algo), ctypes.c_void_p(self.workspace.data_ptr()),
-                ctypes.c_size_t(WORKSPACE_BYTES), stream,
+                ctypes.byref(found.algo), ctypes.c_void_p(workspace.data_ptr()),
+                ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream),
             )  # fmt: skip
         self._check(status, "Matmul")
 
 
 _blas: dict[int, _BlasLt | None] = {}  # device index -> the library, None where unusable
 _checked: dict[tuple, bool] = {}  # (device, a, b, out dtypes) -> passed the first-use check
+_setup = threading.Lock()  # the first uses, from the main thread or autograd's
 
 
-def _library(device: torch.device) -> _BlasLt | None:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _library(index: int) -> _BlasLt | None:
     if index not in _blas:
         vendor = HIPBLASLT if is_hip() else CUBLASLT
         path = _loaded_library(vendor.library)
@@ -215,7 +239,7 @@ def _library(device: torch.device) -> _BlasLt | None:
                 raise RuntimeError(f"{vendor.library} is not loaded in this process")
             with torch.cuda.device(index):
                 _blas[index] = _BlasLt(vendor, path, torch.device("cuda", index))
-        except (OSError, AttributeError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of a library never run leaves the add
             log_fallback_once(
                 "fp8_accumulate",
                 f"FP8 weight gradients add into main_grad separately: {vendor.prefix} "
@@ -225,27 +249,90 @@ def _library(device: torch.device) -> _BlasLt | None:
     return _blas[index]
 
 
-def _first_use_check(blas: _BlasLt, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """The BLAS path against ``torch._scaled_mm`` plus the add on a small problem of these
-    formats: the same to fp32 rounding of a sum of 64 products (``out``'s dtype's otherwise)."""
-    gen = torch.Generator(device=out.device).manual_seed(0)
+def _fp8(rows: int, cols: int, dtype: torch.dtype, device: torch.device, gen: Any) -> torch.Tensor:
+    return torch.randn(rows, cols, device=device, generator=gen).clamp(-8, 8).to(dtype)
 
-    def fp8(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        x = torch.randn(rows, cols, device=out.device, generator=gen)
-        return x.clamp(-8, 8).to(dtype)
 
-    m, n, k = 32, 48, 64
-    a8 = fp8(m, k, a.dtype)
-    b8 = fp8(n, k, b.dtype).t()  # column-major, as the callers' second operand
-    a_inv = torch.tensor(0.5, device=out.device)
-    b_inv = torch.tensor(0.25, device=out.device)
-    start = torch.randn(m, n, device=out.device, generator=gen).to(out.dtype)
+def _agrees(
+    blas: _BlasLt,
+    start: torch.Tensor,
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    plan: tuple,
+) -> bool:
+    """The BLAS path from ``start`` against ``torch._scaled_mm`` plus the add: the same to fp32
+    rounding (``start``'s dtype's otherwise), relative to the result's largest value."""
     want = start.clone()
-    want.add_(torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.float32))
+    want.add_(torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.float32))
     got = start.clone()
-    blas.matmul(got, a8, a_inv, b8, b_inv)
-    tol = 1e-5 if out.dtype == torch.float32 else 1e-2
-    return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
+    blas.matmul(got, a, a_inv, b, b_inv, plan)
+    tol = 1e-5 if start.dtype == torch.float32 else 1e-2
+    scale = want.float().abs().max().clamp(min=1.0)
+    return bool(((got.float() - want.float()).abs().max() <= tol * scale).item())
+
+
+def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
+    """The formats of ``key`` on a small problem (``_agrees``)."""
+    index, a_dtype, b_dtype, out_dtype = key
+    device = torch.device("cuda", index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    m, n, k = 32, 48, 64
+    a = _fp8(m, k, a_dtype, device, gen)
+    b = _fp8(n, k, b_dtype, device, gen).t()  # column-major, as the callers' second operand
+    start = torch.randn(m, n, device=device, generator=gen).to(out_dtype)
+    plan = blas.plan((m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256)))
+    one_half, quarter = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
+    return _agrees(blas, start, a, one_half, b, quarter, plan)
+
+
+def _plan_for(
+    blas: _BlasLt, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[tuple, tuple | None]:
+    """This call's plan key and plan (made, and where the vendor asks, checked on this call's
+    shape on first use), or None where it cannot be made or failed."""
+    aligns = tuple(alignment(t.data_ptr()) for t in (b, a, out, out))  # A, B, C, D of the BLAS
+    key = (a.shape[0], b.shape[1], a.shape[1], a.dtype, b.dtype, out.dtype, aligns)
+    if key in blas.plans:
+        return key, blas.plans[key]
+    if torch.cuda.is_current_stream_capturing():
+        return key, None  # planned and checked eagerly, never inside a capture
+    plan = None
+    try:
+        plan = blas.plan(key)
+        if blas.vendor.check_each_plan:
+            gen = torch.Generator(device=out.device).manual_seed(1)
+            start = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+            if not _agrees(blas, start, a, torch.ones_like(start[0, 0], dtype=torch.float32),
+                           b, torch.ones_like(start[0, 0], dtype=torch.float32), plan):  # fmt: skip
+                raise RuntimeError("its result differs from torch._scaled_mm plus the add")
+    except Exception as exc:  # noqa: BLE001 - see _library
+        plan = None
+        log_fallback_once(
+            f"fp8_accumulate plan {key}",
+            f"FP8 weight gradient {key[:3]} adds into main_grad separately: {exc}",
+        )
+    blas.plans[key] = plan
+    return key, plan
+
+
+def _takes(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """What the BLAS path serves: FP8 operands, an fp32 or bf16 ``out`` of their product's shape,
+    the layouts the callers pass, on the current GPU."""
+    return (
+        out.device.type == "cuda"
+        and out.device.index == torch.cuda.current_device()
+        and a.dtype in FP8_DTYPES
+        and b.dtype in FP8_DTYPES
+        and out.dtype in (torch.float32, torch.bfloat16)
+        and a.dim() == b.dim() == out.dim() == 2
+        and a.shape[1] == b.shape[0]
+        and tuple(out.shape) == (a.shape[0], b.shape[1])
+        and out.is_contiguous()
+        and a.is_contiguous()
+        and b.t().is_contiguous()
+    )
 
 
 def accumulate(
@@ -258,39 +345,43 @@ def accumulate(
     """``out += (a * a_inv) @ (b * b_inv)`` in one GEMM, for a row-major FP8 ``a`` [M, K], a
     column-major FP8 ``b`` [K, N] and a contiguous fp32 or bf16 ``out`` [M, N] on a GPU; False
     (nothing done) where this GPU's BLAS cannot, and the caller adds itself."""
-    if (
-        out.device.type != "cuda"
-        or reference_forced("fp8_accumulate")
-        or out.dtype not in (torch.float32, torch.bfloat16)
-        or not (out.is_contiguous() and a.is_contiguous() and b.t().is_contiguous())
-        or torch.cuda.is_current_stream_capturing()  # the first use must not be captured
-        and (out.device.index, a.dtype, b.dtype, out.dtype) not in _checked
-    ):
-        return False
-    blas = _library(out.device)
-    if blas is None or a.dtype not in blas.vendor.types or b.dtype not in blas.vendor.types:
+    if reference_forced("fp8_accumulate") or not _takes(out, a, b):
         return False
     key = (out.device.index, a.dtype, b.dtype, out.dtype)
-    if key not in _checked:
-        try:
-            _checked[key] = _first_use_check(blas, a, b, out)
-            reason = "its result differs from torch._scaled_mm plus the add"
-        except RuntimeError as exc:
-            _checked[key] = False
-            reason = str(exc)
+    with _setup:
+        if key not in _checked:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # the first use must not be captured
+            blas = _library(out.device.index)
+            if blas is None or not {a.dtype, b.dtype} <= set(blas.vendor.types):
+                _checked[key] = False
+                return False
+            try:
+                _checked[key] = _first_use_check(blas, key)
+                reason = "its result differs from torch._scaled_mm plus the add"
+            except Exception as exc:  # noqa: BLE001 - see _library
+                _checked[key] = False
+                reason = str(exc)
+            if not _checked[key]:
+                log_fallback_once(
+                    f"fp8_accumulate {key}",
+                    f"FP8 weight gradients ({a.dtype} x {b.dtype} into {out.dtype}) add into "
+                    f"main_grad separately: {blas.vendor.prefix}'s accumulating GEMM failed "
+                    f"its first-use check ({reason})",
+                )
         if not _checked[key]:
-            log_fallback_once(
-                f"fp8_accumulate {key}",
-                f"FP8 weight gradients ({a.dtype} x {b.dtype} into {out.dtype}) add into "
-                f"main_grad separately: {blas.vendor.prefix}'s accumulating GEMM failed its "
-                f"first-use check ({reason})",
-            )
-    if not _checked[key]:
+            return False
+        blas = _blas[out.device.index]
+        alignments = [alignment(t.data_ptr()) for t in (a, b, out)]
+        if blas.vendor.pref_min_alignment is None and min(alignments) < MIN_ALIGNMENT:
+            return False
+        plan_key, plan = _plan_for(blas, out, a, b)
+    if plan is None:
         return False
     try:
-        blas.matmul(out, a, a_inv, b, b_inv)
-    except RuntimeError as exc:
-        _checked[key] = False
-        log_fallback_once(f"fp8_accumulate {key} call", f"FP8 weight gradient GEMM: {exc}")
+        blas.matmul(out, a, a_inv, b, b_inv, plan)
+    except Exception as exc:  # noqa: BLE001 - see _library; a failed call queues nothing
+        blas.plans[plan_key] = None
+        log_fallback_once(f"fp8_accumulate call {plan_key}", f"FP8 weight gradient GEMM: {exc}")
         return False
     return True
