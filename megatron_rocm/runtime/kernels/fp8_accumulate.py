@@ -119,11 +119,11 @@ class _BlasLt:
         self.lock = threading.Lock()  # the backward's thread and the main one share the plans
         self.heuristic = _heuristic_type(vendor)
 
-    def workspace(self, stream: int) -> torch.Tensor | None:
-        """``stream``'s workspace, made on first use (None while capturing: a graph's pool
-        must not own it)."""
+    def workspace(self, stream: int) -> torch.Tensor:
+        """``stream``'s workspace, made on first use (on a stream being captured, from the
+        graph's pool, which keeps it while this module holds it)."""
         space = self.workspaces.get(stream)
-        if space is None and not torch.cuda.is_current_stream_capturing():
+        if space is None:
             space = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             self.workspaces[stream] = space
         return space
@@ -205,8 +205,6 @@ class _BlasLt:
         one = ctypes.c_float(1.0)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         workspace = self.workspace(stream)
-        if workspace is None:
-            raise RuntimeError("no workspace for this stream outside a graph capture")
         with self.lock:
             desc, first, second, result, found = plan
             self._set(

@@ -104,7 +104,10 @@ def test_gpu_accumulate_adds_what_scaled_mm_computes(
     scale = exact.abs().max().item()
     bound = (1e-5 if out_dtype == torch.float32 else 8e-3) * scale
     assert (got.float() - want.float()).abs().max().item() <= bound
-    assert (got.double() - exact).abs().max().item() <= 2 * bound
+    # the FP8 GEMM's own accumulation error (about 1.2e-4 of the largest value on an H200, the
+    # same for torch._scaled_mm: scripts/bench/fp8_wgrad_accum.py) bounds the distance to exact
+    exact_bound = (5e-4 if out_dtype == torch.float32 else 1.6e-2) * scale
+    assert (got.double() - exact).abs().max().item() <= exact_bound
     assert torch.equal(buffer[:offset], torch.zeros_like(buffer[:offset]))
 
 
