@@ -99,4 +99,25 @@ def test_a_gpu_without_fp8_gemms_skips(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_triton_kernels_pass_it(tmp_path: Path) -> None:
     """On a GPU, or on the CPU under Triton's interpreter: the kernels' own bytes."""
     code, check = _run(tmp_path)
-    assert code == 0 and check["detail"].endswith("(triton)"), check
+    assert code == 0 and "(triton); weight gradients added into" in check["detail"], check
+
+
+def test_a_weight_gradient_that_misses_main_grad_fails_it(tmp_path: Path, monkeypatch) -> None:
+    """Under gradient-accumulation fusion the gradient must land in ``main_grad``: the CPU's
+    separate add, dropped here, and the check names the main_grad comparison."""
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+
+    original = backend_fp8.deliver_wgrad
+
+    def dropped(fuse, weight, wgrad, like, main_grad=None):  # noqa: ANN001, ANN202
+        return original(fuse, weight, None if fuse else wgrad, like, main_grad)
+
+    monkeypatch.setattr(backend_fp8, "deliver_wgrad", dropped)
+    code, check = _run(tmp_path)
+    assert code != 0 and "main_grad" in check["detail"], check
+
+
+def test_on_the_cpu_it_says_the_add_ran_separately(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
+    code, check = _run(tmp_path)
+    assert code == 0 and check["detail"].endswith("added into main_grad separately"), check

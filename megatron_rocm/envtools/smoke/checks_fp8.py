@@ -4,7 +4,8 @@
 both amax algorithms, a shard cast into a byte buffer at an odd offset, the byte transpose,
 the MoE experts' segments each by its own amax), each against torch's own cast on this device;
 and the FP8 linear's and the MoE experts' GEMMs, called as training calls them, against fp32
-math on the same FP8 operands. Inputs are finite bf16, as
+math on the same FP8 operands, the linear's weight gradient also added into a ``main_grad``
+(by the GPU's BLAS-Lt GEMM where it serves, ``kernels.fp8_accumulate``). Inputs are finite bf16, as
 the linears quantize. A GPU without FP8 GEMMs skips: there ``--fp8-format`` is refused at
 argument validation."""
 
@@ -178,6 +179,36 @@ def _linear(ctx: Context, tally: _Tally, formats: object) -> None:
     tally.compare("FP8 linear weight gradient", w.grad, dyq.t() @ xq, torch.bfloat16)
 
 
+def _accumulated(ctx: Context, tally: _Tally, formats: object) -> str:
+    """The FP8 linear's weight gradient under gradient-accumulation fusion, added into an fp32
+    and a bf16 ``main_grad`` that already hold a gradient, against that gradient plus fp32 math;
+    says whether the GPU's BLAS added it in the GEMM (``kernels.fp8_accumulate``) or the add
+    ran separately (its first-use check failed, or the CPU: the log says why)."""
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+    from megatron_rocm.runtime.kernels import fp8_accumulate
+
+    x = _randn(ctx, (33, 64), 24).requires_grad_()
+    dy = _randn(ctx, (33, 96), 25)
+    xq, dyq = _dequantized(x, formats.forward), _dequantized(dy, formats.backward)
+    recipe = backend_fp8.Fp8Recipe(formats=formats)
+    served = []
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        w = _randn(ctx, (96, 64), 26, 0.1).requires_grad_()
+        start = _randn(ctx, (96, 64), 27).to(grad_dtype)
+        w.main_grad = start.clone()
+        backend_fp8.fp8_linear(x, w, True, recipe).backward(dy)
+        want = start.float() + dyq.t() @ xq
+        label = (
+            f"FP8 linear weight gradient into a {str(grad_dtype).removeprefix('torch.')} main_grad"
+        )
+        tally.compare(label, w.main_grad, want, torch.bfloat16)
+        if fp8_accumulate.served(w.device, formats.backward, formats.forward, grad_dtype):
+            served.append(str(grad_dtype).removeprefix("torch."))
+    if not served:
+        return "weight gradients added into main_grad separately"
+    return f"weight gradients added into a {' and '.join(served)} main_grad by {fp8_accumulate.library_name()}'s GEMM"
+
+
 def skip_without_fp8_gemms(ctx: Context) -> None:
     """Skip an FP8 check on a GPU without FP8 GEMMs (the CPU emulates them)."""
     reason = _kernel("fp8").unsupported_gpu_reason() if ctx.on_gpu else None
@@ -197,6 +228,7 @@ def fp8(ctx: Context) -> str:
         _delayed(k, ctx, check, dtype)
         _segments(ctx, check, dtype)
     _linear(ctx, tally, formats)
+    added = _accumulated(ctx, tally, formats)
     _experts(ctx, tally, formats)
     failed = k.failed_kernels()
     if failed:  # then torch's path answered: the comparisons above proved nothing of Triton
@@ -208,5 +240,5 @@ def fp8(ctx: Context) -> str:
     return (
         f"{formats.forward} / {formats.backward}: {check.cases} tensors byte for byte "
         f"torch's cast, the FP8 linear's and experts' GEMMs worst rel err {tally.worst:.2e} "
-        f"({_path(ctx, sample, 'fp8')})"
+        f"({_path(ctx, sample, 'fp8')}); {added}"
     )

@@ -333,6 +333,17 @@ def _takes(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def served(device: torch.device, a: torch.dtype, b: torch.dtype, out: torch.dtype) -> bool:
+    """Whether these formats into this ``out`` dtype on ``device`` passed the first-use check
+    (the BLAS path serves them; False also where none has been asked yet)."""
+    return _checked.get((device.index, a, b, out), False)
+
+
+def library_name() -> str:
+    """The BLAS-Lt library this build would call."""
+    return (HIPBLASLT if is_hip() else CUBLASLT).prefix
+
+
 def accumulate(
     out: torch.Tensor,
     a: torch.Tensor,
