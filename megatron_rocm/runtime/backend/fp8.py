@@ -383,13 +383,9 @@ def fp8_wgrad(
     row-major, ``b`` column-major), delivered as :func:`deliver_wgrad` delivers it; under
     gradient-accumulation fusion the GEMM adds into ``main_grad`` itself where the GPU's BLAS
     can (``kernels.fp8_accumulate``: no fp32 temporary, no separate add)."""
-    main_grad = None
-    if fuse:
-        main_grad = main_grad_for_wgrad(weight)
-        if accumulate(main_grad, a[0], a[1], b[0], b[1]):
-            from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
-
-            return added_to_main_grad(weight, main_grad, like)
+    main_grad = main_grad_for_wgrad(weight) if fuse else None
+    if fuse and accumulate(main_grad, a[0], a[1], b[0], b[1]):
+        return deliver_wgrad(fuse, weight, None, like, main_grad)  # added: nothing left to add
     wgrad = fp8_mm(a[0], a[1], b[0], b[1], torch.float32)
     return deliver_wgrad(fuse, weight, wgrad, like, main_grad)
 

@@ -228,9 +228,14 @@ _checked: dict[tuple, bool] = {}  # (device, a, b, out dtypes) -> passed the fir
 _setup = threading.Lock()  # the first uses, from the main thread or autograd's
 
 
+def _vendor() -> _Vendor:
+    """The BLAS-Lt library of this build: hipBLASLt on ROCm, cuBLASLt on CUDA."""
+    return HIPBLASLT if is_hip() else CUBLASLT
+
+
 def _library(index: int) -> _BlasLt | None:
     if index not in _blas:
-        vendor = HIPBLASLT if is_hip() else CUBLASLT
+        vendor = _vendor()
         path = _loaded_library(vendor.library)
         try:
             if path is None:
@@ -289,9 +294,12 @@ def _plan_for(
     blas: _BlasLt, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[tuple, tuple | None]:
     """This call's plan key and plan (made, and where the vendor asks, checked on this call's
-    shape on first use), or None where it cannot be made or failed."""
+    shape on first use), or None where it cannot be made, failed, or the pointers are less
+    aligned than a vendor that cannot be told their alignment needs."""
     aligns = tuple(alignment(t.data_ptr()) for t in (b, a, out, out))  # A, B, C, D of the BLAS
     key = (a.shape[0], b.shape[1], a.shape[1], a.dtype, b.dtype, out.dtype, aligns)
+    if blas.vendor.pref_min_alignment is None and min(aligns) < MIN_ALIGNMENT:
+        return key, None
     if key in blas.plans:
         return key, blas.plans[key]
     if torch.cuda.is_current_stream_capturing():
@@ -302,8 +310,8 @@ def _plan_for(
         if blas.vendor.check_each_plan:
             gen = torch.Generator(device=out.device).manual_seed(1)
             start = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
-            if not _agrees(blas, start, a, torch.ones_like(start[0, 0], dtype=torch.float32),
-                           b, torch.ones_like(start[0, 0], dtype=torch.float32), plan):  # fmt: skip
+            one = torch.ones((), device=out.device, dtype=torch.float32)
+            if not _agrees(blas, start, a, one, b, one, plan):
                 raise RuntimeError("its result differs from torch._scaled_mm plus the add")
     except Exception as exc:  # noqa: BLE001 - see _library
         plan = None
@@ -341,7 +349,7 @@ def served(device: torch.device, a: torch.dtype, b: torch.dtype, out: torch.dtyp
 
 def library_name() -> str:
     """The BLAS-Lt library this build would call."""
-    return (HIPBLASLT if is_hip() else CUBLASLT).prefix
+    return _vendor().prefix
 
 
 def accumulate(
@@ -381,9 +389,6 @@ def accumulate(
         if not _checked[key]:
             return False
         blas = _blas[out.device.index]
-        alignments = [alignment(t.data_ptr()) for t in (a, b, out)]
-        if blas.vendor.pref_min_alignment is None and min(alignments) < MIN_ALIGNMENT:
-            return False
         plan_key, plan = _plan_for(blas, out, a, b)
     if plan is None:
         return False
