@@ -75,6 +75,7 @@ class Launch:
     model_shape: bool = True  # a shape of a model in docs: no scratch allowed
     options: tuple[tuple[str, Any], ...] = ()
     neutral: tuple[str, ...] = ()  # constexprs that change no shape (a sign, a scalar load)
+    archs: tuple[str, ...] = ARCHS  # where ROCm launches it (FP8 GEMMs: their arch's format)
 
     @property
     def key(self) -> tuple:
@@ -105,6 +106,7 @@ def launch(
     grid: Sequence[int] = (1,),
     model_shape: bool = True,
     neutral: Sequence[str] = (),
+    archs: Sequence[str] = ARCHS,
     **options: Any,
 ) -> Launch:
     """A :class:`Launch` of ``kernel``: arguments in ``ptrs`` are pointers to that dtype, those in
@@ -134,6 +136,7 @@ def launch(
         model_shape,
         tuple(sorted(options.items())),
         tuple(neutral),
+        tuple(archs),
     )
 
 
@@ -299,7 +302,7 @@ def compile_all(
     todo = {}
     for spec in specs:
         for arch in archs:
-            if (spec.key, arch) not in cache:
+            if arch in spec.archs and (spec.key, arch) not in cache:
                 todo[(spec.key, arch)] = (spec, arch)
     if workers <= 1 or len(todo) < 2:
         for key, (spec, arch) in todo.items():
@@ -345,7 +348,8 @@ def gate(
     for spec in specs:
         out += grid_problems(spec) + arange_problems(spec)
         for arch in archs:
-            out += problems_of(spec, arch, cache[(spec.key, arch)])
+            if arch in spec.archs:
+                out += problems_of(spec, arch, cache[(spec.key, arch)])
     return list(dict.fromkeys(out))
 
 
