@@ -23,7 +23,7 @@
 #            it applies to mfu's trace too)
 #   fp8      FP8: the FP8 tests' GPU cases, scripts/bench/fp8_linear.py, the 0.85B Llama in the
 #            runs FP8_RUNS names (default "bf16 hybrid delayed": bf16, tensorwise, the 8B example's
-#            delayed scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
+#            delayed scaling; also blockwise: hybrid block scaling; FP8_ITERS, default 300; FP8_MBS, default 16) on a Markov corpus it
 #            cannot memorise (FP8_DATA=mock: mock data), each FP8 run's losses against bf16's;
 #            FP8_BENCH=0 skips the tests and the benchmark; FP8_SIZE=8b-slice (with FP8_MBS=1,
 #            FP8_GBS=8, FP8_DATA=mock) runs eight of Llama-3 8B's layers at its sequence length;
@@ -271,7 +271,7 @@ stage_fp8() {
        tests/runtime/kernels/test_fp8_cast_transpose.py tests/runtime/kernels/test_fp8_delayed.py \
        tests/runtime/kernels/test_fp8_segments.py tests/runtime/backend/test_fp8_experts.py \
        tests/runtime/backend/test_fp8_recipe.py tests/runtime/backend/test_fp8_param.py \
-       > "$OUT/fp8-gpu-tests.txt" 2>&1)
+       tests/runtime/kernels/test_fp8_blockwise.py > "$OUT/fp8-gpu-tests.txt" 2>&1)
     log "fp8 gpu tests: $(tail -1 "$OUT/fp8-gpu-tests.txt")"
     (cd "$HERE" && timeout 150 $PY -m scripts.bench.fp8_linear --shapes 8b,0.85b \
        --json "$OUT/bench-fp8.json" > "$OUT/bench-fp8.txt" 2>&1)
@@ -297,7 +297,8 @@ stage_fp8() {
       bf16) flags= ;;
       hybrid) flags="-- --fp8-format hybrid --fp8-recipe tensorwise" ;;
       delayed) flags="-- --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" ;;
-      *) log "fp8: unknown run $run (bf16, hybrid, delayed)"; continue ;;
+      blockwise) flags="-- --fp8-format hybrid --fp8-recipe blockwise" ;;
+      *) log "fp8: unknown run $run (bf16, hybrid, delayed, blockwise)"; continue ;;
     esac
     train "fp8-$run-$NEWEST" "$W/p-$NEWEST" $m $flags
     log "$size $run: $(cat "$OUT/fp8-$run-$NEWEST.json")"

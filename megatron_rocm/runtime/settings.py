@@ -152,6 +152,7 @@ SETTINGS: dict[str, Setting] = {
                 "swiglu",
                 "fp8",
                 "fp8_accumulate",
+                "fp8_blockwise",
             ),
             default_text="auto",
             doc="put every kernel, or the named ones, on torch's reference path (A/B runs, "

@@ -108,3 +108,22 @@ def added_to_main_grad(
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     weight.grad_added_to_main_grad = True
     return make(main_grad.shape, dtype=like.dtype, device=like.device)
+
+
+def deliver_wgrad(
+    fuse: bool,
+    weight: Any,
+    wgrad: torch.Tensor | None,
+    like: torch.Tensor,
+    main_grad: torch.Tensor | None = None,
+) -> Any:
+    """The weight gradient for autograd (in the weight's dtype; None: no tokens, zeros), or
+    added into ``main_grad`` (``main_grad_for_wgrad``'s unless given) with Megatron's
+    placeholder returned instead (``LinearFunction``'s contract)."""
+    if not fuse:
+        return torch.zeros_like(weight) if wgrad is None else wgrad.to(weight.dtype)
+    if main_grad is None:
+        main_grad = main_grad_for_wgrad(weight)
+    if wgrad is not None:
+        main_grad.add_(wgrad)
+    return added_to_main_grad(weight, main_grad, like)

@@ -8,10 +8,10 @@ native column, row, norm-fused and duplicated linears built inside a layer learn
 layer trains in FP8 (``--first-last-layers-bf16`` keeps its first and last layers in bf16),
 and read the recipe from the config when they are built (:func:`module_recipe`). Deciding at
 construction keeps recomputed forwards (activation checkpointing) on the same path as the
-first one. Two recipes exist here: current scaling (``--fp8-recipe tensorwise``) and delayed
+first one. Three recipes exist here: current scaling (``--fp8-recipe tensorwise``), delayed
 scaling (``delayed``, upstream's default: ``--fp8-amax-history-len``,
-``--fp8-amax-compute-algo``, ``kernels.fp8.AmaxHistory``); argument validation refuses the
-rest (``options``).
+``--fp8-amax-compute-algo``, ``kernels.fp8.AmaxHistory``) and block scaling (``blockwise``:
+``backend.fp8_blockwise``); argument validation refuses the rest (``options``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_rocm.runtime.backend._linear_function import deliver_wgrad
 from megatron_rocm.runtime.kernels.fp8 import (
     AmaxHistory,
     Fp8Formats,
@@ -40,7 +41,7 @@ from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_fo
 _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
 
 
-NATIVE_RECIPES = ("tensorwise", "delayed")
+NATIVE_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class Fp8Recipe:
     formats: Fp8Formats
     margin: int = 0
     wgrad_in_fp8: bool = True  # upstream's --fp8-wgrad (default on; --no-fp8-wgrad: bf16)
-    delayed: DelayedScaling | None = None  # None: current scaling (tensorwise)
+    delayed: DelayedScaling | None = None  # None: current scaling (tensorwise) or blockwise
+    blockwise: bool = False  # 1 x 128 / 128 x 128 block scales (backend.fp8_blockwise)
     weight_cache: WeightCache = field(default_factory=WeightCache)
 
     def history(self, tensor: str) -> AmaxHistory | None:
@@ -186,7 +188,7 @@ def module_recipe(
     if name not in NATIVE_RECIPES:
         raise ValueError(
             f"{owner}: --fp8-recipe {name} needs TransformerEngine, which is not installed; "
-            "use --fp8-recipe tensorwise or delayed"
+            "use --fp8-recipe tensorwise, delayed or blockwise"
         )
     check_gemm_dims(owner, weight.shape[1], weight.shape[0])
     return Fp8Recipe(
@@ -194,6 +196,7 @@ def module_recipe(
         margin=int(getattr(config, "fp8_margin", 0) or 0),
         wgrad_in_fp8=bool(getattr(config, "fp8_wgrad", True)),
         delayed=_delayed_scaling(config, weight_split) if name == "delayed" else None,
+        blockwise=name == "blockwise",
     )
 
 
@@ -205,6 +208,12 @@ def attach_recipe(linear: Any, owner: str, config: Any) -> None:
     linear.fp8_recipe = module_recipe(owner, config, linear.weight, split)
     linear.is_first_microbatch = True
     if linear.fp8_recipe is not None and getattr(config, "fp8_param", False):
+        if linear.fp8_recipe.blockwise:
+            raise ValueError(
+                f"{owner}: --fp8-param-gather with --fp8-recipe blockwise: without "
+                "TransformerEngine the FP8 weights are scaled per tensor; use --fp8-recipe "
+                "tensorwise or delayed, or drop --fp8-param-gather"
+            )
         from megatron_rocm.runtime.backend.fp8_param import convert_weight
 
         convert_weight(linear, linear.fp8_recipe)  # --fp8-param-gather: FP8 bytes in DDP
@@ -351,27 +360,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, None, None, None, None
 
 
-def deliver_wgrad(
-    fuse: bool,
-    weight: Any,
-    wgrad: torch.Tensor | None,
-    like: torch.Tensor,
-    main_grad: torch.Tensor | None = None,
-) -> Any:
-    """The weight gradient for autograd (in the weight's dtype; None: no tokens, zeros), or
-    added into ``main_grad`` (``main_grad_for_wgrad``'s unless given) with Megatron's
-    placeholder returned instead (``LinearFunction``'s contract)."""
-    if not fuse:
-        return torch.zeros_like(weight) if wgrad is None else wgrad.to(weight.dtype)
-    from megatron_rocm.runtime.backend._linear_function import added_to_main_grad
-
-    if main_grad is None:
-        main_grad = main_grad_for_wgrad(weight)
-    if wgrad is not None:
-        main_grad.add_(wgrad)
-    return added_to_main_grad(weight, main_grad, like)
-
-
 def fp8_wgrad(
     fuse: bool,
     weight: Any,
@@ -399,10 +387,13 @@ def fp8_linear(
 ) -> Any:
     """``x W^T`` on ``Fp8LinearFunction``. ``reuse_weight`` (``weight_reuse``): True takes
     the FP8 weight the step's first micro-batch quantized, False quantizes and keeps it, None
-    quantizes and keeps nothing."""
-    return Fp8LinearFunction.apply(
-        x, weight, fuse_wgrad, recipe, torch.is_grad_enabled(), reuse_weight
-    )
+    quantizes and keeps nothing. Block scaling runs ``fp8_blockwise``'s function."""
+    function = Fp8LinearFunction
+    if recipe.blockwise:
+        from megatron_rocm.runtime.backend.fp8_blockwise import Fp8BlockwiseLinearFunction
+
+        function = Fp8BlockwiseLinearFunction
+    return function.apply(x, weight, fuse_wgrad, recipe, torch.is_grad_enabled(), reuse_weight)
 
 
 def weight_reuse(linear: Any) -> bool | None:

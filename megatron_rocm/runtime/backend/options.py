@@ -220,14 +220,13 @@ def _weight_shards_beyond_tp(args: Any) -> list[str]:
 
 _FP8_RECIPE_ADVICE = {
     "mxfp8": "MXFP8 needs TE's block-scaled GEMMs and a GPU with them (Blackwell)",
-    "blockwise": "1x128/128x128 block scaling needs TE's blockwise GEMMs",
     "custom": "a custom quantizer factory builds TE quantizers",
 }
 
 
 def fp8_problems(args: Any) -> list[str]:
     """Without TE, one message per part of an ``--fp8-format`` run the native FP8 linears
-    (``backend.fp8``: current or delayed per-tensor scaling) cannot do."""
+    (``backend.fp8``: current or delayed per-tensor scaling, or block scaling) cannot do."""
     fmt = getattr(args, "fp8", None)
     if not fmt:
         return []
@@ -239,7 +238,7 @@ def fp8_problems(args: Any) -> list[str]:
         why = _FP8_RECIPE_ADVICE.get(recipe, "it is not per-tensor scaling")
         problems.append(
             f"--fp8-recipe {recipe}: needs TransformerEngine, which is not installed ({why}); "
-            "use --fp8-recipe tensorwise or delayed (per-tensor scaling, native)"
+            "use --fp8-recipe tensorwise, delayed or blockwise (native)"
         )
     if not _native_spec(args):
         problems.append(
@@ -293,6 +292,11 @@ def _moe_fp8_problems(args: Any, recipe: str) -> list[str]:
             f"--fp8-format with --num-experts under --fp8-recipe {recipe}: without "
             "TransformerEngine the experts scale by current amaxes only (an expert's history "
             "would be reduced with other ranks' experts); use --fp8-recipe tensorwise"
+        )
+    if recipe == "blockwise":
+        problems.append(
+            "--fp8-format with --num-experts under --fp8-recipe blockwise: without "
+            "TransformerEngine the experts scale per tensor only; use --fp8-recipe tensorwise"
         )
     if getattr(args, "fp8_param_gather", False):
         problems.append(
@@ -348,6 +352,12 @@ def fp8_param_gather_problems(args: Any) -> list[str]:
         for dest, flag, why in _FP8_PARAM_GATHER_WITHOUT
         if getattr(args, dest, False)
     ]
+    if str(getattr(args, "fp8_recipe", "delayed")) == "blockwise":
+        problems.append(
+            "--fp8-param-gather with --fp8-recipe blockwise: without TransformerEngine the FP8 "
+            "weights are scaled per tensor; use --fp8-recipe tensorwise or delayed, or drop "
+            "--fp8-param-gather"
+        )
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp > 1 and str(getattr(args, "fp8_recipe", "delayed")) == "delayed":
         problems.append(

@@ -186,8 +186,8 @@ def no_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_with_a_native_recipe_is_accepted(no_gpu, fmt, recipe) -> None:
     reject_te_only_options(
         SimpleNamespace(**{**DEFAULTS, **FP8_RUN, "fp8": fmt, "fp8_recipe": recipe})
     )
@@ -209,7 +209,16 @@ def test_fp8_with_per_tensor_scaling_is_accepted(no_gpu, fmt, recipe) -> None:
     ("change", "flag", "advice"),
     [
         ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8", "Blackwell"),
-        ({"fp8_recipe": "blockwise"}, "--fp8-recipe blockwise", "blockwise GEMMs"),
+        (
+            {"fp8_recipe": "blockwise", "fp8_param_gather": True},
+            "--fp8-param-gather with --fp8-recipe blockwise",
+            "drop --fp8-param-gather",
+        ),
+        (
+            {"num_experts": 8, "fp8_recipe": "blockwise"},
+            "--num-experts under --fp8-recipe blockwise",
+            "use --fp8-recipe tensorwise",
+        ),
         ({"fp8_recipe": "custom"}, "--fp8-recipe custom", "quantizer"),
         (
             {"fp8_param_gather": True, "fp8_recipe": "delayed", "tensor_model_parallel_size": 2},
