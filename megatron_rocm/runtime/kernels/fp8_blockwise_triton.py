@@ -41,10 +41,12 @@ from megatron_rocm.runtime.kernels.launch import cdiv, is_hip
 BLOCK = 128  # the recipe's block: 1 x 128 for activations and gradients, 128 x 128 for weights
 CAST_WARPS = 8
 # the GEMM's tile: the fastest of six on an H200 at Llama-3 8B's and the 0.85B's shapes (a
-# probe before this module); ROCm's 64 KiB of LDS holds two stages of it
+# probe before this module); on ROCm one stage (32 KiB of LDS), untimed there
 GEMM_BLOCK_M = 64
 GEMM_BLOCK_N = 128
 GEMM_WARPS = 4
+GEMM_STAGES = 4
+GEMM_STAGES_HIP = 1  # two stages spill registers on gfx950 (the AMD compile gate)
 GEMM_GROUP_M = 8
 
 
@@ -196,7 +198,7 @@ def block_mm(
         out.stride(0), out.stride(1), a_inv.stride(0), a_inv.stride(1), b_inv.stride(0),
         b_inv.stride(1), B_TILES=b_tiles, ACCUMULATE=accumulate, BLOCK_M=GEMM_BLOCK_M,
         BLOCK_N=GEMM_BLOCK_N, GROUP_M=GEMM_GROUP_M, num_warps=GEMM_WARPS,
-        num_stages=2 if is_hip() else 4,
+        num_stages=GEMM_STAGES_HIP if is_hip() else GEMM_STAGES,
     )  # fmt: skip
     return out
 
@@ -250,7 +252,7 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                         ),  # fmt: skip
                         ptrs=dict(a=a, b=b, c=out_type, sa=torch.float32, sb=torch.float32),
                         num_warps=GEMM_WARPS,
-                        num_stages=2,
+                        num_stages=GEMM_STAGES_HIP,
                         archs=(arch,),
                         grid=(cdiv(8192, GEMM_BLOCK_M) * cdiv(widest, GEMM_BLOCK_N),),
                     )  # fmt: skip
