@@ -5,9 +5,9 @@ an assertion at the first step) and some would be silently ignored. The ``te-spe
 :func:`reject_te_only_options` in ``validate_args``; when ``transformer_engine`` cannot be
 imported, every option below that is set stops the run before any GPU work, one line per
 option, naming the flag and what to do instead. With TE installed none of them is refused.
-``--fp8-format`` runs on the native linears (``backend.fp8``) with delayed or current scaling
-(``--fp8-recipe delayed`` or ``tensorwise``); :func:`fp8_problems` names what of upstream's FP8
-they cannot do.
+``--fp8-format`` runs on the native linears (``backend.fp8``) with delayed, current or block
+scaling (``--fp8-recipe delayed``, ``tensorwise`` or ``blockwise``); :func:`fp8_problems` names
+what of upstream's FP8 they cannot do.
 The same call stops a run whose ``MEGATRON_ROCM_*`` switches are malformed or unknown
 (``runtime.settings``), TE or not.
 
@@ -40,7 +40,10 @@ def _not_in(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is not None and v not in values
 
 
-_NO_FP4 = "train in bf16 (--bf16) or FP8 (--fp8-format, --fp8-recipe delayed or tensorwise) instead"
+_NO_FP4 = (
+    "train in bf16 (--bf16) or FP8 (--fp8-format, --fp8-recipe delayed, tensorwise or "
+    "blockwise) instead"
+)
 
 TE_ONLY_OPTIONS: tuple[TeOnlyOption, ...] = (
     TeOnlyOption("fp4", "--fp4-format", _NO_FP4),

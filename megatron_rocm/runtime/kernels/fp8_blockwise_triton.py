@@ -34,7 +34,6 @@ from megatron_rocm.runtime.kernels.fp8_triton import (
     _scaled_byte,
     _tile,
     cast_kind,
-    needs_int64,
 )
 from megatron_rocm.runtime.kernels.launch import cdiv, is_hip
 
@@ -68,6 +67,15 @@ def _block_scale(bits, fp8_max):
 
 
 @triton.jit
+def _inverse(scale):
+    """``1 / scale`` of a power of two from its exponent bits, exact where the result is
+    subnormal (2^-127, the inverse of the largest scale) on any GPU's flush-to-zero."""
+    e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    bits = tl.where(e <= 253, (254 - e) << 23, 1 << 22)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _cast_blocks(
     x, y, inv, yt, inv_t, rows, cols, ld_t, fp8_max,
     MANTISSA: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, CAST: tl.constexpr,
@@ -85,19 +93,25 @@ def _cast_blocks(
         tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
         if COLS:
             tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
-        tl.store(inv + tile_r * blocks_c + tile_c, tl.math.div_rn(1.0, s))
+        tl.store(inv + tile_r * blocks_c + tile_c, _inverse(s))
     else:
         if ROWS:  # each row's 128 elements by their own scale
             s_r = _block_scale(tl.max(bits, axis=1), fp8_max)
             q = _scaled_byte(v, s_r[:, None], fp8_max, MANTISSA, BIAS, FNUZ, CAST)
             tl.store(y + r[:, None] * cols + c[None, :], q, mask=mask)
-            tl.store(inv + r * blocks_c + tile_c, tl.math.div_rn(1.0, s_r), mask=r < rows)
+            tl.store(inv + r * blocks_c + tile_c, _inverse(s_r), mask=r < rows)
         if COLS:  # each column's 128 elements by theirs, stored transposed
             s_c = _block_scale(tl.max(bits, axis=0), fp8_max)
             q = _scaled_byte(v, s_c[None, :], fp8_max, MANTISSA, BIAS, FNUZ, CAST)
             tl.store(yt + c[:, None] * ld_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
             blocks_r = tl.cdiv(rows, 128)
-            tl.store(inv_t + c * blocks_r + tile_r, tl.math.div_rn(1.0, s_c), mask=c < cols)
+            tl.store(inv_t + c * blocks_r + tile_r, _inverse(s_c), mask=c < cols)
+
+
+def needs_int64(rows: int, cols: int, ld_t: int) -> bool:
+    """Offsets past int32 in ``_cast_blocks``' outputs, the last 128 x 128 tile's masked lanes
+    included."""
+    return max((rows + BLOCK) * (cols + BLOCK), (cols + BLOCK) * (ld_t + BLOCK)) >= 2**31
 
 
 def cast_blocks(

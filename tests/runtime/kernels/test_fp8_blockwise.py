@@ -70,8 +70,9 @@ def _data(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
         * torch.logspace(-6, 6, cols)[torch.randperm(cols, generator=g)]
     )
     x[: min(rows, 3), :128] = 0.0
-    if rows > 5 and cols > 200:
+    if rows > 6 and cols > 256:
         x[4, 130], x[5, 140] = float("nan"), float("inf")
+        x[6, 256:] = 1e-38  # a subnormal block: its scale 2^127, the inverse 2^-127 subnormal
     return x
 
 
@@ -195,11 +196,12 @@ def test_cublaslt_gemms_match_float64(monkeypatch) -> None:
 
 def test_cublaslt_takes_tiles_only_over_multiples_of_four_blocks() -> None:
     bf16 = torch.bfloat16
-    assert bw.cublaslt_takes((4096, 6144, True, E4M3, E4M3, bf16))
-    assert bw.cublaslt_takes((1536, 11008, True, E4M3, E4M3, bf16))
+    assert bw.cublaslt_takes((4096, 6144, True, E4M3, E4M3, bf16, True))
+    assert bw.cublaslt_takes((1536, 11008, True, E4M3, E4M3, bf16, True))
     for k in (384, 5504, 11008):  # 3, 43 and 86 blocks: wrong products on an H200
-        assert not bw.cublaslt_takes((k, 1536, True, E4M3, E4M3, bf16))
-    assert bw.cublaslt_takes((200, 1536, False, E5M2, E4M3, torch.float32))  # 1 x 128 blocks
+        assert not bw.cublaslt_takes((k, 1536, True, E4M3, E4M3, bf16, True))
+    assert bw.cublaslt_takes((200, 1536, False, E5M2, E4M3, torch.float32, True))
+    assert not bw.cublaslt_takes((4096, 6144, True, E4M3, E4M3, bf16, False))  # M % 4 != 0
 
 
 def test_a_wrong_cublaslt_product_is_caught_and_its_problem_avoided(monkeypatch) -> None:
@@ -223,7 +225,66 @@ def test_a_wrong_cublaslt_product_is_caught_and_its_problem_avoided(monkeypatch)
     for _ in range(2):
         torch.testing.assert_close(bw.block_mm(a, b, True, torch.float32), want)
     assert calls == [True]  # the second call went straight to the next path
-    assert (512, 128, True, E4M3, E4M3, torch.float32) in bw._failed
+    assert (512, 128, True, E4M3, E4M3, torch.float32, True) in bw._failed
+
+
+def _fake_cublaslt(monkeypatch, product) -> list:  # noqa: ANN001
+    """cuBLASLt replaced by ``product(a, b, tiles, dtype)``, the next path the emulation."""
+    monkeypatch.setattr(bw, "_failed", set())
+    monkeypatch.setattr(bw, "_checked", set())
+    monkeypatch.setattr(bw, "gemm_path", lambda a, problem=None: (
+        "emulated" if problem in bw._failed else "scaled_mm"))  # fmt: skip
+    calls = []
+    monkeypatch.setattr(bw, "_scaled_mm", lambda *a: calls.append(a[2]) or product(*a))
+    return calls
+
+
+def test_a_scale_wrong_on_small_rows_only_is_caught(monkeypatch) -> None:
+    """The check holds each row to its own largest value: doubling the rows that are 1,000
+    times smaller than the rest still fails it."""
+    _fake_cublaslt(monkeypatch, lambda a, b, t, d: bw._emulated(a, b, t) * torch.where(
+        torch.arange(a.data.shape[0])[:, None] >= 32, 2.0, 1.0))  # fmt: skip
+    x, w = _operands(64, 128, 512, "cpu")
+    x[32:] *= 1e-3
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    torch.testing.assert_close(bw.block_mm(a, b, True, torch.float32), bw._emulated(a, b, True))
+    assert len(bw._failed) == 1 and not bw._checked
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan")])
+def test_a_first_product_that_cannot_be_judged_is_not_trusted(monkeypatch, bad) -> None:
+    """Zeros (a zero tolerance) or NaN (comparisons false) in the reference prove nothing: the
+    reference is delivered and the next call checks again."""
+    calls = _fake_cublaslt(monkeypatch, lambda a, b, t, d: torch.full(
+        (a.data.shape[0], b.data.shape[0]), 5.0))  # fmt: skip
+    x, w = _operands(64, 128, 512, "cpu")
+    x[0] = bad
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    got = bw.block_mm(a, b, True, torch.float32)
+    torch.testing.assert_close(got, bw._emulated(a, b, True), equal_nan=True)
+    assert not bw._checked and not bw._failed
+    bw.block_mm(a, b, True, torch.float32)
+    assert calls == [True, True]  # checked again
+
+
+@triton_test
+def test_a_failing_triton_kernel_falls_back_to_the_emulation(monkeypatch) -> None:
+    from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
+
+    monkeypatch.setattr(bw, "_failed", set())
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(kernels, "block_mm", broken)
+    x, w = _operands(64, 128, 256, TRITON_DEVICE)
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    got = bw.block_mm(a, b, True, torch.float32)
+    torch.testing.assert_close(got, bw._emulated(a, b, True))
+    assert "triton" in bw._failed
 
 
 def test_rocm_takes_the_triton_gemm(monkeypatch) -> None:
@@ -285,7 +346,93 @@ def test_the_linear_on_the_triton_kernels(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_the_linear_on_the_gpus_gemm() -> None:
-    """Its sizes (K 384, N 256) are ones cuBLASLt gets wrong: the GEMMs go to Triton."""
+def test_the_linear_on_the_gpus_gemm(monkeypatch) -> None:
+    """Its forward and input gradient contract over 384 and 256 (3 and 2 tile-scaled blocks,
+    which cuBLASLt gets wrong): Triton; the weight gradient's 1 x 128 blocks: cuBLASLt."""
+    from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
+
+    served = []
+    real_lt, real_triton = bw._scaled_mm, kernels.block_mm
+    monkeypatch.setattr(bw, "_scaled_mm", lambda *a: served.append("lt") or real_lt(*a))
+    monkeypatch.setattr(kernels, "block_mm", lambda *a: served.append("triton") or real_triton(*a))
     _linear_case("cuda")
-    assert "triton" not in bw._failed
+    assert served[0] == "triton" and served.count("lt") == 1 and "triton" not in bw._failed
+
+
+def _run_linear(x, w, fuse, recipe, reuse=None):  # noqa: ANN001, ANN202
+    return backend_fp8.fp8_linear(x, w, fuse, recipe, reuse)
+
+
+@pytest.mark.parametrize("case", ["unfused", "no_fp8_wgrad", "frozen_input", "cached"])
+def test_the_linears_other_paths(case) -> None:
+    """Without fusion the gradient comes back in the weight's dtype; --no-fp8-wgrad computes it
+    in fp32 from the input; an input without gradient gets none; a weight quantized without its
+    transpose (a no-grad forward) is quantized again when a backward needs it."""
+    x, w = _operands(200, 256, 384, "cpu")
+    w.requires_grad_()
+    recipe = _recipe()
+    if case == "no_fp8_wgrad":
+        recipe = backend_fp8.Fp8Recipe(formats=recipe.formats, wgrad_in_fp8=False, blockwise=True)
+    if case == "cached":
+        with torch.no_grad():
+            _run_linear(x, w, False, recipe, reuse=False)
+        assert recipe.weight_cache.quantized[1] is None
+    xg = x.clone().requires_grad_(case != "frozen_input")
+    dy = torch.randn(200, 256)
+    _run_linear(xg, w, False, recipe, reuse=True if case == "cached" else None).backward(dy)
+    wq = oracle_dequantize(*oracle_blocks(w.detach(), E4M3, True), True)
+    if case == "no_fp8_wgrad":
+        want_dw = dy.double().t() @ x.double()
+        torch.testing.assert_close(
+            w.grad.double(), want_dw, rtol=0, atol=1e-4 * want_dw.abs().max()
+        )
+    else:
+        want_dw = oracle_dequantize(*oracle_blocks(dy.t(), E5M2, False), False) @ (
+            oracle_dequantize(*oracle_blocks(x.t(), E4M3, False), False).t()
+        )
+        _close(w.grad, want_dw)
+    assert w.grad.dtype == w.dtype
+    if case == "frozen_input":
+        assert xg.grad is None
+    else:
+        _close(xg.grad, oracle_dequantize(*oracle_blocks(dy, E5M2, False), False) @ wq)
+    if case == "cached":
+        assert recipe.weight_cache.quantized[1] is not None
+
+
+@triton_test
+def test_a_bf16_main_grad_is_added_into_by_the_triton_gemm(monkeypatch) -> None:
+    monkeypatch.setattr(bw, "gemm_path", lambda a, problem=None: "triton")
+    x, w = _operands(200, 256, 384, TRITON_DEVICE)
+    w = w.to(torch.bfloat16).requires_grad_()
+    w.main_grad = torch.full((256, 384), 2.0, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    w.grad_added_to_main_grad = False
+    dy = torch.randn(200, 256, device=TRITON_DEVICE)
+    backend_fp8.fp8_linear(x.to(torch.bfloat16), w, True, _recipe()).backward(dy.to(torch.bfloat16))
+    dyb, xb = dy.to(torch.bfloat16).float().cpu(), x.to(torch.bfloat16).float().cpu()
+    want = oracle_dequantize(*oracle_blocks(dyb.t(), E5M2, False), False) @ (
+        oracle_dequantize(*oracle_blocks(xb.t(), E4M3, False), False).t()
+    )
+    got = w.main_grad.double().cpu() - 2.0
+    # bf16 rounds the sum with 2.0 once: 2^-8 of the larger of the two
+    bound = 2**-7 * (want.abs() + 2.0)
+    assert bool(((got - want).abs() <= bound).all())
+
+
+def test_no_tokens_quantize_and_multiply_to_nothing() -> None:
+    x = torch.empty(0, 384)
+    a, a_t = bw.quantize_rows(x, E4M3, transposed=True)
+    assert a.data.shape == (0, 384) and a_t.data.shape == (384, 0)
+    w, _ = bw.quantize_tiles(torch.randn(256, 384), E4M3, transposed=False)
+    assert bw.block_mm(a, w, True, torch.float32).shape == (0, 256)
+
+
+def test_fp8_param_gather_is_refused_with_block_scaling_where_the_linear_is_built() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(fp8="hybrid", fp8_recipe="blockwise", num_layers=1, fp8_margin=0,
+                             fp8_wgrad=True, first_last_layers_bf16=False, fp8_param=True)  # fmt: skip
+    linear = SimpleNamespace(weight=torch.nn.Parameter(torch.randn(256, 384)))
+    with pytest.raises(ValueError, match="--fp8-param-gather with --fp8-recipe blockwise") as info:
+        backend_fp8.attach_recipe(linear, "TELinear", config)
+    assert "\n" not in str(info.value)
