@@ -407,10 +407,11 @@ stage_example8b() {
       bf16) edits+=('^DTYPE="fp8"$' 's/^DTYPE="fp8"$/DTYPE="bf16"/') ;;
       fp8) ;;
       fp8-no-param-gather) edits+=("${no_param_gather[@]}") ;;
-      fp8-tensorwise)
+      fp8-tensorwise|fp8-blockwise)  # blockwise: without --fp8-param-gather (per-tensor only)
         grep -q -- '--fp8-recipe' "$src" && { log "example8b-$run: upstream's example sets --fp8-recipe itself; not run"; continue; }
-        edits+=('^ *"--fp8-format hybrid"$' 's/^\( *\)"--fp8-format hybrid"$/&\n\1"--fp8-recipe tensorwise"/') ;;
-      *) log "example8b: unknown run $run (bf16, fp8, fp8-no-param-gather, fp8-tensorwise)"; continue ;;
+        [ "$run" = fp8-blockwise ] && edits+=("${no_param_gather[@]}")
+        edits+=('^ *"--fp8-format hybrid"$' "s/^\\( *\\)\"--fp8-format hybrid\"\$/&\\n\\1\"--fp8-recipe ${run#fp8-}\"/") ;;
+      *) log "example8b: unknown run $run (bf16, fp8, fp8-no-param-gather, fp8-tensorwise, fp8-blockwise)"; continue ;;
     esac
     local name="example8b-$run" script="$OUT/example8b-$run.sh" ok=1 i
     cp "$src" "$script"
