@@ -127,3 +127,16 @@ def deliver_wgrad(
     if wgrad is not None:
         main_grad.add_(wgrad)
     return added_to_main_grad(weight, main_grad, like)
+
+
+def keep_for_backward(ctx: Any, recipe: Any, x: torch.Tensor, fuse: bool, weight: Any) -> None:
+    """What an FP8 linear's backward reads besides its saved tensors: the recipe, the input's
+    shape and dtype, and whether the weight gradient goes into ``main_grad``."""
+    ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+    ctx.fuse_wgrad = fuse and has_main_grad(weight)
+
+
+def wgrad_from_activations(ctx: Any, dy: torch.Tensor, x: torch.Tensor, weight: Any) -> Any:
+    """``--no-fp8-wgrad``'s weight gradient: ``dy^T x`` in fp32 from the bf16 tensors,
+    delivered as :func:`deliver_wgrad` delivers it."""
+    return deliver_wgrad(ctx.fuse_wgrad, weight, dy.t().float() @ x.float(), dy)

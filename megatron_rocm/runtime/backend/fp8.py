@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-from megatron_rocm.runtime.backend._linear_function import deliver_wgrad
+from megatron_rocm.runtime.backend._linear_function import (
+    deliver_wgrad,
+    keep_for_backward,
+    wgrad_from_activations,
+)
 from megatron_rocm.runtime.kernels.fp8 import (
     AmaxHistory,
     Fp8Formats,
@@ -36,7 +40,7 @@ from megatron_rocm.runtime.kernels.fp8 import (
 )
 from megatron_rocm.runtime.kernels.fp8_accumulate import accumulate
 from megatron_rocm.runtime.kernels.fp8_amax_reduction import Scope, active
-from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
 _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of FP8?
 
@@ -325,8 +329,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             recipe.weight_cache.put(weight, (w_fp8, w_fp8_t, w_inv))
         out = fp8_mm(x_fp8, x_inv, w_fp8.t(), w_inv, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_fp8_t, saved_x, x_inv, w_fp8_t, w_inv, weight)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
-        ctx.fuse_wgrad = fuse_wgrad and has_main_grad(weight)
+        keep_for_backward(ctx, recipe, x, fuse_wgrad, weight)
         ctx.amax_scope, ctx.settles = backward_scope(need_dgrad or need_wgrad)
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -353,8 +356,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                     ctx.fuse_wgrad, weight, (dy_fp8_t, dy_inv), (x_fp8_t.t(), x_inv), dy
                 )
             else:
-                wgrad = dy.t().float() @ saved_x.float()
-                grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+                grad_weight = wgrad_from_activations(ctx, dy, saved_x, weight)
         if ctx.settles:  # the forward region's last FP8 backward: its amaxes reduced
             ctx.amax_scope.flush()
         return grad_input, grad_weight, None, None, None, None

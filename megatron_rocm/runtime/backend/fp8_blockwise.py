@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rocm.runtime.backend._linear_function import deliver_wgrad
+from megatron_rocm.runtime.backend._linear_function import (
+    deliver_wgrad,
+    keep_for_backward,
+    wgrad_from_activations,
+)
 from megatron_rocm.runtime.kernels.fp8_blockwise import (
     Blocks,
     block_mm,
@@ -25,7 +29,7 @@ from megatron_rocm.runtime.kernels.fp8_blockwise import (
     quantize_tiles,
     quantize_transposed_rows,
 )
-from megatron_rocm.runtime.kernels.grad_accum import has_main_grad, main_grad_for_wgrad
+from megatron_rocm.runtime.kernels.grad_accum import main_grad_for_wgrad
 
 if TYPE_CHECKING:
     from megatron_rocm.runtime.backend.fp8 import Fp8Recipe
@@ -59,8 +63,7 @@ class Fp8BlockwiseLinearFunction(torch.autograd.Function):
             saved_x,
             weight,
         )
-        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
-        ctx.fuse_wgrad = fuse_wgrad and has_main_grad(weight)
+        keep_for_backward(ctx, recipe, x, fuse_wgrad, weight)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -89,6 +92,5 @@ class Fp8BlockwiseLinearFunction(torch.autograd.Function):
                 wgrad = block_mm(dy_t, x_t, False, torch.float32)
                 grad_weight = deliver_wgrad(False, weight, wgrad, dy)
         elif need_wgrad:  # --no-fp8-wgrad: in fp32 from the activations
-            wgrad = dy.t().float() @ saved_x.float()
-            grad_weight = deliver_wgrad(ctx.fuse_wgrad, weight, wgrad, dy)
+            grad_weight = wgrad_from_activations(ctx, dy, saved_x, weight)
         return grad_input, grad_weight, None, None, None, None
