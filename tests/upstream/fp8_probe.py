@@ -3,10 +3,11 @@
     python fp8_probe.py --tree PATCHED_TREE --out RESULT.json
 
 One gloo rank. Builds upstream's ``TransformerBlock`` from the TE layer spec (the native
-backend's linears) three times from one seed: with ``fp8="hybrid", fp8_recipe="tensorwise"``
+backend's linears) four times from one seed: with ``fp8="hybrid", fp8_recipe="tensorwise"``
 and ``first_last_layers_bf16`` (one layer kept in bf16 at each end); with upstream's default
 recipe, ``delayed``, at the 8B example's ``--fp8-amax-history-len 1024
---fp8-amax-compute-algo max``; and in bf16. Each block takes two steps, the second on a batch
+--fp8-amax-compute-algo max``; with ``blockwise`` (core 0.13 and later, whose choices have it);
+and in bf16. Each block takes two steps, the second on a batch
 half the first's size (the delayed block scales it by the first's amaxes). Records which
 linears got an FP8 recipe, how many GEMMs ran through the FP8 function, where the delayed
 histories stand, and the blocks' outputs and gradients of the second step for the test to
@@ -35,6 +36,7 @@ RECIPES = {
                 num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1),
     "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                     fp8_amax_compute_algo="max"),
+    "blockwise": dict(fp8="hybrid", fp8_recipe="blockwise"),  # core 0.13 and later
     "bf16": {},
 }  # fmt: skip
 SCHEDULED = {
@@ -72,12 +74,28 @@ def run(args: argparse.Namespace) -> dict:
         return forward(ctx, *a)
 
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
+    from megatron_rocm.runtime.backend import fp8_blockwise
+
+    blockwise_forward = fp8_blockwise.Fp8BlockwiseLinearFunction.forward
+
+    def counted_blockwise(ctx, *a):  # noqa: ANN001, ANN002, ANN202
+        calls["blockwise"] = calls.get("blockwise", 0) + 1
+        return blockwise_forward(ctx, *a)
+
+    fp8_blockwise.Fp8BlockwiseLinearFunction.forward = staticmethod(counted_blockwise)
+    from megatron.core import enums, package_info
+
+    has_blockwise = hasattr(getattr(enums, "Fp8Recipe", None), "blockwise")
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     # a fixed random direction: |out|^2 is constant under the final RMSNorm (a zero gradient)
     direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
-    result: dict = {}
+    result: dict = {"version": [int(package_info.MAJOR), int(package_info.MINOR)]}
     for name in RECIPES:
+        if name == "blockwise" and not has_blockwise:  # upstream's choices lack it before 0.13
+            result[name] = None
+            continue
+        blockwise_before = calls.get("blockwise", 0)
         block = build(name)
         linears = {
             mod_name: mod
@@ -101,6 +119,9 @@ def run(args: argparse.Namespace) -> dict:
                 if getattr(m, "fp8_recipe", None) is not None and m.fp8_recipe.delayed
             },
             "fp8_gemms": calls["n"] - before,
+            "blockwise_gemms": calls.get("blockwise", 0) - blockwise_before,
+            "blockwise_recipes": sum(bool(getattr(getattr(m, "fp8_recipe", None), "blockwise",
+                                                  False)) for m in linears.values()),
             "out": out.detach().float().tolist(),
             "dx": x.grad.float().tolist(),
             "fc1_grad": block.layers[1].mlp.linear_fc1.weight.grad.float().tolist(),

@@ -50,16 +50,33 @@ def test_delayed_scaling_runs_every_layer_on_its_histories(probed) -> None:  # n
     assert len(probed["delayed"]["history_positions"]) == 4 * len(LINEARS)
 
 
+def test_block_scaling_runs_every_layer_on_the_blockwise_function(probed) -> None:  # noqa: ANN001
+    """``fp8_recipe="blockwise"`` (upstream's choices have it from core 0.13): every linear of
+    the block takes the block-scaled function, none the per-tensor one."""
+    got = probed["blockwise"]
+    if probed["version"] < [0, 13]:
+        assert got is None
+        return
+    assert all(got["recipes"].values()) and got["blockwise_recipes"] == 4 * len(LINEARS)
+    assert got["blockwise_gemms"] == 2 * 4 * len(LINEARS) and got["fp8_gemms"] == 0
+    assert not got["history_positions"]
+
+
 # E4M3 rounds within 2^-4 of a value, E5M2 (hybrid's gradients) within 2^-3: the weight
 # gradient, a sum over only 32 tokens of E5M2 gradients, keeps most of that error. The delayed
 # block runs all four layers in FP8 (upstream's config refuses first/last bf16 layers with
 # delayed scaling), the tensorwise one two: layer 1's weight gradient comes through three FP8
 # backward passes instead of one.
-@pytest.mark.parametrize("recipe", ["fp8", "delayed"])
+@pytest.mark.parametrize("recipe", ["fp8", "delayed", "blockwise"])
 @pytest.mark.parametrize(("what", "bound"), [("out", 0.02), ("dx", 0.02), ("fc1_grad", 0.15)])
 def test_fp8_block_stays_within_fp8_error_of_bf16(probed, recipe, what: str, bound: float) -> None:  # noqa: ANN001
+    if probed[recipe] is None:  # blockwise before core 0.13: the previous test checks that
+        assert recipe == "blockwise" and probed["version"] < [0, 13]
+        return
     rel = relative_error(probed[recipe][what], probed["bf16"][what])
-    bound = 0.25 if (recipe, what) == ("delayed", "fc1_grad") else bound
+    bound = (
+        0.25 if (recipe, what) in (("delayed", "fc1_grad"), ("blockwise", "fc1_grad")) else bound
+    )
     assert 1e-4 < rel < bound, rel  # quantized (not bf16's result), within FP8's error
 
 
