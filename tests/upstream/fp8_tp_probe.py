@@ -4,8 +4,9 @@
 
 Launches a gloo world of two ranks (TP=2), each running this file on the patched tree:
 upstream's ``TransformerBlock`` from the TE layer spec (the native backend's column, row and
-norm-fused column linears), built from one seed in bf16 and in FP8 under both recipes
-(``tensorwise``; ``delayed`` at the 8B example's history of 1024 and ``max``), each with and
+norm-fused column linears), built from one seed in bf16 and in FP8 under three recipes
+(``tensorwise``; ``delayed`` at the 8B example's history of 1024 and ``max``; ``blockwise``
+where upstream's choices have it, core 0.13 and later), each with and
 without sequence parallelism. Each block takes two steps (no optimizer: the weights stay), the
 second on a batch half the first's size. Each rank writes, per block, its outputs and input
 gradients of the second step over the whole sequence (gathered over the ranks under sequence
@@ -24,6 +25,7 @@ RECIPES = {
     "tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise"),
     "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                     fp8_amax_compute_algo="max"),
+    "blockwise": dict(fp8="hybrid", fp8_recipe="blockwise"),  # core 0.13 and later
 }  # fmt: skip
 
 
@@ -94,15 +96,29 @@ def run_rank(args: argparse.Namespace) -> dict:
         return forward(ctx, *a)
 
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
+    from megatron_rocm.runtime.backend import fp8_blockwise
+
+    blockwise_forward = fp8_blockwise.Fp8BlockwiseLinearFunction.forward
+
+    def counted_blockwise(ctx, *a):  # noqa: ANN001, ANN002, ANN202
+        calls["blockwise"] = calls.get("blockwise", 0) + 1
+        return blockwise_forward(ctx, *a)
+
+    fp8_blockwise.Fp8BlockwiseLinearFunction.forward = staticmethod(counted_blockwise)
+    from megatron.core import enums
+
+    has_blockwise = hasattr(getattr(enums, "Fp8Recipe", None), "blockwise")
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
     direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     chunk = SEQ // TP
     result: dict = {}
     for recipe in RECIPES:
+        if recipe == "blockwise" and not has_blockwise:  # upstream's choices lack it before 0.13
+            continue
         for sequence_parallel in (False, True):
             block = build(recipe, sequence_parallel)
-            before = calls["n"]
+            before, blockwise_before = calls["n"], calls.get("blockwise", 0)
             for scale in (1.0, 0.5):
                 block.set_is_first_microbatch()
                 block.zero_grad(set_to_none=True)
@@ -117,6 +133,7 @@ def run_rank(args: argparse.Namespace) -> dict:
                 (out.float() * mine).sum().backward()
             result[f"{recipe}{'-sp' if sequence_parallel else ''}"] = {
                 "fp8_gemms": calls["n"] - before,
+                "blockwise_gemms": calls.get("blockwise", 0) - blockwise_before,
                 "out": whole_sequence(out.detach(), sequence_parallel).float().tolist(),
                 "dx": whole_sequence(x.grad, sequence_parallel).float().tolist(),
                 "fc1_grad": block.layers[0].mlp.linear_fc1.weight.grad.float().tolist(),
