@@ -38,7 +38,8 @@ def _run(tmp_path: Path) -> tuple[int, dict]:
 def test_passes_in_the_ocp_formats(tmp_path: Path) -> None:
     code, check = _run(tmp_path)
     assert code == 0 and check["status"] == "pass", check
-    assert check["detail"].startswith("torch.float8_e4m3fn / torch.float8_e5m2: 76 tensors")
+    assert check["detail"].startswith("torch.float8_e4m3fn / torch.float8_e5m2: 82 tensors")
+    assert check["detail"].endswith("block scaling's GEMMs on fp32 emulation"), check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
@@ -100,6 +101,28 @@ def test_the_triton_kernels_pass_it(tmp_path: Path) -> None:
     """On a GPU, or on the CPU under Triton's interpreter: the kernels' own bytes."""
     code, check = _run(tmp_path)
     assert code == 0 and "(triton); weight gradients added into" in check["detail"], check
+    gemms = (
+        "Triton" if not torch.cuda.is_available() or torch.version.hip else "cuBLASLt and Triton"
+    )
+    assert check["detail"].endswith(f"block scaling's GEMMs on {gemms}"), check
+
+
+def test_a_wrong_block_scaled_cast_fails_it(tmp_path: Path, monkeypatch) -> None:
+    """The block casts are compared byte for byte: one flipped bit in the tiles fails the
+    check and names them."""
+    from megatron_rocm.runtime.kernels import fp8_blockwise as bw
+
+    real = bw.quantize_tiles
+
+    def flipped(w, dtype, transposed):  # noqa: ANN001, ANN202
+        tiles, turned = real(w, dtype, transposed)
+        data = tiles.data.clone()
+        data.view(torch.uint8).view(-1)[5] ^= 1
+        return bw.Blocks(data, tiles.inv), turned
+
+    monkeypatch.setattr(bw, "quantize_tiles", flipped)
+    code, check = _run(tmp_path)
+    assert code == 1 and check["detail"].startswith("blockwise tiles"), check
 
 
 def test_a_weight_gradient_that_misses_main_grad_fails_it(tmp_path: Path, monkeypatch) -> None:
@@ -120,4 +143,4 @@ def test_a_weight_gradient_that_misses_main_grad_fails_it(tmp_path: Path, monkey
 def test_on_the_cpu_it_says_the_add_ran_separately(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8")
     code, check = _run(tmp_path)
-    assert code == 0 and check["detail"].endswith("added into main_grad separately"), check
+    assert code == 0 and "added into main_grad separately;" in check["detail"], check

@@ -5,7 +5,8 @@ both amax algorithms, a shard cast into a byte buffer at an odd offset, the byte
 the MoE experts' segments each by its own amax), each against torch's own cast on this device;
 and the FP8 linear's and the MoE experts' GEMMs, called as training calls them, against fp32
 math on the same FP8 operands, the linear's weight gradient also added into a ``main_grad``
-(by the GPU's BLAS-Lt GEMM where it serves, ``kernels.fp8_accumulate``). Inputs are finite bf16, as
+(by the GPU's BLAS-Lt GEMM where it serves, ``kernels.fp8_accumulate``); block scaling's casts
+and GEMMs (``--fp8-recipe blockwise``). Inputs are finite bf16, as
 the linears quantize. A GPU without FP8 GEMMs skips: there ``--fp8-format`` is refused at
 argument validation."""
 
@@ -209,6 +210,48 @@ def _accumulated(ctx: Context, tally: _Tally, formats: object) -> str:
     return f"weight gradients added into a {' and '.join(served)} main_grad by {fp8_accumulate.library_name()}'s GEMM"
 
 
+def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> str:
+    """Block scaling (``--fp8-recipe blockwise``): the device's casts of 1 x 128 blocks (with
+    their transpose) and 128 x 128 tiles byte for byte the torch path's, and the linear's three
+    GEMMs against fp32 math on those operands. The sizes put the forward and the weight
+    gradient on cuBLASLt where it serves (each checked against the Triton GEMM first) and the
+    input gradient on the Triton GEMM; ROCm runs Triton throughout. Says which ran."""
+    from megatron_rocm.runtime.backend import fp8 as backend_fp8
+    from megatron_rocm.runtime.kernels import fp8_blockwise as bw
+
+    x = _randn(ctx, (64, 512), 30).requires_grad_()
+    w = _randn(ctx, (256, 512), 31, 0.1).requires_grad_()
+    dy = _randn(ctx, (64, 256), 32)
+    for dtype in (formats.forward, formats.backward):
+        rows, turned = bw.quantize_rows(x.detach(), dtype, transposed=True)
+        tiles, _ = bw.quantize_tiles(w.detach(), dtype, transposed=False)
+        check.same(f"blockwise rows {dtype}", rows.data, bw.quantize_rows_reference(x, dtype).data)
+        check.same(f"blockwise columns {dtype}", turned.data,
+                   bw.quantize_rows_reference(x.detach().t(), dtype).data)  # fmt: skip
+        check.same(
+            f"blockwise tiles {dtype}", tiles.data, bw.quantize_tiles_reference(w, dtype).data
+        )
+    recipe = backend_fp8.Fp8Recipe(formats=formats, blockwise=True)
+    backend_fp8.fp8_linear(x, w, False, recipe).backward(dy)
+    y = backend_fp8.fp8_linear(x.detach(), w.detach(), False, recipe)
+    xq = bw.dequantize_rows(bw.quantize_rows_reference(x.detach(), formats.forward))
+    wq = bw.dequantize_tiles(bw.quantize_tiles_reference(w.detach(), formats.forward))
+    dyq = bw.dequantize_rows(bw.quantize_rows_reference(dy, formats.backward))
+    dy_t = bw.dequantize_rows(bw.quantize_rows_reference(dy.t(), formats.backward))
+    x_t = bw.dequantize_rows(bw.quantize_rows_reference(x.detach().t(), formats.forward))
+    tally.compare("blockwise linear forward", y, xq @ wq.t(), torch.bfloat16)
+    tally.compare("blockwise linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
+    tally.compare("blockwise linear weight gradient", w.grad, dy_t @ x_t.t(), torch.bfloat16)
+    if "triton" in bw._failed:
+        raise CheckFailed("the FP8 block-scaled Triton GEMM failed (the log says why)")
+    refused = [p for p in bw._failed if p != "triton"]
+    names = {"scaled_mm": "cuBLASLt and Triton", "triton": "Triton", "emulated": "fp32 emulation"}
+    path = names[bw.gemm_path(x.detach())]
+    if refused:
+        path += f" (cuBLASLt refused {len(refused)} shape(s): Triton serves them)"
+    return f"block scaling's GEMMs on {path}"
+
+
 def skip_without_fp8_gemms(ctx: Context) -> None:
     """Skip an FP8 check on a GPU without FP8 GEMMs (the CPU emulates them)."""
     reason = _kernel("fp8").unsupported_gpu_reason() if ctx.on_gpu else None
@@ -230,6 +273,7 @@ def fp8(ctx: Context) -> str:
     _linear(ctx, tally, formats)
     added = _accumulated(ctx, tally, formats)
     _experts(ctx, tally, formats)
+    blockwise = _blockwise(ctx, check, tally, formats)
     failed = k.failed_kernels()
     if failed:  # then torch's path answered: the comparisons above proved nothing of Triton
         raise CheckFailed(
@@ -240,5 +284,5 @@ def fp8(ctx: Context) -> str:
     return (
         f"{formats.forward} / {formats.backward}: {check.cases} tensors byte for byte "
         f"torch's cast, the FP8 linear's and experts' GEMMs worst rel err {tally.worst:.2e} "
-        f"({_path(ctx, sample, 'fp8')}); {added}"
+        f"({_path(ctx, sample, 'fp8')}); {added}; {blockwise}"
     )
