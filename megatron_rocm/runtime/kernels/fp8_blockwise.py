@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_rocm.runtime.kernels.fp8 import _apply, _on_device
+from megatron_rocm.runtime.kernels.fp8 import _apply, _on_device, capturing
 from megatron_rocm.runtime.kernels.launch import (
     cdiv,
     interpreting,
@@ -311,6 +311,9 @@ def block_mm(
     dtype = torch.float32 if add_into is not None else out_dtype
     problem = _problem(a, b, b_tiles, dtype)
     path = gemm_path(a.data, problem)
+    if path == "scaled_mm" and problem not in _checked and capturing(a.data):
+        # the first-use check reads its verdict on the host, which a graph capture cannot
+        path = "triton" if "triton" not in _failed else "emulated"
     if path == "scaled_mm":
         out = _checked_scaled_mm(a, b, b_tiles, dtype, problem)
         if out is None:
@@ -324,9 +327,8 @@ def block_mm(
         if out is None:
             out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=out_dtype,
                               device=a.data.device)  # fmt: skip
-        if not _on_triton(a, b, b_tiles, out, accumulate=add_into is not None):
-            return block_mm(a, b, b_tiles, out_dtype, add_into)
-        return None if add_into is not None else out
+        if _on_triton(a, b, b_tiles, out, accumulate=add_into is not None):
+            return None if add_into is not None else out
     product = _emulated(a, b, b_tiles)
     if add_into is None:
         return product.to(out_dtype)

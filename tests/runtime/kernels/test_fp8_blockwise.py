@@ -269,6 +269,21 @@ def test_a_first_product_that_cannot_be_judged_is_not_trusted(monkeypatch, bad) 
     assert calls == [True, True]  # checked again
 
 
+def test_an_unchecked_problem_skips_cublaslt_while_a_graph_is_captured(monkeypatch) -> None:
+    """The first-use check reads its verdict on the host, which a CUDA graph capture cannot:
+    an unchecked problem takes the next path there, and is checked later, outside."""
+    calls = _fake_cublaslt(monkeypatch, lambda a, b, t, d: bw._emulated(a, b, t))
+    monkeypatch.setattr(bw, "capturing", lambda t: True)
+    x, w = _operands(64, 128, 512, "cpu")
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    torch.testing.assert_close(bw.block_mm(a, b, True, torch.float32), bw._emulated(a, b, True))
+    assert calls == [] and not bw._checked
+    monkeypatch.setattr(bw, "capturing", lambda t: False)
+    bw.block_mm(a, b, True, torch.float32)
+    assert calls == [True] and len(bw._checked) == 1
+
+
 @triton_test
 def test_a_failing_triton_kernel_falls_back_to_the_emulation(monkeypatch) -> None:
     from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
