@@ -17,7 +17,8 @@ from triton_interpreter import triton_test  # noqa: E402
 from megatron_rocm.commands.smoke import smoke  # noqa: E402
 from megatron_rocm.envtools.smoke.checks_fp8 import fp8 as fp8_check  # noqa: E402
 from megatron_rocm.envtools.smoke.runner import FAULT_ENV, Context, Skip  # noqa: E402
-from megatron_rocm.runtime.kernels import fp8  # noqa: E402
+from megatron_rocm.runtime.kernels import fp8, fp8_blockwise  # noqa: E402
+from megatron_rocm.runtime.kernels.launch import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.torch
 TRITON_SKIPS_ALLOWED = False  # under the interpreter the Triton case runs
@@ -26,6 +27,8 @@ TRITON_SKIPS_ALLOWED = False  # under the interpreter the Triton case runs
 @pytest.fixture(autouse=True)
 def no_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.setattr(fp8_blockwise, "_failed", set())  # no GEMM path failed or checked yet
+    monkeypatch.setattr(fp8_blockwise, "_checked", set())
 
 
 def _run(tmp_path: Path) -> tuple[int, dict]:
@@ -38,8 +41,9 @@ def _run(tmp_path: Path) -> tuple[int, dict]:
 def test_passes_in_the_ocp_formats(tmp_path: Path) -> None:
     code, check = _run(tmp_path)
     assert code == 0 and check["status"] == "pass", check
-    assert check["detail"].startswith("torch.float8_e4m3fn / torch.float8_e5m2: 82 tensors")
-    assert check["detail"].endswith("block scaling's GEMMs on fp32 emulation"), check
+    assert check["detail"].startswith("torch.float8_e4m3fn / torch.float8_e5m2: 84 tensors")
+    gemms = "Triton" if interpreting() else "fp32 emulation"  # TRITON_INTERPRET=1 in-process
+    assert check["detail"].endswith(f"block scaling's GEMMs on {gemms}"), check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
@@ -107,11 +111,23 @@ def test_the_triton_kernels_pass_it(tmp_path: Path) -> None:
     assert check["detail"].endswith(f"block scaling's GEMMs on {gemms}"), check
 
 
+def test_a_wrong_block_inverse_scale_fails_it(tmp_path: Path, monkeypatch) -> None:
+    real = fp8_blockwise.quantize_rows
+
+    def halved(x, dtype, transposed):  # noqa: ANN001, ANN202
+        rows, turned = real(x, dtype, transposed)
+        return fp8_blockwise.Blocks(rows.data, rows.inv / 2), turned
+
+    monkeypatch.setattr(fp8_blockwise, "quantize_rows", halved)
+    code, check = _run(tmp_path)
+    assert code == 1 and check["detail"].startswith("blockwise rows"), check
+    assert "inverse scales differ" in check["detail"]
+
+
 def test_a_wrong_block_scaled_cast_fails_it(tmp_path: Path, monkeypatch) -> None:
     """The block casts are compared byte for byte: one flipped bit in the tiles fails the
     check and names them."""
-    from megatron_rocm.runtime.kernels import fp8_blockwise as bw
-
+    bw = fp8_blockwise
     real = bw.quantize_tiles
 
     def flipped(w, dtype, transposed):  # noqa: ANN001, ANN202

@@ -4,7 +4,8 @@ The series is applied to the 0.12.3 sdist (the ``v0.12.diff`` variant) and the 0
 (``v0.14.diff``), and ``fp8_probe.py`` builds upstream's TE-spec ``TransformerBlock`` (four
 layers, the first and the last kept in bf16 by ``first_last_layers_bf16``) with
 ``fp8="hybrid", fp8_recipe="tensorwise"``, with upstream's default recipe (``delayed``, at the
-8B example's history of 1024 and ``max``), and in bf16, from the same seed, two steps each.
+8B example's history of 1024 and ``max``), with ``blockwise`` (0.19.2: the 0.12 choices lack it;
+every linear on the block-scaled function) and in bf16, from the same seed, two steps each.
 Without the patch upstream's ``get_fp8_context`` is a null context and FP8 flags train in bf16;
 with it the two middle layers' linears run their GEMMs in FP8 (every layer's under ``delayed``),
 the outer ones and the bf16 block none, the delayed histories advance once a quantize after

@@ -212,10 +212,11 @@ def _accumulated(ctx: Context, tally: _Tally, formats: object) -> str:
 
 def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> str:
     """Block scaling (``--fp8-recipe blockwise``): the device's casts of 1 x 128 blocks (with
-    their transpose) and 128 x 128 tiles byte for byte the torch path's, and the linear's three
-    GEMMs against fp32 math on those operands. The sizes put the forward and the weight
-    gradient on cuBLASLt where it serves (each checked against the Triton GEMM first) and the
-    input gradient on the Triton GEMM; ROCm runs Triton throughout. Says which ran."""
+    their transpose) and 128 x 128 tiles (with theirs), bytes and inverse scales, against the
+    torch path's, and the linear's three GEMMs against fp32 math on those operands. The sizes
+    put the forward and the weight gradient on cuBLASLt where it serves (each checked against
+    the Triton GEMM on its first call) and the input gradient on the Triton GEMM; ROCm runs
+    Triton throughout. Says which ran, and any shape cuBLASLt failed or got wrong here."""
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
     from megatron_rocm.runtime.kernels import fp8_blockwise as bw
 
@@ -223,14 +224,18 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     w = _randn(ctx, (256, 512), 31, 0.1).requires_grad_()
     dy = _randn(ctx, (64, 256), 32)
     for dtype in (formats.forward, formats.backward):
-        rows, turned = bw.quantize_rows(x.detach(), dtype, transposed=True)
-        tiles, _ = bw.quantize_tiles(w.detach(), dtype, transposed=False)
-        check.same(f"blockwise rows {dtype}", rows.data, bw.quantize_rows_reference(x, dtype).data)
-        check.same(f"blockwise columns {dtype}", turned.data,
-                   bw.quantize_rows_reference(x.detach().t(), dtype).data)  # fmt: skip
-        check.same(
-            f"blockwise tiles {dtype}", tiles.data, bw.quantize_tiles_reference(w, dtype).data
-        )
+        got = (*bw.quantize_rows(x.detach(), dtype, transposed=True),
+               *bw.quantize_tiles(w.detach(), dtype, transposed=True))  # fmt: skip
+        turned = bw.quantize_rows_reference(x.detach().t(), dtype)
+        tiles = bw.quantize_tiles_reference(w.detach(), dtype)
+        want = (bw.quantize_rows_reference(x.detach(), dtype), turned, tiles,
+                bw.Blocks(tiles.data.t(), tiles.inv.t()))  # fmt: skip
+        for label, mine, theirs in zip(("rows", "columns", "tiles", "tiles transposed"), got,
+                                       want, strict=True):  # fmt: skip
+            check.same(f"blockwise {label} {dtype}", mine.data, theirs.data)
+            if not torch.equal(mine.inv, theirs.inv):
+                raise CheckFailed(f"blockwise {label} {dtype}: inverse scales differ from torch's")
+    before = set(bw._failed)
     recipe = backend_fp8.Fp8Recipe(formats=formats, blockwise=True)
     backend_fp8.fp8_linear(x, w, False, recipe).backward(dy)
     y = backend_fp8.fp8_linear(x.detach(), w.detach(), False, recipe)
@@ -244,11 +249,11 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     tally.compare("blockwise linear weight gradient", w.grad, dy_t @ x_t.t(), torch.bfloat16)
     if "triton" in bw._failed:
         raise CheckFailed("the FP8 block-scaled Triton GEMM failed (the log says why)")
-    refused = [p for p in bw._failed if p != "triton"]
     names = {"scaled_mm": "cuBLASLt and Triton", "triton": "Triton", "emulated": "fp32 emulation"}
     path = names[bw.gemm_path(x.detach())]
-    if refused:
-        path += f" (cuBLASLt refused {len(refused)} shape(s): Triton serves them)"
+    failed = len(bw._failed - before)
+    if failed:
+        path += f" (cuBLASLt failed or disagreed on {failed} shape(s): Triton serves them)"
     return f"block scaling's GEMMs on {path}"
 
 

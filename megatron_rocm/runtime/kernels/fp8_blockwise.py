@@ -188,7 +188,8 @@ def gemm_path(a: torch.Tensor, problem: tuple | None = None) -> str:
     CUDA), ``triton`` (ROCm, the interpreter, or a ``problem`` cuBLASLt refused) or
     ``emulated`` (the CPU, the reference switch)."""
     if a.device.type == "cuda" and not reference_forced(KERNEL):
-        if not is_hip() and problem not in _failed:
+        suits = problem is None or (problem not in _failed and cublaslt_takes(problem))
+        if not is_hip() and suits:
             return "scaled_mm"
         if "triton" not in _failed and use_triton(a, kernel=KERNEL):
             return "triton"
@@ -244,9 +245,6 @@ def _checked_scaled_mm(
     """cuBLASLt's product, checked against the next path on the first call of each problem
     (a wrong kernel is silent, as ``cublaslt_takes`` says); None where it raised or differed
     (logged once, the problem goes to the next path from then on)."""
-    if not cublaslt_takes(problem):
-        _failed.add(problem)
-        return None
     try:
         out = _scaled_mm(a, b, b_tiles, dtype)
     except (RuntimeError, ValueError) as exc:  # no block-scaled kernel for this GPU or shape
@@ -269,10 +267,12 @@ def _checked_scaled_mm(
 
 def _verdict(got: torch.Tensor, want: torch.Tensor) -> bool | None:
     """Whether ``got`` matches ``want`` row by row (each row within ``_CHECK_TOLERANCE`` of its
-    own largest value, so a wrong scale on small rows shows), or None where ``want`` cannot
-    judge: not finite, or a row of zeros."""
+    own largest value, so a wrong scale on small rows shows; a row of zeros exactly), or None
+    where ``want`` cannot judge: empty, not finite, or zeros only."""
+    if want.numel() == 0 or not bool(torch.isfinite(want).all()):
+        return None
     largest = want.abs().amax(dim=1, keepdim=True)
-    if not bool(torch.isfinite(want).all() and (largest > 0).all()):
+    if not bool((largest > 0).any()):
         return None
     return bool(((got - want).abs() <= _CHECK_TOLERANCE * largest).all())
 

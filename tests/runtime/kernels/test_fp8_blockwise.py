@@ -25,6 +25,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = [E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
 
+@pytest.fixture(autouse=True)
+def fresh_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no GEMM path failed or checked (module-wide state)."""
+    monkeypatch.setattr(bw, "_failed", set())
+    monkeypatch.setattr(bw, "_checked", set())
+
+
 def oracle_scale(amax: float, dtype: torch.dtype) -> float:
     if amax == 0 or math.isinf(amax):
         return 1.0
@@ -252,14 +259,19 @@ def test_a_scale_wrong_on_small_rows_only_is_caught(monkeypatch) -> None:
     assert len(bw._failed) == 1 and not bw._checked
 
 
-@pytest.mark.parametrize("bad", [0.0, float("nan")])
+@pytest.mark.parametrize("bad", ["zeros", "nan", "no tokens"])
 def test_a_first_product_that_cannot_be_judged_is_not_trusted(monkeypatch, bad) -> None:
-    """Zeros (a zero tolerance) or NaN (comparisons false) in the reference prove nothing: the
-    reference is delivered and the next call checks again."""
+    """Zeros only (a zero tolerance), NaN (comparisons false) or nothing at all in the reference
+    prove nothing: the reference is delivered and the next call checks again."""
     calls = _fake_cublaslt(monkeypatch, lambda a, b, t, d: torch.full(
         (a.data.shape[0], b.data.shape[0]), 5.0))  # fmt: skip
     x, w = _operands(64, 128, 512, "cpu")
-    x[0] = bad
+    if bad == "zeros":
+        x.zero_()
+    elif bad == "nan":
+        x[0] = float("nan")
+    else:
+        x = x[:0]
     a, _ = bw.quantize_rows(x, E4M3, transposed=False)
     b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
     got = bw.block_mm(a, b, True, torch.float32)
@@ -282,6 +294,25 @@ def test_an_unchecked_problem_skips_cublaslt_while_a_graph_is_captured(monkeypat
     monkeypatch.setattr(bw, "capturing", lambda t: False)
     bw.block_mm(a, b, True, torch.float32)
     assert calls == [True] and len(bw._checked) == 1
+
+
+@pytest.mark.parametrize("row_zero", [0.0, 1e-3])
+def test_rows_of_zeros_are_judged_exactly(monkeypatch, row_zero) -> None:
+    """Padded tokens give rows of zeros: the other rows still judge the product, and a zero row
+    must come out zero."""
+
+    def product(a, b, t, d):  # noqa: ANN001, ANN202
+        out = bw._emulated(a, b, t)
+        out[0] = row_zero
+        return out
+
+    _fake_cublaslt(monkeypatch, product)
+    x, w = _operands(64, 128, 512, "cpu")
+    x[0] = 0.0
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    torch.testing.assert_close(bw.block_mm(a, b, True, torch.float32), bw._emulated(a, b, True))
+    assert (len(bw._checked), len(bw._failed)) == ((1, 0) if row_zero == 0 else (0, 1))
 
 
 @triton_test
@@ -353,10 +384,20 @@ def test_the_linear_runs_three_block_scaled_gemms() -> None:
     _linear_case("cpu")
 
 
+def _count_triton_gemms(monkeypatch) -> list:  # noqa: ANN001
+    from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
+
+    ran, real = [], kernels.block_mm
+    monkeypatch.setattr(kernels, "block_mm", lambda *a: ran.append(a[4]) or real(*a))
+    return ran
+
+
 @triton_test
 def test_the_linear_on_the_triton_kernels(monkeypatch) -> None:
     monkeypatch.setattr(bw, "gemm_path", lambda a, problem=None: "triton")
+    ran = _count_triton_gemms(monkeypatch)
     _linear_case(TRITON_DEVICE)
+    assert ran == [True, True, False] and "triton" not in bw._failed
 
 
 @pytest.mark.gpu
@@ -418,6 +459,7 @@ def test_the_linears_other_paths(case) -> None:
 @triton_test
 def test_a_bf16_main_grad_is_added_into_by_the_triton_gemm(monkeypatch) -> None:
     monkeypatch.setattr(bw, "gemm_path", lambda a, problem=None: "triton")
+    ran = _count_triton_gemms(monkeypatch)
     x, w = _operands(200, 256, 384, TRITON_DEVICE)
     w = w.to(torch.bfloat16).requires_grad_()
     w.main_grad = torch.full((256, 384), 2.0, dtype=torch.bfloat16, device=TRITON_DEVICE)
@@ -434,6 +476,7 @@ def test_a_bf16_main_grad_is_added_into_by_the_triton_gemm(monkeypatch) -> None:
     # than the element
     bound = 2**-7 * (want + 2.0).abs() + 2**-9 * (dq.abs() @ xq.abs().t())
     assert bool(((got - want).abs() <= bound).all())
+    assert ran == [True, False] and "triton" not in bw._failed  # the forward, the weight grad
 
 
 def test_no_tokens_quantize_and_multiply_to_nothing() -> None:
