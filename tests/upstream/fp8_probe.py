@@ -74,18 +74,9 @@ def run(args: argparse.Namespace) -> dict:
         return forward(ctx, *a)
 
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
-    from megatron_rocm.runtime.backend import fp8_blockwise
+    from megatron.core import package_info
 
-    blockwise_forward = fp8_blockwise.Fp8BlockwiseLinearFunction.forward
-
-    def counted_blockwise(ctx, *a):  # noqa: ANN001, ANN002, ANN202
-        calls["blockwise"] = calls.get("blockwise", 0) + 1
-        return blockwise_forward(ctx, *a)
-
-    fp8_blockwise.Fp8BlockwiseLinearFunction.forward = staticmethod(counted_blockwise)
-    from megatron.core import enums, package_info
-
-    has_blockwise = hasattr(getattr(enums, "Fp8Recipe", None), "blockwise")
+    has_blockwise = probe_cli.count_blockwise_forwards(calls)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     # a fixed random direction: |out|^2 is constant under the final RMSNorm (a zero gradient)

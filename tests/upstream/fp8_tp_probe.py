@@ -96,18 +96,9 @@ def run_rank(args: argparse.Namespace) -> dict:
         return forward(ctx, *a)
 
     backend_fp8.Fp8LinearFunction.forward = staticmethod(counted)
-    from megatron_rocm.runtime.backend import fp8_blockwise
+    from probe_cli import count_blockwise_forwards  # beside this script
 
-    blockwise_forward = fp8_blockwise.Fp8BlockwiseLinearFunction.forward
-
-    def counted_blockwise(ctx, *a):  # noqa: ANN001, ANN002, ANN202
-        calls["blockwise"] = calls.get("blockwise", 0) + 1
-        return blockwise_forward(ctx, *a)
-
-    fp8_blockwise.Fp8BlockwiseLinearFunction.forward = staticmethod(counted_blockwise)
-    from megatron.core import enums
-
-    has_blockwise = hasattr(getattr(enums, "Fp8Recipe", None), "blockwise")
+    has_blockwise = count_blockwise_forwards(calls)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7))
     direction = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(8))
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)

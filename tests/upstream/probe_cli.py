@@ -105,3 +105,20 @@ def small_block_config(layers: int, hidden: int, heads: int, **settings):  # noq
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         apply_rope_fusion=False, bf16=True, params_dtype=torch.bfloat16, **settings,
     )  # fmt: skip
+
+
+def count_blockwise_forwards(calls: dict) -> bool:
+    """Count the block-scaled FP8 linear's forwards in ``calls["blockwise"]``; whether this
+    megatron-core offers ``--fp8-recipe blockwise`` at all (its choices have it from 0.13)."""
+    from megatron.core import enums
+
+    from megatron_rocm.runtime.backend import fp8_blockwise
+
+    forward = fp8_blockwise.Fp8BlockwiseLinearFunction.forward
+
+    def counted(ctx, *a):  # noqa: ANN001, ANN002, ANN202
+        calls["blockwise"] = calls.get("blockwise", 0) + 1
+        return forward(ctx, *a)
+
+    fp8_blockwise.Fp8BlockwiseLinearFunction.forward = staticmethod(counted)
+    return hasattr(getattr(enums, "Fp8Recipe", None), "blockwise")
