@@ -46,6 +46,11 @@ _bf16_layer: list[bool] = []  # innermost layer under construction: kept out of 
 
 
 NATIVE_RECIPES = ("tensorwise", "delayed", "blockwise")
+# argument validation's line, and the linear's where it is built without validation
+BLOCKWISE_PARAM_GATHER = (
+    "--fp8-param-gather with --fp8-recipe blockwise: without TransformerEngine the FP8 weights "
+    "are scaled per tensor; use --fp8-recipe tensorwise or delayed, or drop --fp8-param-gather"
+)
 
 
 @dataclass(frozen=True)
@@ -213,11 +218,7 @@ def attach_recipe(linear: Any, owner: str, config: Any) -> None:
     linear.is_first_microbatch = True
     if linear.fp8_recipe is not None and getattr(config, "fp8_param", False):
         if linear.fp8_recipe.blockwise:
-            raise ValueError(
-                f"{owner}: --fp8-param-gather with --fp8-recipe blockwise: without "
-                "TransformerEngine the FP8 weights are scaled per tensor; use --fp8-recipe "
-                "tensorwise or delayed, or drop --fp8-param-gather"
-            )
+            raise ValueError(f"{owner}: {BLOCKWISE_PARAM_GATHER}")
         from megatron_rocm.runtime.backend.fp8_param import convert_weight
 
         convert_weight(linear, linear.fp8_recipe)  # --fp8-param-gather: FP8 bytes in DDP

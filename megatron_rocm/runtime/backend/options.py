@@ -356,11 +356,9 @@ def fp8_param_gather_problems(args: Any) -> list[str]:
         if getattr(args, dest, False)
     ]
     if str(getattr(args, "fp8_recipe", "delayed")) == "blockwise":
-        problems.append(
-            "--fp8-param-gather with --fp8-recipe blockwise: without TransformerEngine the FP8 "
-            "weights are scaled per tensor; use --fp8-recipe tensorwise or delayed, or drop "
-            "--fp8-param-gather"
-        )
+        from megatron_rocm.runtime.backend.fp8 import BLOCKWISE_PARAM_GATHER
+
+        problems.append(BLOCKWISE_PARAM_GATHER)
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp > 1 and str(getattr(args, "fp8_recipe", "delayed")) == "delayed":
         problems.append(

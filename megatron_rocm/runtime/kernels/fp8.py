@@ -331,10 +331,11 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def amax_without_nan(x: torch.Tensor) -> torch.Tensor:
+def amax_without_nan(x: torch.Tensor, dims: tuple[int, ...] = ()) -> torch.Tensor:
     """The largest ``|x|`` in fp32 with NaN elements left out (TE's amax under delayed
-    scaling, ``fmaxf``: one NaN must not freeze a history's scale for its whole length)."""
-    return torch.where(x.isnan(), 0, x.abs()).amax().float()
+    scaling and block scaling, ``fmaxf``: one NaN must not freeze a history's scale for its
+    whole length), over ``dims`` (all of them by default)."""
+    return torch.where(x.isnan(), 0, x.abs()).amax(dim=dims).float()
 
 
 def _quantize_delayed(

@@ -26,7 +26,13 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_rocm.runtime.kernels.fp8 import _apply, _on_device, capturing
+from megatron_rocm.runtime.kernels.fp8 import (
+    _ALIGN,
+    _apply,
+    _on_device,
+    amax_without_nan,
+    capturing,
+)
 from megatron_rocm.runtime.kernels.launch import (
     cdiv,
     interpreting,
@@ -37,7 +43,6 @@ from megatron_rocm.runtime.kernels.launch import (
 )
 
 BLOCK = 128
-_ALIGN = 16  # the weight gradient's inner dimension (the tokens) padded to this, as fp8.pad_rows
 KERNEL = "fp8_blockwise"  # MEGATRON_ROCM_KERNELS=reference:fp8_blockwise: torch's casts and GEMM
 
 
@@ -52,11 +57,6 @@ class Blocks(NamedTuple):
 def _power_of_two(scale: torch.Tensor) -> torch.Tensor:
     """Positive normal fp32 ``scale`` rounded down to a power of two (its mantissa cleared)."""
     return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-
-
-def _amax_without_nan(blocks: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    a = blocks.abs()
-    return torch.where(torch.isnan(a), 0.0, a).amax(dim=dims)
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def quantize_rows_reference(x: torch.Tensor, dtype: torch.dtype) -> Blocks:
     fp8_max = float(torch.finfo(dtype).max)
     nb = cdiv(cols, BLOCK)
     blocks = _padded(x, rows, nb * BLOCK).view(rows, nb, BLOCK)
-    scale = scales_of(_amax_without_nan(blocks, (2,)), fp8_max)
+    scale = scales_of(amax_without_nan(blocks, (2,)), fp8_max)
     data = _apply(blocks, scale[..., None], dtype, fp8_max).view(rows, nb * BLOCK)[:, :cols]
     return Blocks(data.contiguous(), scale.reciprocal())
 
@@ -92,13 +92,14 @@ def quantize_tiles_reference(x: torch.Tensor, dtype: torch.dtype) -> Blocks:
     fp8_max = float(torch.finfo(dtype).max)
     tr, tc = cdiv(rows, BLOCK), cdiv(cols, BLOCK)
     tiles = _padded(x, tr * BLOCK, tc * BLOCK).view(tr, BLOCK, tc, BLOCK)
-    scale = scales_of(_amax_without_nan(tiles, (1, 3)), fp8_max)
+    scale = scales_of(amax_without_nan(tiles, (1, 3)), fp8_max)
     data = _apply(tiles, scale[:, None, :, None], dtype, fp8_max).view(tr * BLOCK, tc * BLOCK)
     return Blocks(data[:rows, :cols].contiguous(), scale.reciprocal())
 
 
 def padded_tokens(rows: int) -> int:
-    """The transposed operands' row length: the tokens up to a multiple of 16 (zeros)."""
+    """The transposed operands' row length: the tokens up to a multiple of 16 (zeros), the
+    weight gradient's inner dimension as ``torch._scaled_mm`` takes it (``fp8.pad_rows``)."""
     return cdiv(rows, _ALIGN) * _ALIGN
 
 
@@ -159,7 +160,7 @@ def quantize_transposed_rows(x: torch.Tensor, dtype: torch.dtype) -> Blocks:
 
 def dequantize_rows(t: Blocks) -> torch.Tensor:
     """fp32 values of 1 x 128 blocks (columns past the scales' reach are padding)."""
-    rows, cols = t.data.shape
+    cols = t.data.shape[1]
     inv = t.inv.repeat_interleave(BLOCK, dim=1)[:, :cols]
     return t.data.float() * inv
 
@@ -171,8 +172,10 @@ def dequantize_tiles(t: Blocks) -> torch.Tensor:
     return t.data.float() * inv
 
 
-# what raised in this process: "triton", or a problem (``_problem``) cuBLASLt refused
+# what raised in this process: "triton", or a problem (``_problem``) cuBLASLt refused or
+# computed wrong; and the cuBLASLt problems whose first product passed its check
 _failed: set[object] = set()
+_checked: set[tuple] = set()
 
 
 def _problem(a: Blocks, b: Blocks, b_tiles: bool, out_dtype: torch.dtype) -> tuple:
@@ -275,9 +278,6 @@ def _verdict(got: torch.Tensor, want: torch.Tensor) -> bool | None:
     if not bool((largest > 0).any()):
         return None
     return bool(((got - want).abs() <= _CHECK_TOLERANCE * largest).all())
-
-
-_checked: set[tuple] = set()  # cuBLASLt problems whose first product was checked
 
 
 def _on_triton(a: Blocks, b: Blocks, b_tiles: bool, out: torch.Tensor, accumulate: bool) -> bool:
