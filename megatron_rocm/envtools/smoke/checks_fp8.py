@@ -216,8 +216,11 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     torch path's, and the linear's three GEMMs against fp32 math on those operands. The sizes
     put the forward and the weight gradient on cuBLASLt where it serves (each checked against
     the Triton GEMM on its first call) and the input gradient on the Triton GEMM; ROCm runs
-    Triton throughout. Says which ran, and any shape cuBLASLt failed or got wrong here."""
+    Triton throughout. The weight gradient is then added twice into a ``main_grad`` that holds
+    one (cuBLASLt's GEMM adds it where it serves, the Triton GEMM on ROCm). Says which ran, and
+    any shape cuBLASLt failed or got wrong here."""
     from megatron_rocm.runtime.backend import fp8 as backend_fp8
+    from megatron_rocm.runtime.kernels import fp8_accumulate
     from megatron_rocm.runtime.kernels import fp8_blockwise as bw
 
     x = _randn(ctx, (64, 512), 30).requires_grad_()
@@ -247,6 +250,12 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     tally.compare("blockwise linear forward", y, xq @ wq.t(), torch.bfloat16)
     tally.compare("blockwise linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
     tally.compare("blockwise linear weight gradient", w.grad, dy_t @ x_t.t(), torch.bfloat16)
+    start = _randn(ctx, (256, 512), 33)
+    w.main_grad = start.clone()
+    for _ in range(2):  # checked first, then added by cuBLASLt's GEMM itself where it serves
+        backend_fp8.fp8_linear(x.detach(), w, True, recipe).backward(dy)
+    want = start + 2 * (dy_t @ x_t.t())
+    tally.compare("blockwise weight gradient into main_grad", w.main_grad, want, torch.bfloat16)
     if "triton" in bw._failed:
         raise CheckFailed("the FP8 block-scaled Triton GEMM failed (the log says why)")
     names = {"scaled_mm": "cuBLASLt and Triton", "triton": "Triton", "emulated": "fp32 emulation"}
@@ -254,6 +263,8 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     failed = len(bw._failed - before)
     if failed:
         path += f" (cuBLASLt failed or disagreed on {failed} shape(s): Triton serves them)"
+    if fp8_accumulate.served(w.device, formats.backward, formats.forward, torch.float32, True):
+        path += ", the weight gradient added into main_grad by cuBLASLt's GEMM"
     return f"block scaling's GEMMs on {path}"
 
 

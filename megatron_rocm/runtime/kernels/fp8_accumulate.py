@@ -18,6 +18,12 @@ per process against ``torch._scaled_mm`` plus the add on a small problem before 
 takes it; under hipBLASLt, which no AMD GPU has run here, every new plan (shape) is also checked
 on its own shape first. A mismatch, an error or a failed call is logged once and leaves that
 combination (or that plan) on the add.
+
+Under block scaling (``--fp8-recipe blockwise``) the weight gradient's operands carry an fp32
+scale per 128 elements along K (the tokens) on both sides; ``blocks=True`` sets cuBLASLt's
+1 x 128 scale modes, as ``torch._scaled_mm`` does for them. cuBLASLt computes some
+block-scaled problems wrong without an error (``fp8_blockwise.cublaslt_takes``), so every plan
+of this mode is checked on its own call first, as under hipBLASLt.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class _Vendor:
     pref_min_alignment: tuple[int, int, int, int] | None  # A, B, C, D; None: not settable
     algo_bytes: int  # sizeof(...MatmulAlgo_t)
     check_each_plan: bool  # no GPU of this vendor has run it here: check every new shape
+    # (A's scale-mode attribute, B's, the mode of fp32 scales per 128 along K); None: no
+    # block-scaled path here
+    block_scales: tuple[int, int, int] | None
 
 
 CUBLASLT = _Vendor(
@@ -61,6 +70,7 @@ CUBLASLT = _Vendor(
            torch.float8_e5m2: 29},
     desc_transa=3, desc_transb=4, desc_a_scale=17, desc_b_scale=18, pref_max_workspace=1,
     pref_min_alignment=(5, 6, 7, 8), algo_bytes=64, check_each_plan=False,
+    block_scales=(31, 32, 4),  # CUBLASLT_MATMUL_DESC_{A,B}_SCALE_MODE, ..._SCALE_VEC128_32F
 )  # fmt: skip
 HIPBLASLT = _Vendor(
     library="libhipblaslt.so", prefix="hipblasLt", op_n=111, op_t=112, compute_32f=2, r_32f=0,
@@ -68,6 +78,7 @@ HIPBLASLT = _Vendor(
            torch.float8_e5m2: 29, torch.float8_e4m3fnuz: 1000, torch.float8_e5m2fnuz: 1001},
     desc_transa=0, desc_transb=1, desc_a_scale=5, desc_b_scale=6, pref_max_workspace=1,
     pref_min_alignment=None, algo_bytes=24, check_each_plan=True,
+    block_scales=None,  # hipBLASLt has no block-scaled FP8 GEMM: the Triton kernel adds instead
 )  # fmt: skip
 MIN_ALIGNMENT = 16  # bytes every pointer needs where the planner cannot be told its alignment
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -157,7 +168,7 @@ class _BlasLt:
         In the library's column-major terms ``out^T [n, m] += b^T a^T``: its first operand is
         ``b``'s memory ([k, n] column-major read transposed), its second ``a``'s ([m, k]
         row-major is [k, m] column-major) untransposed: the TN layout FP8 GEMMs require."""
-        m, n, k, a, b, out, aligns = key
+        m, n, k, a, b, out, aligns, blocks = key
         v = self.vendor
         desc = ctypes.c_void_p()
         self._check(
@@ -166,6 +177,10 @@ class _BlasLt:
         )
         self._set("MatmulDescSetAttribute", desc, v.desc_transa, ctypes.c_int32(v.op_t))
         self._set("MatmulDescSetAttribute", desc, v.desc_transb, ctypes.c_int32(v.op_n))
+        if blocks:
+            a_mode, b_mode, vec128 = v.block_scales
+            for attr in (a_mode, b_mode):
+                self._set("MatmulDescSetAttribute", desc, attr, ctypes.c_int32(vec128))
         first = self._layout(b, k, n, k)
         second = self._layout(a, k, m, k)
         result = self._layout(out, n, m, n)
@@ -264,11 +279,14 @@ def _agrees(
     b: torch.Tensor,
     b_inv: torch.Tensor,
     plan: tuple,
+    blocks: bool = False,
 ) -> bool:
     """The BLAS path from ``start`` against ``torch._scaled_mm`` plus the add: the same to fp32
     rounding (``start``'s dtype's otherwise), relative to the result's largest value."""
     want = start.clone()
-    want.add_(torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.float32))
+    scale_a = a_inv.t() if blocks else a_inv  # torch takes the 1 x 128 scales as [M, K / 128]
+    product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=b_inv, out_dtype=torch.float32)
+    want.add_(product)
     got = start.clone()
     blas.matmul(got, a, a_inv, b, b_inv, plan)
     tol = 1e-5 if start.dtype == torch.float32 else 1e-2
@@ -276,28 +294,45 @@ def _agrees(
     return bool(((got.float() - want.float()).abs().max() <= tol * scale).item())
 
 
+def _block_inverses(blocks: int, rows: int, device: torch.device, gen: Any) -> torch.Tensor:
+    """Inverse scales [blocks, rows] that differ block by block: powers of two, 2^-4 to 2^3."""
+    powers = torch.randint(-4, 4, (blocks, rows), device=device, generator=gen)
+    return torch.exp2(powers.float())
+
+
 def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
-    """The formats of ``key`` on a small problem (``_agrees``)."""
-    index, a_dtype, b_dtype, out_dtype = key
+    """The formats of ``key`` on a small problem (``_agrees``); with ``blocks``, K of three
+    blocks, the last one partial."""
+    index, a_dtype, b_dtype, out_dtype, blocks = key
     device = torch.device("cuda", index)
     gen = torch.Generator(device=device).manual_seed(0)
-    m, n, k = 32, 48, 64
+    m, n, k = (32, 48, 320) if blocks else (32, 48, 64)
     a = _fp8(m, k, a_dtype, device, gen)
     b = _fp8(n, k, b_dtype, device, gen).t()  # column-major, as the callers' second operand
     start = torch.randn(m, n, device=device, generator=gen).to(out_dtype)
-    plan = blas.plan((m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256)))
-    one_half, quarter = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
-    return _agrees(blas, start, a, one_half, b, quarter, plan)
+    plan = blas.plan((m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks))
+    if blocks:
+        a_inv = _block_inverses(3, m, device, gen)
+        b_inv = _block_inverses(3, n, device, gen)
+    else:
+        a_inv, b_inv = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
+    return _agrees(blas, start, a, a_inv, b, b_inv, plan, blocks)
 
 
 def _plan_for(
-    blas: _BlasLt, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    blas: _BlasLt,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple, tuple | None]:
-    """This call's plan key and plan (made, and where the vendor asks, checked on this call's
-    shape on first use), or None where it cannot be made, failed, or the pointers are less
-    aligned than a vendor that cannot be told their alignment needs."""
+    """This call's plan key and plan (made, and where the vendor asks or block ``scales`` are
+    given, checked on this call's operands on first use), or None where it cannot be made,
+    failed, or the pointers are less aligned than a vendor that cannot be told their alignment
+    needs."""
     aligns = tuple(alignment(t.data_ptr()) for t in (b, a, out, out))  # A, B, C, D of the BLAS
-    key = (a.shape[0], b.shape[1], a.shape[1], a.dtype, b.dtype, out.dtype, aligns)
+    blocks = scales is not None
+    key = (a.shape[0], b.shape[1], a.shape[1], a.dtype, b.dtype, out.dtype, aligns, blocks)
     if blas.vendor.pref_min_alignment is None and min(aligns) < MIN_ALIGNMENT:
         return key, None
     if key in blas.plans:
@@ -307,11 +342,12 @@ def _plan_for(
     plan = None
     try:
         plan = blas.plan(key)
-        if blas.vendor.check_each_plan:
+        if blas.vendor.check_each_plan or blocks:
             gen = torch.Generator(device=out.device).manual_seed(1)
             start = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
             one = torch.ones((), device=out.device, dtype=torch.float32)
-            if not _agrees(blas, start, a, one, b, one, plan):
+            a_inv, b_inv = scales if blocks else (one, one)
+            if not _agrees(blas, start, a, a_inv, b, b_inv, plan, blocks):
                 raise RuntimeError("its result differs from torch._scaled_mm plus the add")
     except Exception as exc:  # noqa: BLE001 - see _library
         plan = None
@@ -321,6 +357,21 @@ def _plan_for(
         )
     blas.plans[key] = plan
     return key, plan
+
+
+def _block_scales_fit(a_inv: torch.Tensor, b_inv: torch.Tensor, m: int, n: int, k: int) -> bool:
+    """1 x 128 inverse scales as cuBLASLt reads them: fp32 [ceil(K/128), M] and [ceil(K/128),
+    N], contiguous, each row 16-byte aligned (M and N multiples of 4)."""
+    blocks = -(-k // 128)
+    return (
+        _vendor().block_scales is not None
+        and m % 4 == 0
+        and n % 4 == 0
+        and all(
+            s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == (blocks, rows)
+            for s, rows in ((a_inv, m), (b_inv, n))
+        )
+    )
 
 
 def _takes(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -341,10 +392,13 @@ def _takes(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def served(device: torch.device, a: torch.dtype, b: torch.dtype, out: torch.dtype) -> bool:
-    """Whether these formats into this ``out`` dtype on ``device`` passed the first-use check
-    (the BLAS path serves them; False also where none has been asked yet)."""
-    return _checked.get((device.index, a, b, out), False)
+def served(
+    device: torch.device, a: torch.dtype, b: torch.dtype, out: torch.dtype, blocks: bool = False
+) -> bool:
+    """Whether these formats into this ``out`` dtype on ``device`` (with 1 x 128 ``blocks``)
+    passed the first-use check (the BLAS path serves them; False also where none has been asked
+    yet)."""
+    return _checked.get((device.index, a, b, out, blocks), False)
 
 
 def library_name() -> str:
@@ -358,13 +412,18 @@ def accumulate(
     a_inv: torch.Tensor,
     b: torch.Tensor,
     b_inv: torch.Tensor,
+    blocks: bool = False,
 ) -> bool:
     """``out += (a * a_inv) @ (b * b_inv)`` in one GEMM, for a row-major FP8 ``a`` [M, K], a
     column-major FP8 ``b`` [K, N] and a contiguous fp32 or bf16 ``out`` [M, N] on a GPU; False
-    (nothing done) where this GPU's BLAS cannot, and the caller adds itself."""
+    (nothing done) where this GPU's BLAS cannot, and the caller adds itself. The inverse scales
+    are one value each, or with ``blocks`` one per 128 along K: ``a_inv`` [ceil(K/128), M] and
+    ``b_inv`` [ceil(K/128), N], contiguous (the memory ``torch._scaled_mm`` reads for them)."""
     if reference_forced("fp8_accumulate") or not _takes(out, a, b):
         return False
-    key = (out.device.index, a.dtype, b.dtype, out.dtype)
+    if blocks and not _block_scales_fit(a_inv, b_inv, a.shape[0], b.shape[1], a.shape[1]):
+        return False
+    key = (out.device.index, a.dtype, b.dtype, out.dtype, blocks)
     with _setup:
         if key not in _checked:
             if torch.cuda.is_current_stream_capturing():
@@ -382,14 +441,15 @@ def accumulate(
             if not _checked[key]:
                 log_fallback_once(
                     f"fp8_accumulate {key}",
-                    f"FP8 weight gradients ({a.dtype} x {b.dtype} into {out.dtype}) add into "
+                    f"FP8 weight gradients ({a.dtype} x {b.dtype} into {out.dtype}"
+                    f"{', 1 x 128 block scales' if blocks else ''}) add into "
                     f"main_grad separately: {blas.vendor.prefix}'s accumulating GEMM failed "
                     f"its first-use check ({reason})",
                 )
         if not _checked[key]:
             return False
         blas = _blas[out.device.index]
-        plan_key, plan = _plan_for(blas, out, a, b)
+        plan_key, plan = _plan_for(blas, out, a, b, (a_inv, b_inv) if blocks else None)
     if plan is None:
         return False
     try:

@@ -33,6 +33,7 @@ from megatron_rocm.runtime.kernels.fp8 import (
     amax_without_nan,
     capturing,
 )
+from megatron_rocm.runtime.kernels.fp8_accumulate import accumulate
 from megatron_rocm.runtime.kernels.launch import (
     cdiv,
     interpreting,
@@ -298,6 +299,16 @@ def _on_triton(a: Blocks, b: Blocks, b_tiles: bool, out: torch.Tensor, accumulat
     return True
 
 
+def _accumulated(a: Blocks, b: Blocks, into: torch.Tensor) -> bool:
+    """``into += a @ b^T`` of two operands in 1 x 128 blocks (the weight gradient) by cuBLASLt's
+    GEMM with ``beta = 1`` (``kernels.fp8_accumulate``): no fp32 product, no separate add.
+    False where it cannot; taken only for a problem whose ``torch._scaled_mm`` product passed
+    its check, which then vouches for each of its plans in turn."""
+    return accumulate(
+        into, a.data, a.inv.t().contiguous(), b.data.t(), b.inv.t().contiguous(), blocks=True
+    )
+
+
 def block_mm(
     a: Blocks,
     b: Blocks,
@@ -307,7 +318,8 @@ def block_mm(
 ) -> torch.Tensor | None:
     """``a @ b^T`` of ``a`` [M, K] in 1 x 128 blocks and ``b`` [N, K] in 128 x 128 tiles
     (``b_tiles``) or 1 x 128 blocks, both row-major, in ``out_dtype``; with ``add_into`` (a
-    contiguous [M, N] tensor) the product is added into it and None returned."""
+    contiguous [M, N] tensor) the product is added into it and None returned: on CUDA by the
+    GEMM itself once its problem is checked (``_accumulated``), by the Triton kernel on ROCm."""
     dtype = torch.float32 if add_into is not None else out_dtype
     problem = _problem(a, b, b_tiles, dtype)
     path = gemm_path(a.data, problem)
@@ -315,6 +327,9 @@ def block_mm(
         # the first-use check reads its verdict on the host, which a graph capture cannot
         path = "triton" if "triton" not in _failed else "emulated"
     if path == "scaled_mm":
+        if add_into is not None and not b_tiles and problem in _checked:
+            if _accumulated(a, b, add_into):
+                return None
         out = _checked_scaled_mm(a, b, b_tiles, dtype, problem)
         if out is None:
             return block_mm(a, b, b_tiles, out_dtype, add_into)

@@ -61,6 +61,45 @@ def test_cpu_tensors_add_separately() -> None:
     assert fp8_accumulate.accumulate(out, a, one, b, one) is False
 
 
+def _block_case(m: int, n: int, k: int, device="cpu", seed: int = 0) -> tuple:  # noqa: ANN001
+    """FP8 ``a`` [m, k], column-major ``b`` [k, n] and 1 x 128 inverse scales that differ by
+    block, in the layout ``accumulate(blocks=True)`` takes: [ceil(k/128), rows]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(m, k, device=device, generator=gen).clamp(-6, 6).to(torch.float8_e5m2)
+    b = torch.randn(n, k, device=device, generator=gen).clamp(-6, 6).to(torch.float8_e4m3fn).t()
+    blocks = -(-k // 128)
+    a_inv = torch.exp2(torch.randint(-12, -4, (blocks, m), device=device, generator=gen).float())
+    b_inv = torch.exp2(torch.randint(-6, 2, (blocks, n), device=device, generator=gen).float())
+    return a, a_inv, b, b_inv
+
+
+@pytest.mark.parametrize(
+    "case", ["fits", "m_not_multiple_of_4", "scales_transposed", "scales_strided", "bf16_scales"]
+)
+def test_block_scales_are_taken_only_in_cublaslts_layout(case) -> None:
+    m, n, k = (30 if case == "m_not_multiple_of_4" else 32), 48, 300
+    _, a_inv, _, b_inv = _block_case(m, n, k)
+    if case == "scales_transposed":
+        a_inv = a_inv.t().contiguous()
+    if case == "scales_strided":
+        b_inv = torch.zeros(3, 2 * n)[:, ::2]
+    if case == "bf16_scales":
+        a_inv = a_inv.to(torch.bfloat16)
+    assert fp8_accumulate._block_scales_fit(a_inv, b_inv, m, n, k) is (case == "fits")
+
+
+def test_rocm_has_no_block_scaled_accumulation(monkeypatch) -> None:
+    """hipBLASLt has no block-scaled FP8 GEMM: the Triton kernel adds there instead."""
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    _, a_inv, _, b_inv = _block_case(32, 48, 256)
+    assert fp8_accumulate._block_scales_fit(a_inv, b_inv, 32, 48, 256) is False
+
+
+def test_cpu_tensors_with_block_scales_add_separately() -> None:
+    a, a_inv, b, b_inv = _block_case(32, 48, 256)
+    assert fp8_accumulate.accumulate(torch.zeros(32, 48), a, a_inv, b, b_inv, blocks=True) is False
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 
 
@@ -172,3 +211,28 @@ def test_gpu_fp8_linear_adds_its_weight_gradient_in_the_gemm(
     fused, separate = run(False), run(True)
     err = (fused.float() - separate.float()).abs().max().item()
     assert err <= (1e-5 if grad_dtype == torch.float32 else 1e-2) * separate.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(torch.version.hip), reason="cuBLASLt")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(64, 96, 1008), (1536, 4096, 8192), (4096, 1024, 200)])
+def test_gpu_accumulate_with_block_scales(cuda_device, out_dtype, m, n, k) -> None:
+    """1 x 128 scales on both sides (block scaling's weight gradient; K the tokens, not always a
+    multiple of 128): against torch's block-scaled GEMM plus the add and against float64 math
+    on the dequantized operands, each K block scaled apart."""
+    a, a_inv, b, b_inv = _block_case(m, n, k, cuda_device, seed=2)
+    start = torch.randn(m, n, device=cuda_device).to(out_dtype)
+    want = start.clone()
+    want.add_(torch._scaled_mm(a, b, scale_a=a_inv.t(), scale_b=b_inv, out_dtype=torch.float32))
+    a_scales = a_inv.double().repeat_interleave(128, 0)[:k].t()  # [m, k]
+    b_scales = b_inv.double().repeat_interleave(128, 0)[:k]  # [k, n]
+    exact = start.double() + (a.double() * a_scales) @ (b.double() * b_scales)
+    got = start.clone()
+    assert fp8_accumulate.accumulate(got, a, a_inv, b, b_inv, blocks=True) is True
+    assert fp8_accumulate.served(got.device, a.dtype, b.dtype, out_dtype, blocks=True)
+    scale = exact.abs().max().item()
+    bound = (1e-5 if out_dtype == torch.float32 else 8e-3) * scale
+    assert (got.float() - want.float()).abs().max().item() <= bound
+    exact_bound = (5e-4 if out_dtype == torch.float32 else 1.6e-2) * scale
+    assert (got.double() - exact).abs().max().item() <= exact_bound

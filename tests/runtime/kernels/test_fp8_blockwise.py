@@ -246,6 +246,48 @@ def _fake_cublaslt(monkeypatch, product) -> list:  # noqa: ANN001
     return calls
 
 
+def test_a_checked_weight_gradient_problem_adds_in_the_gemm(monkeypatch) -> None:
+    """Once a 1 x 128 by 1 x 128 problem's first product passed its check, the GEMM adds into
+    ``main_grad`` itself (``fp8_accumulate.accumulate``, here emulated from the layout it
+    documents: inverse scales [ceil(K/128), rows]); the first call adds separately."""
+    _fake_cublaslt(monkeypatch, lambda a, b, tiles, dtype: bw._emulated(a, b, tiles).to(dtype))
+    added = []
+
+    def gemm_with_beta(into, a, a_inv, b, b_inv, blocks):  # noqa: ANN001, ANN202
+        assert blocks and a_inv.is_contiguous() and b_inv.is_contiguous()
+        rows = a_inv.repeat_interleave(128, 0)[: a.shape[1]]  # [K, M]
+        cols = b_inv.repeat_interleave(128, 0)[: b.shape[0]]  # [K, N]
+        into.add_((a.float() * rows.t()) @ (b.float() * cols))
+        added.append(into.shape)
+        return True
+
+    monkeypatch.setattr(bw, "accumulate", gemm_with_beta)
+    dy_t = bw.quantize_transposed_rows(torch.randn(200, 64) * torch.logspace(-3, 3, 64), E5M2)
+    x_t = bw.quantize_transposed_rows(torch.randn(200, 96) * torch.logspace(3, -3, 96), E4M3)
+    want = (
+        2
+        * oracle_dequantize(dy_t.data, dy_t.inv, False)
+        @ (oracle_dequantize(x_t.data, x_t.inv, False).t())
+    )
+    main_grad = torch.zeros(64, 96)
+    for _ in range(2):
+        assert bw.block_mm(dy_t, x_t, False, torch.bfloat16, add_into=main_grad) is None
+    assert added == [(64, 96)]  # the first call checked the product and added it separately
+    torch.testing.assert_close(main_grad.double(), want, rtol=0, atol=1e-5 * want.abs().max())
+
+
+def test_tile_scaled_and_unchecked_problems_never_add_in_the_gemm(monkeypatch) -> None:
+    _fake_cublaslt(monkeypatch, lambda a, b, tiles, dtype: bw._emulated(a, b, tiles).to(dtype))
+    monkeypatch.setattr(bw, "accumulate", lambda *a, **k: pytest.fail("accumulate called"))
+    x, w = _operands(64, 128, 512, "cpu")
+    a, _ = bw.quantize_rows(x, E4M3, transposed=False)
+    b, _ = bw.quantize_tiles(w, E4M3, transposed=False)
+    into = torch.zeros(64, 128)
+    for _ in range(2):
+        bw.block_mm(a, b, True, torch.float32, add_into=into)
+    torch.testing.assert_close(into, 2 * bw._emulated(a, b, True))
+
+
 def test_a_scale_wrong_on_small_rows_only_is_caught(monkeypatch) -> None:
     """The check holds each row to its own largest value: doubling the rows that are 1,000
     times smaller than the rest still fails it."""
@@ -413,6 +455,40 @@ def test_the_linear_on_the_gpus_gemm(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "block_mm", lambda *a: served.append("triton") or real_triton(*a))
     _linear_case("cuda")
     assert served[0] == "triton" and served.count("lt") == 1 and "triton" not in bw._failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(torch.version.hip), reason="cuBLASLt")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_gpus_gemm_adds_the_weight_gradient_into_main_grad(monkeypatch, grad_dtype) -> None:
+    """Three steps: the first weight gradient is checked and added apart, the next two added by
+    cuBLASLt's GEMM; ``main_grad`` as the separate add leaves it (same operands, only the
+    kernel differs)."""
+
+    def run(separate: bool) -> torch.Tensor:
+        if separate:
+            monkeypatch.setenv("MEGATRON_ROCM_KERNELS", "reference:fp8_accumulate")
+        else:
+            monkeypatch.delenv("MEGATRON_ROCM_KERNELS", raising=False)
+        monkeypatch.setattr(bw, "_checked", set())
+        calls, real = [], bw.accumulate
+        monkeypatch.setattr(
+            bw, "accumulate", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+        )
+        torch.manual_seed(3)
+        w = torch.nn.Parameter(torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 0.05)
+        w.main_grad = torch.zeros(256, 512, device="cuda", dtype=grad_dtype)
+        recipe = _recipe()
+        for _ in range(3):
+            x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+            y = backend_fp8.fp8_linear(x, w, True, recipe)
+            y.backward(torch.randn_like(y))
+        assert calls == [not separate] * 2 and not bw._failed
+        return w.main_grad.clone()
+
+    fused, separate = run(False), run(True)
+    err = (fused.float() - separate.float()).abs().max().item()
+    assert err <= (1e-5 if grad_dtype == torch.float32 else 1e-2) * separate.abs().max().item()
 
 
 def _run_linear(x, w, fuse, recipe, reuse=None):  # noqa: ANN001, ANN202
