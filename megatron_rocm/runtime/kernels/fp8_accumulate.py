@@ -162,8 +162,10 @@ class _BlasLt:
         self._check(status, "MatrixLayoutCreate")
         return layout
 
-    def plan(self, key: tuple) -> tuple:
-        """The descriptor, layouts and algorithm of ``out [m, n] += a [m, k] @ b [k, n]``.
+    def plan(self, key: tuple, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+        """The descriptor, layouts and algorithm of ``out [m, n] += a [m, k] @ b [k, n]``; with
+        block ``scales`` (``a_inv``, ``b_inv``) their pointers are set before the planner is
+        asked, as TE and torch do (each call sets its own).
 
         In the library's column-major terms ``out^T [n, m] += b^T a^T``: its first operand is
         ``b``'s memory ([k, n] column-major read transposed), its second ``a``'s ([m, k]
@@ -181,6 +183,7 @@ class _BlasLt:
             a_mode, b_mode, vec128 = v.block_scales
             for attr in (a_mode, b_mode):
                 self._set("MatmulDescSetAttribute", desc, attr, ctypes.c_int32(vec128))
+            self._scale_pointers(desc, *scales)
         first = self._layout(b, k, n, k)
         second = self._layout(a, k, m, k)
         result = self._layout(out, n, m, n)
@@ -206,6 +209,14 @@ class _BlasLt:
             raise RuntimeError(f"{v.prefix}: no algorithm for {key}")
         return desc, first, second, result, found
 
+    def _scale_pointers(
+        self, desc: ctypes.c_void_p, a_inv: torch.Tensor, b_inv: torch.Tensor
+    ) -> None:
+        """The library's A is our ``b``, its B our ``a`` (see :meth:`plan`)."""
+        v = self.vendor
+        self._set("MatmulDescSetAttribute", desc, v.desc_a_scale, ctypes.c_void_p(b_inv.data_ptr()))
+        self._set("MatmulDescSetAttribute", desc, v.desc_b_scale, ctypes.c_void_p(a_inv.data_ptr()))
+
     def matmul(
         self,
         out: torch.Tensor,
@@ -216,18 +227,12 @@ class _BlasLt:
         plan: tuple,
     ) -> None:
         """``out += a @ b`` on ``plan`` (:meth:`plan`), on the current stream."""
-        v = self.vendor
         one = ctypes.c_float(1.0)
         stream = torch.cuda.current_stream(out.device).cuda_stream
         workspace = self.workspace(stream)
         with self.lock:
             desc, first, second, result, found = plan
-            self._set(
-                "MatmulDescSetAttribute", desc, v.desc_a_scale, ctypes.c_void_p(b_inv.data_ptr())
-            )
-            self._set(
-                "MatmulDescSetAttribute", desc, v.desc_b_scale, ctypes.c_void_p(a_inv.data_ptr())
-            )
+            self._scale_pointers(desc, a_inv, b_inv)
             status = self._fn("Matmul")(
                 self.handle, desc, ctypes.byref(one), ctypes.c_void_p(b.data_ptr()), first,
                 ctypes.c_void_p(a.data_ptr()), second, ctypes.byref(one),
@@ -310,12 +315,13 @@ def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
     a = _fp8(m, k, a_dtype, device, gen)
     b = _fp8(n, k, b_dtype, device, gen).t()  # column-major, as the callers' second operand
     start = torch.randn(m, n, device=device, generator=gen).to(out_dtype)
-    plan = blas.plan((m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks))
     if blocks:
         a_inv = _block_inverses(3, m, device, gen)
         b_inv = _block_inverses(3, n, device, gen)
     else:
         a_inv, b_inv = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
+    key = (m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks)
+    plan = blas.plan(key, (a_inv, b_inv) if blocks else None)
     return _agrees(blas, start, a, a_inv, b, b_inv, plan, blocks)
 
 
@@ -341,7 +347,7 @@ def _plan_for(
         return key, None  # planned and checked eagerly, never inside a capture
     plan = None
     try:
-        plan = blas.plan(key)
+        plan = blas.plan(key, scales)
         if blas.vendor.check_each_plan or blocks:
             gen = torch.Generator(device=out.device).manual_seed(1)
             start = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
