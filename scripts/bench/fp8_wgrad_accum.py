@@ -2,8 +2,8 @@
 """The FP8 weight gradient added into ``main_grad`` by its own GEMM (a Triton kernel) against
 ``torch._scaled_mm`` followed by ``main_grad.add_``, the FP8 linear's way, one GPU.
 
-    python -m scripts.bench.fp8_wgrad_accum [--shapes 8b|0.85b|MxNxK,...] [--json F]
-    TRITON_INTERPRET=1 python -m scripts.bench.fp8_wgrad_accum --smoke   # CPU: checks it works
+    python -m scripts.bench.fp8_wgrad_accum [--shapes 8b|0.85b|MxNxK,...] [--blocks] [--json F]
+    TRITON_INTERPRET=1 python -m scripts.bench.fp8_wgrad_accum --smoke [--blocks]   # CPU check
 
 ``torch._scaled_mm`` cannot accumulate into its output, so with gradient-accumulation fusion
 the FP8 linear writes its weight gradient in fp32 and adds it into ``main_grad``: one more
@@ -24,6 +24,13 @@ whole-K accumulation in the tensor cores) and ``triton_promoted`` (promoted afte
 128 tokens):
 milliseconds, TFLOP/s (2MNK) and the largest error against fp32 math on the same FP8 operands,
 relative to the result's largest magnitude. Times are medians of CUDA-graph replays.
+
+``--blocks``: block scaling's weight gradient (``--fp8-recipe blockwise``), both operands with
+an inverse scale per 128 tokens (powers of two that differ block by block): ``torch``
+(``_scaled_mm`` with the 1 x 128 scales, then ``add_``), ``blaslt`` (``accumulate(blocks=True)``:
+cuBLASLt's 1 x 128 scale modes with ``beta = 1``, what the block-scaled linears run on CUDA)
+and ``triton_block`` (``fp8_blockwise_triton.block_mm`` adding into ``main_grad``, what they
+run on ROCm).
 """
 
 from __future__ import annotations
@@ -139,14 +146,63 @@ def blas_accumulate(
         raise RuntimeError("fp8_accumulate declined: this GPU's BLAS path is not available")
 
 
-def bench_shape(shape: tuple[int, int, int], grad_dtype: torch.dtype, device: str) -> dict:
+def _block_inverses(tokens: int, rows: int, low: int, device: str) -> torch.Tensor:
+    """Inverse scales [ceil(tokens/128), rows], powers of two from 2^low to 2^(low+3)."""
+    powers = torch.randint(low, low + 4, (-(-tokens // 128), rows), device=device)
+    return torch.exp2(powers.float())
+
+
+def _dequantized(data: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """fp32 values of ``data`` [rows, tokens] with 1 x 128 inverse scales [blocks, rows]."""
+    return data.float() * inv.repeat_interleave(128, 0)[: data.shape[1]].t()
+
+
+def block_paths(dy_t, x_t, dy_inv, x_inv, device):  # noqa: ANN001, ANN201
+    """The block-scaled weight gradient's ways of adding into ``main_grad``."""
+    from megatron_rocm.runtime.kernels import fp8_blockwise_triton
+
+    def torch_add(g: torch.Tensor) -> None:
+        if device == "cuda":
+            product = torch._scaled_mm(dy_t, x_t.t(), scale_a=dy_inv.t(), scale_b=x_inv,
+                                       out_dtype=torch.float32)  # fmt: skip
+        else:
+            product = _dequantized(dy_t, dy_inv) @ _dequantized(x_t, x_inv).t()
+        g.add_(product)
+
+    def blas(g: torch.Tensor) -> None:
+        if not fp8_accumulate.accumulate(g, dy_t, dy_inv, x_t.t(), x_inv, blocks=True):
+            raise RuntimeError(
+                "fp8_accumulate declined: cuBLASLt's block-scaled path is not available"
+            )
+
+    paths = {
+        "torch": torch_add,
+        "blaslt": blas,
+        "triton_block": lambda g: fp8_blockwise_triton.block_mm(
+            dy_t, dy_inv.t(), x_t, x_inv.t(), False, g, True
+        ),
+    }
+    if device != "cuda":
+        del paths["blaslt"]
+    return paths
+
+
+def bench_shape(
+    shape: tuple[int, int, int], grad_dtype: torch.dtype, device: str, blocks: bool = False
+) -> dict:
     tokens, n, k = shape
     torch.manual_seed(0)
     dy_t = torch.randn(n, tokens, device=device).to(torch.float8_e5m2)
     x_t = torch.randn(k, tokens, device=device).to(torch.float8_e4m3fn)
+    start = torch.randn(n, k, device=device).to(grad_dtype)
+    if blocks:
+        dy_inv = _block_inverses(tokens, n, -10, device)
+        x_inv = _block_inverses(tokens, k, -8, device)
+        want = start.float() + _dequantized(dy_t, dy_inv) @ _dequantized(x_t, x_inv).t()
+        return _timed(shape, grad_dtype, device, start, want,
+                      block_paths(dy_t, x_t, dy_inv, x_inv, device))  # fmt: skip
     dy_inv = torch.tensor(0.5, device=device)
     x_inv = torch.tensor(0.25, device=device)
-    start = torch.randn(n, k, device=device).to(grad_dtype)
     want = start.float() + (dy_t.float() @ x_t.float().t()) * (dy_inv * x_inv)
     paths = {
         "torch": lambda g: torch_accumulate(dy_t, x_t, g, dy_inv, x_inv),
@@ -157,6 +213,19 @@ def bench_shape(shape: tuple[int, int, int], grad_dtype: torch.dtype, device: st
     }
     if device != "cuda":
         del paths["blaslt"]
+    return _timed(shape, grad_dtype, device, start, want, paths)
+
+
+def _timed(
+    shape: tuple[int, int, int],
+    grad_dtype: torch.dtype,
+    device: str,
+    start: torch.Tensor,
+    want: torch.Tensor,
+    paths: dict,
+) -> dict:
+    """Each path's time, TFLOP/s and error against ``want`` (fp32 math from ``start``)."""
+    tokens, n, k = shape
     row: dict = {"shape": f"{tokens}x{n}x{k}", "main_grad": str(grad_dtype).removeprefix("torch.")}
     scratch = torch.zeros_like(start)
     for name, path in paths.items():
@@ -177,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="8b", help="8b, 0.85b or MxNxK, comma-separated")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="block scaling's 1 x 128 scales (--fp8-recipe blockwise)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny CPU run under TRITON_INTERPRET=1: checks it works",
@@ -193,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if device is None:
         return 3
     rows = [
-        bench_shape(shape, dtype, device)
+        bench_shape(shape, dtype, device, opts.blocks)
         for shape in shapes
         for dtype in (torch.float32, torch.bfloat16)
     ]
@@ -203,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(
                 f"{name} {r[name]['ms']} ms ({r[name]['tflops']} TFLOP/s, error "
                 f"{r[name]['rel_error']:.2g})"
-                for name in ("torch", "torch_fast", "blaslt", "triton_fast", "triton_promoted")
+                for name in (
+                    "torch",
+                    "torch_fast",
+                    "blaslt",
+                    "triton_fast",
+                    "triton_promoted",
+                    "triton_block",
+                )  # fmt: skip
                 if name in r
             )
         )
-    return report({"device": device_name(device), "rows": rows}, opts.json)
+    return report({"device": device_name(device), "blocks": opts.blocks, "rows": rows}, opts.json)
 
 
 if __name__ == "__main__":

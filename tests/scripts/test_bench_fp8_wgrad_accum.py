@@ -41,6 +41,20 @@ def test_smoke_run_adds_the_fp8_product_into_main_grad_on_every_path(tmp_path: P
             assert row[path]["ms"] > 0
 
 
+def test_smoke_run_with_block_scales_adds_on_the_triton_gemm(tmp_path: Path) -> None:
+    """--blocks: the ROCm path (fp8_blockwise_triton's GEMM adding into main_grad) against
+    fp32 math with the scales of each 128 tokens apart (80 tokens: one partial block)."""
+    out = tmp_path / "r.json"
+    done = _run(tmp_path, "--smoke", "--blocks", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["blocks"] is True
+    for row in report["rows"]:
+        bound = 1e-5 if row["main_grad"] == "float32" else 1e-2
+        assert row["triton_block"]["rel_error"] <= bound, row
+        assert "triton_fast" not in row and "torch_fast" not in row
+
+
 def test_smoke_without_the_interpreter_is_a_usage_error(tmp_path: Path) -> None:
     done = _run(tmp_path, "--smoke", interpret=False)
     assert done.returncode == 2

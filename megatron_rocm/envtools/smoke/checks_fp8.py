@@ -250,9 +250,9 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     tally.compare("blockwise linear forward", y, xq @ wq.t(), torch.bfloat16)
     tally.compare("blockwise linear input gradient", x.grad, dyq @ wq, torch.bfloat16)
     tally.compare("blockwise linear weight gradient", w.grad, dy_t @ x_t.t(), torch.bfloat16)
-    start = _randn(ctx, (256, 512), 33)
+    start = _randn(ctx, (256, 512), 33).float()
     w.main_grad = start.clone()
-    for _ in range(2):  # checked first, then added by cuBLASLt's GEMM itself where it serves
+    for _ in range(2):  # added by cuBLASLt's GEMM itself where it serves (the problem is checked)
         backend_fp8.fp8_linear(x.detach(), w, True, recipe).backward(dy)
     want = start + 2 * (dy_t @ x_t.t())
     tally.compare("blockwise weight gradient into main_grad", w.main_grad, want, torch.bfloat16)
@@ -263,7 +263,7 @@ def _blockwise(ctx: Context, check: _Bytes, tally: _Tally, formats: object) -> s
     failed = len(bw._failed - before)
     if failed:
         path += f" (cuBLASLt failed or disagreed on {failed} shape(s): Triton serves them)"
-    if fp8_accumulate.served(w.device, formats.backward, formats.forward, torch.float32, True):
+    if fp8_accumulate.plans_served(w.device, blocks=True):
         path += ", the weight gradient added into main_grad by cuBLASLt's GEMM"
     return f"block scaling's GEMMs on {path}"
 

@@ -209,6 +209,13 @@ class _BlasLt:
             raise RuntimeError(f"{v.prefix}: no algorithm for {key}")
         return desc, first, second, result, found
 
+    def release(self, plan: tuple) -> None:
+        """Free a plan's descriptor and layouts (one that is not kept)."""
+        desc, first, second, result, _ = plan
+        self._fn("MatmulDescDestroy")(desc)
+        for layout in (first, second, result):
+            self._fn("MatrixLayoutDestroy")(layout)
+
     def _scale_pointers(
         self, desc: ctypes.c_void_p, a_inv: torch.Tensor, b_inv: torch.Tensor
     ) -> None:
@@ -244,7 +251,7 @@ class _BlasLt:
 
 
 _blas: dict[int, _BlasLt | None] = {}  # device index -> the library, None where unusable
-_checked: dict[tuple, bool] = {}  # (device, a, b, out dtypes) -> passed the first-use check
+_checked: dict[tuple, bool] = {}  # (device, a, b, out dtypes, blocks) -> passed its first use
 _setup = threading.Lock()  # the first uses, from the main thread or autograd's
 
 
@@ -278,25 +285,32 @@ def _fp8(rows: int, cols: int, dtype: torch.dtype, device: torch.device, gen: An
 
 def _agrees(
     blas: _BlasLt,
-    start: torch.Tensor,
+    out_dtype: torch.dtype,
+    gen: Any,
     a: torch.Tensor,
     a_inv: torch.Tensor,
     b: torch.Tensor,
     b_inv: torch.Tensor,
     plan: tuple,
     blocks: bool = False,
-) -> bool:
-    """The BLAS path from ``start`` against ``torch._scaled_mm`` plus the add: the same to fp32
-    rounding (``start``'s dtype's otherwise), relative to the result's largest value."""
-    want = start.clone()
+) -> bool | None:
+    """The BLAS path against ``torch._scaled_mm`` plus the add, from a random ``out_dtype``
+    start of the product's own size (so a wrong product shows in a bf16 sum too): the same to
+    fp32 rounding (bf16's for a bf16 ``out``), relative to the result's largest value. None
+    where the product cannot judge: not finite, or zeros only."""
     scale_a = a_inv.t() if blocks else a_inv  # torch takes the 1 x 128 scales as [M, K / 128]
-    product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=b_inv, out_dtype=torch.float32)
-    want.add_(product)
+    want = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=b_inv, out_dtype=torch.float32)
+    largest = want.abs().max()
+    if not bool(torch.isfinite(largest)) or not bool(largest > 0):
+        return None
+    noise = torch.randn(want.shape, device=want.device, generator=gen)
+    start = (noise * largest).to(out_dtype)
+    want.add_(start)
     got = start.clone()
+    del start
     blas.matmul(got, a, a_inv, b, b_inv, plan)
-    tol = 1e-5 if start.dtype == torch.float32 else 1e-2
-    scale = want.float().abs().max().clamp(min=1.0)
-    return bool(((got.float() - want.float()).abs().max() <= tol * scale).item())
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    return bool(((got.float() - want).abs().max() <= tol * want.abs().max()).item())
 
 
 def _block_inverses(blocks: int, rows: int, device: torch.device, gen: Any) -> torch.Tensor:
@@ -314,7 +328,6 @@ def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
     m, n, k = (32, 48, 320) if blocks else (32, 48, 64)
     a = _fp8(m, k, a_dtype, device, gen)
     b = _fp8(n, k, b_dtype, device, gen).t()  # column-major, as the callers' second operand
-    start = torch.randn(m, n, device=device, generator=gen).to(out_dtype)
     if blocks:
         a_inv = _block_inverses(3, m, device, gen)
         b_inv = _block_inverses(3, n, device, gen)
@@ -322,7 +335,7 @@ def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
         a_inv, b_inv = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
     key = (m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks)
     plan = blas.plan(key, (a_inv, b_inv) if blocks else None)
-    return _agrees(blas, start, a, a_inv, b, b_inv, plan, blocks)
+    return bool(_agrees(blas, out_dtype, gen, a, a_inv, b, b_inv, plan, blocks))
 
 
 def _plan_for(
@@ -350,11 +363,16 @@ def _plan_for(
         plan = blas.plan(key, scales)
         if blas.vendor.check_each_plan or blocks:
             gen = torch.Generator(device=out.device).manual_seed(1)
-            start = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
             one = torch.ones((), device=out.device, dtype=torch.float32)
             a_inv, b_inv = scales if blocks else (one, one)
-            if not _agrees(blas, start, a, a_inv, b, b_inv, plan, blocks):
+            verdict = _agrees(blas, out.dtype, gen, a, a_inv, b, b_inv, plan, blocks)
+            if verdict is None:  # nothing to judge by: this call adds apart, the next one asks
+                blas.release(plan)
+                return key, None
+            if not verdict:
                 raise RuntimeError("its result differs from torch._scaled_mm plus the add")
+    except torch.OutOfMemoryError:
+        raise  # the separate add needs the same memory: no reason to give the plan up
     except Exception as exc:  # noqa: BLE001 - see _library
         plan = None
         log_fallback_once(
@@ -407,6 +425,15 @@ def served(
     return _checked.get((device.index, a, b, out, blocks), False)
 
 
+def plans_served(device: torch.device, blocks: bool) -> int:
+    """How many shapes of this mode (1 x 128 ``blocks`` or one scale a tensor) the BLAS path
+    serves on ``device`` so far: planned and, where asked, checked on their own call."""
+    blas = _blas.get(device.index)
+    if blas is None:
+        return 0
+    return sum(plan is not None and key[-1] == blocks for key, plan in blas.plans.items())
+
+
 def library_name() -> str:
     """The BLAS-Lt library this build would call."""
     return _vendor().prefix
@@ -441,6 +468,8 @@ def accumulate(
             try:
                 _checked[key] = _first_use_check(blas, key)
                 reason = "its result differs from torch._scaled_mm plus the add"
+            except torch.OutOfMemoryError:
+                raise
             except Exception as exc:  # noqa: BLE001 - see _library
                 _checked[key] = False
                 reason = str(exc)

@@ -17,7 +17,9 @@ Every function here has its math in torch (the CPU's path and the tests' oracle)
 through ``fp8_blockwise_triton._block_mm`` where it has none (ROCm: hipBLASLt has no block
 scaling), or for a problem (its sizes and dtypes) cuBLASLt computes wrong or refused: its
 first product of each problem is checked against the Triton kernel's (``cublaslt_takes``
-names the case found on an H200). The CPU dequantizes and multiplies in fp32.
+names the case found on an H200). The CPU dequantizes and multiplies in fp32. The weight
+gradient is added into ``main_grad`` by the GEMM itself: cuBLASLt's with ``beta = 1``
+(``kernels.fp8_accumulate``) once its problem is checked, the Triton kernel's on ROCm.
 """
 
 from __future__ import annotations
@@ -302,8 +304,9 @@ def _on_triton(a: Blocks, b: Blocks, b_tiles: bool, out: torch.Tensor, accumulat
 def _accumulated(a: Blocks, b: Blocks, into: torch.Tensor) -> bool:
     """``into += a @ b^T`` of two operands in 1 x 128 blocks (the weight gradient) by cuBLASLt's
     GEMM with ``beta = 1`` (``kernels.fp8_accumulate``): no fp32 product, no separate add.
-    False where it cannot; taken only for a problem whose ``torch._scaled_mm`` product passed
-    its check, which then vouches for each of its plans in turn."""
+    False where it cannot. Taken only for a problem whose ``torch._scaled_mm`` product passed
+    its check against the Triton kernel; ``fp8_accumulate`` checks each of its own plans
+    against ``torch._scaled_mm`` on first use."""
     return accumulate(
         into, a.data, a.inv.t().contiguous(), b.data.t(), b.inv.t().contiguous(), blocks=True
     )

@@ -100,6 +100,62 @@ def test_cpu_tensors_with_block_scales_add_separately() -> None:
     assert fp8_accumulate.accumulate(torch.zeros(32, 48), a, a_inv, b, b_inv, blocks=True) is False
 
 
+class _FakeBlas:
+    """A BLAS whose GEMM adds ``factor`` times the true product (1: right), on the CPU."""
+
+    vendor = fp8_accumulate.CUBLASLT
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.plans, self.released = factor, {}, []
+
+    def plan(self, key, scales=None):  # noqa: ANN001, ANN201
+        return ("plan", key)
+
+    def release(self, plan) -> None:  # noqa: ANN001
+        self.released.append(plan)
+
+    def matmul(self, out, a, a_inv, b, b_inv, plan) -> None:  # noqa: ANN001
+        out.add_(self.factor * _block_product(a, a_inv, b, b_inv))
+
+
+def _block_product(a, a_inv, b, b_inv):  # noqa: ANN001, ANN202
+    rows = a_inv.repeat_interleave(128, 0)[: a.shape[1]].t()  # [M, K]
+    cols = b_inv.repeat_interleave(128, 0)[: b.shape[0]]  # [K, N]
+    return (a.float() * rows) @ (b.float() * cols)
+
+
+@pytest.fixture
+def cpu_scaled_mm(monkeypatch):  # noqa: ANN001, ANN201
+    """torch's block-scaled GEMM in fp32 math (the oracle the per-plan check compares to)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, scale_a, scale_b, out_dtype: (
+        _block_product(a, scale_a.t(), b, scale_b)))  # fmt: skip
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 1.1, 2.0])
+def test_a_block_plan_is_checked_against_a_gradient_of_its_own_size(
+    cpu_scaled_mm, out_dtype, factor
+) -> None:
+    """A product 10% off is refused even where it is tiny against 1 (a real weight gradient is
+    often 1e-5 of that) and the sum is bf16: the check's start has the product's size."""
+    a, a_inv, b, b_inv = _block_case(32, 48, 300)
+    a_inv, b_inv = a_inv * 2.0**-20, b_inv * 2.0**-4
+    blas = _FakeBlas(factor)
+    out = torch.zeros(32, 48, dtype=out_dtype)
+    key, plan = fp8_accumulate._plan_for(blas, out, a, b, (a_inv, b_inv))
+    assert (plan is not None) is (factor == 1.0)
+    assert key in blas.plans and key[-1] is True
+
+
+def test_a_product_that_cannot_judge_leaves_the_plan_to_the_next_call(cpu_scaled_mm) -> None:
+    a, a_inv, b, b_inv = _block_case(32, 48, 300)
+    a_inv[0, 0] = float("inf")
+    blas = _FakeBlas(1.0)
+    key, plan = fp8_accumulate._plan_for(blas, torch.zeros(32, 48), a, b, (a_inv, b_inv))
+    assert plan is None and key not in blas.plans and blas.released == [("plan", key)]
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 
 
@@ -236,3 +292,30 @@ def test_gpu_accumulate_with_block_scales(cuda_device, out_dtype, m, n, k) -> No
     assert (got.float() - want.float()).abs().max().item() <= bound
     exact_bound = (5e-4 if out_dtype == torch.float32 else 1.6e-2) * scale
     assert (got.double() - exact).abs().max().item() <= exact_bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or bool(torch.version.hip), reason="cuBLASLt")
+@pytest.mark.parametrize("k", [96, 1024])
+def test_gpu_block_scaled_accumulate_replays_in_a_cuda_graph(cuda_device, k) -> None:
+    """K of one partial block and of eight: the scales as the caller makes them inside the
+    capture (from the graph's pool; a view where ``contiguous`` copies nothing)."""
+    a, a_inv, b, b_inv = _block_case(256, 512, k, cuda_device, seed=3)
+    out = torch.zeros(256, 512, device=cuda_device)
+    assert fp8_accumulate.accumulate(out, a, a_inv, b, b_inv, blocks=True)  # the first use
+    once = out.clone()
+    rows_of_a, rows_of_b = a_inv.t().contiguous(), b_inv.t().contiguous()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        taken = fp8_accumulate.accumulate(
+            out, a, rows_of_a.t().contiguous(), b, rows_of_b.t().contiguous(), blocks=True
+        )
+    torch.cuda.current_stream().wait_stream(stream)
+    assert taken
+    out.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, 2 * once, rtol=1e-5, atol=1e-5 * once.abs().max().item())

@@ -276,7 +276,7 @@ def test_a_checked_weight_gradient_problem_adds_in_the_gemm(monkeypatch) -> None
     torch.testing.assert_close(main_grad.double(), want, rtol=0, atol=1e-5 * want.abs().max())
 
 
-def test_tile_scaled_and_unchecked_problems_never_add_in_the_gemm(monkeypatch) -> None:
+def test_tile_scaled_problems_never_add_in_the_gemm(monkeypatch) -> None:
     _fake_cublaslt(monkeypatch, lambda a, b, tiles, dtype: bw._emulated(a, b, tiles).to(dtype))
     monkeypatch.setattr(bw, "accumulate", lambda *a, **k: pytest.fail("accumulate called"))
     x, w = _operands(64, 128, 512, "cpu")
