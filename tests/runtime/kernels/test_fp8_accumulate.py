@@ -106,7 +106,7 @@ class _FakeBlas:
     vendor = fp8_accumulate.CUBLASLT
 
     def __init__(self, factor: float) -> None:
-        self.factor, self.plans, self.released = factor, {}, []
+        self.factor, self.plans, self.released, self.unjudged = factor, {}, [], {}
 
     def plan(self, key, scales=None):  # noqa: ANN001, ANN201
         return ("plan", key)
@@ -148,12 +148,31 @@ def test_a_block_plan_is_checked_against_a_gradient_of_its_own_size(
     assert key in blas.plans and key[-1] is True
 
 
-def test_a_product_that_cannot_judge_leaves_the_plan_to_the_next_call(cpu_scaled_mm) -> None:
+@pytest.mark.parametrize("case", ["inf", "zeros", "no_memory"])
+def test_a_product_that_cannot_judge_leaves_the_plan_to_a_later_call(
+    monkeypatch, cpu_scaled_mm, case
+) -> None:
+    """Such a call adds apart (no plan) and frees what it planned; after ``UNJUDGED_TRIES``
+    of them the shape stays on the add."""
     a, a_inv, b, b_inv = _block_case(32, 48, 300)
-    a_inv[0, 0] = float("inf")
+    if case == "inf":
+        a_inv[0, 0] = float("inf")
+    if case == "zeros":
+        a_inv.zero_()
+    if case == "no_memory":
+
+        def full(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(torch, "_scaled_mm", full)
     blas = _FakeBlas(1.0)
-    key, plan = fp8_accumulate._plan_for(blas, torch.zeros(32, 48), a, b, (a_inv, b_inv))
-    assert plan is None and key not in blas.plans and blas.released == [("plan", key)]
+    out = torch.zeros(32, 48)
+    for tries in range(1, fp8_accumulate.UNJUDGED_TRIES + 1):
+        key, plan = fp8_accumulate._plan_for(blas, out, a, b, (a_inv, b_inv))
+        assert plan is None and len(blas.released) == tries
+        assert (key in blas.plans) is (tries == fp8_accumulate.UNJUDGED_TRIES)
+    assert blas.plans[key] is None
+    assert torch.equal(out, torch.zeros(32, 48))  # nothing added by a check
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
