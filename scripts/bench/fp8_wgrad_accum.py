@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_rocm.runtime.kernels import fp8_accumulate
+from megatron_rocm.runtime.kernels import fp8_accumulate, fp8_blockwise
 from scripts.bench import timing as bench_timing
 from scripts.bench.fp8_cli import device_name, fp8_device, report
 from scripts.bench.fp8_linear import parse_shapes
@@ -154,7 +154,7 @@ def _block_inverses(tokens: int, rows: int, low: int, device: str) -> torch.Tens
 
 def _dequantized(data: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """fp32 values of ``data`` [rows, tokens] with 1 x 128 inverse scales [blocks, rows]."""
-    return data.float() * inv.repeat_interleave(128, 0)[: data.shape[1]].t()
+    return fp8_blockwise.dequantize_rows(fp8_blockwise.Blocks(data, inv.t()))
 
 
 def block_paths(dy_t, x_t, dy_inv, x_inv, device):  # noqa: ANN001, ANN201

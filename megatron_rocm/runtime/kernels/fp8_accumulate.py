@@ -336,8 +336,8 @@ def _first_use_check(blas: _BlasLt, key: tuple) -> bool:
         b_inv = _block_inverses(3, n, device, gen)
     else:
         a_inv, b_inv = torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)
-    key = (m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks)
-    plan = blas.plan(key, (a_inv, b_inv) if blocks else None)
+    plan_key = (m, n, k, a_dtype, b_dtype, out_dtype, (256, 256, 256, 256), blocks)
+    plan = blas.plan(plan_key, (a_inv, b_inv) if blocks else None)
     try:
         return _agrees(blas, out_dtype, gen, a, a_inv, b, b_inv, plan, blocks) is True
     finally:

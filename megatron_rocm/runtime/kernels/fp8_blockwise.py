@@ -330,9 +330,9 @@ def block_mm(
         # the first-use check reads its verdict on the host, which a graph capture cannot
         path = "triton" if "triton" not in _failed else "emulated"
     if path == "scaled_mm":
-        if add_into is not None and not b_tiles and problem in _checked:
-            if _accumulated(a, b, add_into):
-                return None
+        checked_wgrad = add_into is not None and not b_tiles and problem in _checked
+        if checked_wgrad and _accumulated(a, b, add_into):
+            return None
         out = _checked_scaled_mm(a, b, b_tiles, dtype, problem)
         if out is None:
             return block_mm(a, b, b_tiles, out_dtype, add_into)
