@@ -21,6 +21,7 @@ product into ``c`` (the weight gradient into ``main_grad``).
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,13 +40,25 @@ from megatron_rocm.runtime.kernels.launch import cdiv, is_hip
 
 BLOCK = 128  # the recipe's block: 1 x 128 for activations and gradients, 128 x 128 for weights
 CAST_WARPS = 8
-# the GEMM's tile: the fastest of six on an H200 at Llama-3 8B's and the 0.85B's shapes (a
-# probe before this module); on ROCm one stage (32 KiB of LDS), untimed there
-GEMM_BLOCK_M = 64
+
+
+class GemmConfig(NamedTuple):
+    """A launch of ``_block_mm``: rows per program, warps, pipeline stages."""
+
+    block_m: int
+    warps: int
+    stages: int
+
+
+# the GEMM's tiles, 128 columns wide (a weight tile's width: one scale per step of K), the
+# fastest of ten on an H200 at Llama-3 8B's and the 0.85B's shapes (.gpu probe, 2026-11-30:
+# 128 x 128 on 8 warps 676-794 TFLOP/s against 64 x 128 on 4 warps' 612-672 with tiles; with
+# 1 x 128 blocks on both sides 64 x 128 on 4 warps stays ahead). On ROCm one stage of 64 x
+# 128 (32 KiB of LDS; two stages spill registers on gfx950, the AMD compile gate), untimed there
 GEMM_BLOCK_N = 128
-GEMM_WARPS = 4
-GEMM_STAGES = 4
-GEMM_STAGES_HIP = 1  # two stages spill registers on gfx950 (the AMD compile gate)
+GEMM_TILES = GemmConfig(block_m=128, warps=8, stages=3)
+GEMM_BLOCKS = GemmConfig(block_m=64, warps=4, stages=3)
+GEMM_HIP = GemmConfig(block_m=64, warps=4, stages=1)
 GEMM_GROUP_M = 8
 
 
@@ -155,8 +168,8 @@ def cast_blocks(
 def _block_mm(
     a, b, c, sa, sb, M, N, K,
     s_am, s_ak, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbn, s_sbk,
-    B_TILES: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    B_TILES: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs_m = tl.cdiv(M, BLOCK_M)
@@ -168,29 +181,47 @@ def _block_mm(
     pn = (pid % width) // group
     om = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     on = (pn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    # loads wrap past the last row and column (in bounds, unmasked); the store is masked
+    lm = om % M
+    ln = on % N
     ok = tl.arange(0, 128)
-    in_m = om < M
-    in_n = on < N
-    a_ptr = a + om[:, None] * s_am + ok[None, :] * s_ak
-    b_ptr = b + ok[:, None] * s_bk + on[None, :] * s_bn
+    a_ptr = a + lm[:, None] * s_am + ok[None, :] * s_ak
+    b_ptr = b + ok[:, None] * s_bk + ln[None, :] * s_bn
+    sa_ptr = sa + lm * s_sam
+    if B_TILES:  # one 128-wide tile column per program: one scale per step of K
+        tl.static_assert(BLOCK_N == 128)
+        sb_ptr = sb + pn * s_sbn
+    else:
+        sb_ptr = sb + ln * s_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, 128)):
-        left = K - kb * 128
-        av = tl.load(a_ptr, mask=in_m[:, None] & (ok[None, :] < left), other=0.0)
-        bv = tl.load(b_ptr, mask=(ok[:, None] < left) & in_n[None, :], other=0.0)
-        a_s = tl.load(sa + om * s_sam + kb * s_sak, mask=in_m, other=0.0)
-        if B_TILES:
-            b_s = tl.load(sb + (on // 128) * s_sbn + kb * s_sbk, mask=in_n, other=0.0)
+        if EVEN_K:
+            av = tl.load(a_ptr)
+            bv = tl.load(b_ptr)
         else:
-            b_s = tl.load(sb + on * s_sbn + kb * s_sbk, mask=in_n, other=0.0)
-        acc += tl.dot(av, bv) * a_s[:, None] * b_s[None, :]
+            left = K - kb * 128
+            av = tl.load(a_ptr, mask=ok[None, :] < left, other=0.0)
+            bv = tl.load(b_ptr, mask=ok[:, None] < left, other=0.0)
+        a_s = tl.load(sa_ptr + kb * s_sak)
+        b_s = tl.load(sb_ptr + kb * s_sbk)
+        if B_TILES:  # the row scales times the tile's: one multiply of the product, not two
+            acc += tl.dot(av, bv) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(av, bv) * a_s[:, None] * b_s[None, :]
         a_ptr += 128 * s_ak
         b_ptr += 128 * s_bk
     c_ptr = c + om[:, None] * s_cm + on[None, :] * s_cn
-    mask = in_m[:, None] & in_n[None, :]
+    mask = (om < M)[:, None] & (on < N)[None, :]
     if ACCUMULATE:
         acc += tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=mask)
+
+
+def gemm_config(b_tiles: bool, hip: bool) -> GemmConfig:
+    """The GEMM's tile for its right operand's scales and the platform."""
+    if hip:
+        return GEMM_HIP
+    return GEMM_TILES if b_tiles else GEMM_BLOCKS
 
 
 def block_mm(
@@ -206,13 +237,14 @@ def block_mm(
     ``fp8_blockwise.block_mm`` documents them, any strides."""
     m, k = a.shape
     n = b.shape[0]
-    grid = (cdiv(m, GEMM_BLOCK_M) * cdiv(n, GEMM_BLOCK_N),)
+    cfg = gemm_config(b_tiles, is_hip())
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, GEMM_BLOCK_N),)
     _block_mm[grid](
         a, b, out, a_inv, b_inv, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), a_inv.stride(0), a_inv.stride(1), b_inv.stride(0),
-        b_inv.stride(1), B_TILES=b_tiles, ACCUMULATE=accumulate, BLOCK_M=GEMM_BLOCK_M,
-        BLOCK_N=GEMM_BLOCK_N, GROUP_M=GEMM_GROUP_M, num_warps=GEMM_WARPS,
-        num_stages=GEMM_STAGES_HIP if is_hip() else GEMM_STAGES,
+        b_inv.stride(1), B_TILES=b_tiles, ACCUMULATE=accumulate, EVEN_K=k % BLOCK == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=GEMM_BLOCK_N, GROUP_M=GEMM_GROUP_M,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -226,7 +258,8 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
     """What ROCm launches: the casts with the integer encode (``CAST=0``) for every input dtype
     and FP8 format, in each of their modes, int32 and int64 offsets; the GEMM with its arch's
     formats (gfx90a has no FP8 GEMM: FP8 is refused there) into every output dtype, with tiles
-    or 1 x 128 blocks on the right, and added into an fp32 or bf16 ``main_grad``."""
+    or 1 x 128 blocks on the right, added into an fp32 or bf16 ``main_grad`` or not, with K a
+    multiple of 128 (no masks) or not."""
     rows = max(shapes.seq_lens) * max(shapes.batch)
     widest = max(shapes.ffn_hiddens + shapes.hiddens)
     modes = ((True, True, False), (True, False, False), (False, True, False),
@@ -250,25 +283,21 @@ def aot_configs(shapes: aot.Shapes) -> list[aot.Launch]:
                 )  # fmt: skip
             )
     for arch, (e4m3, e5m2) in _ARCH_FORMATS.items():
-        for (a, b), out_type, b_tiles in itertools.product(
-            ((e4m3, e4m3), (e5m2, e4m3)), (torch.bfloat16, torch.float32), (True, False)
-        ):
-            for accumulate in (False, True):
-                out.append(
-                    aot.launch(
-                        _block_mm,
-                        dict(
-                            B_TILES=b_tiles,
-                            ACCUMULATE=accumulate,
-                            BLOCK_M=GEMM_BLOCK_M,
-                            BLOCK_N=GEMM_BLOCK_N,
-                            GROUP_M=GEMM_GROUP_M,
-                        ),  # fmt: skip
-                        ptrs=dict(a=a, b=b, c=out_type, sa=torch.float32, sb=torch.float32),
-                        num_warps=GEMM_WARPS,
-                        num_stages=GEMM_STAGES_HIP,
-                        archs=(arch,),
-                        grid=(cdiv(8192, GEMM_BLOCK_M) * cdiv(widest, GEMM_BLOCK_N),),
-                    )  # fmt: skip
-                )
+        for (a, b), out_type, b_tiles, accumulate, even_k in itertools.product(
+            ((e4m3, e4m3), (e5m2, e4m3)), (torch.bfloat16, torch.float32), (True, False),
+            (False, True), (True, False),
+        ):  # fmt: skip
+            consts = dict(B_TILES=b_tiles, ACCUMULATE=accumulate, EVEN_K=even_k,
+                          BLOCK_M=GEMM_HIP.block_m, BLOCK_N=GEMM_BLOCK_N, GROUP_M=GEMM_GROUP_M)  # fmt: skip
+            out.append(
+                aot.launch(
+                    _block_mm,
+                    consts,
+                    ptrs=dict(a=a, b=b, c=out_type, sa=torch.float32, sb=torch.float32),
+                    num_warps=GEMM_HIP.warps,
+                    num_stages=GEMM_HIP.stages,
+                    archs=(arch,),
+                    grid=(cdiv(8192, GEMM_HIP.block_m) * cdiv(widest, GEMM_BLOCK_N),),
+                )  # fmt: skip
+            )
     return out
