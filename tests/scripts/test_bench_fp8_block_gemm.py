@@ -1,0 +1,60 @@
+"""scripts/bench/fp8_block_gemm.py: the Triton block-scaled GEMM's three products under
+Triton's CPU interpreter, and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, interpret: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.bench.fp8_block_gemm", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_smoke_run_times_the_linears_three_gemms_on_the_triton_kernel(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    done = _run("--smoke", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    # 96 tokens, 256 outputs, 300 inputs: the dgrad contracts over 256, the others past 128s
+    assert [(r["gemm"], r["mnk"]) for r in rows] == [
+        ("forward", [96, 256, 300]),
+        ("dgrad", [96, 300, 256]),
+        ("wgrad", [256, 300, 96]),
+    ]
+    for row in rows:
+        bound = 1e-5 if row["gemm"] == "wgrad" else 1e-2  # fp32 main_grad; bf16 rounding
+        assert row["triton"]["rel_error"] <= bound, row
+        assert row["triton"]["ms"] > 0
+        assert "cublaslt" not in row and "bf16" not in row  # a GPU's paths
+
+
+def test_smoke_without_the_interpreter_is_a_usage_error() -> None:
+    done = _run("--smoke", interpret=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "bench_fp8_block_gemm: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1"
+    )
+
+
+def test_a_bad_shape_is_a_usage_error_before_the_device_is_asked() -> None:
+    done = _run("--shapes", "8b,bogus", interpret=False)
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == "bench_fp8_block_gemm: bad shape 'bogus': expected MxNxK, 8b or 0.85b"
+    )
