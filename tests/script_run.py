@@ -3,6 +3,7 @@ in a child process, its output captured as text (the tests of ``scripts/``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_module(module: str, *args: Path | str) -> subprocess.CompletedProcess:
-    """``python -m module args...`` from the repository root; never raises on its exit code."""
+def run_module(
+    module: str, *args: Path | str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m module args...`` from the repository root, with ``env`` over this process's
+    environment; never raises on its exit code."""
     return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=None if env is None else {**os.environ, **env},
     )

@@ -24,7 +24,6 @@ Times are medians of CUDA-graph replays.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,13 @@ import torch
 
 from megatron_rocm.runtime.kernels import fp8_blockwise as bw
 from scripts.bench import timing as bench_timing
-from scripts.bench.fp8_cli import device_name, fp8_device, report
+from scripts.bench.fp8_cli import (
+    add_interpreted_smoke,
+    device_name,
+    fp8_device,
+    interpreter_missing,
+    report,
+)
 from scripts.bench.fp8_linear import SHAPES, parse_shapes
 
 PROG = "bench_fp8_block_gemm"
@@ -119,16 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="8b,0.85b",
                    help=f"{', '.join(SHAPES)} or MxNxK, comma-separated")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny CPU run under TRITON_INTERPRET=1: checks it works",
-    )
+    add_interpreted_smoke(p)
     opts = p.parse_args(argv)
-    if opts.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        print(
-            f"{PROG}: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1", file=sys.stderr
-        )
+    if interpreter_missing(PROG, opts.smoke):
         return 2
     shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes, PROG)
     device = fp8_device(PROG, opts.smoke)

@@ -6,7 +6,9 @@ works); a machine without such a GPU gets one line and exit 3.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,26 @@ def fp8_device(prog: str, smoke: bool) -> str | None:
         print(f"{prog}: this GPU: {reason}", file=sys.stderr)
         return None
     return "cuda"
+
+
+def add_interpreted_smoke(parser: argparse.ArgumentParser) -> None:
+    """``--smoke`` for a benchmark whose CPU run is its Triton kernel under the interpreter."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU run under TRITON_INTERPRET=1: checks it works",
+    )
+
+
+def interpreter_missing(prog: str, smoke: bool) -> bool:
+    """Whether ``--smoke`` was asked without ``TRITON_INTERPRET=1``, after saying so on stderr
+    in one line (the caller exits 2: the kernel cannot run on the CPU otherwise)."""
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        print(
+            f"{prog}: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1", file=sys.stderr
+        )
+        return True
+    return False
 
 
 def device_name(device: str) -> str:

@@ -36,7 +36,6 @@ run on ROCm).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -46,7 +45,13 @@ import triton.language as tl
 
 from megatron_rocm.runtime.kernels import fp8_accumulate, fp8_blockwise
 from scripts.bench import timing as bench_timing
-from scripts.bench.fp8_cli import device_name, fp8_device, report
+from scripts.bench.fp8_cli import (
+    add_interpreted_smoke,
+    device_name,
+    fp8_device,
+    interpreter_missing,
+    report,
+)
 from scripts.bench.fp8_linear import parse_shapes
 
 SMOKE = [(80, 150, 40)]  # a partial tile on every side, more tiles of N than one group
@@ -253,17 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="block scaling's 1 x 128 scales (--fp8-recipe blockwise)",
     )
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny CPU run under TRITON_INTERPRET=1: checks it works",
-    )
+    add_interpreted_smoke(p)
     opts = p.parse_args(argv)
-    if opts.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        print(
-            "bench_fp8_wgrad_accum: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1",
-            file=sys.stderr,
-        )
+    if interpreter_missing("bench_fp8_wgrad_accum", opts.smoke):
         return 2
     shapes = SMOKE if opts.smoke else parse_shapes(opts.shapes, "bench_fp8_wgrad_accum")
     device = fp8_device("bench_fp8_wgrad_accum", opts.smoke)

@@ -4,9 +4,7 @@ Triton's CPU interpreter, and its bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +12,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.script_run import run_module  # noqa: E402
 
 
 def _run(*args: str, interpret: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.bench.fp8_block_gemm", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return run_module(
+        "scripts.bench.fp8_block_gemm", *args, env={"TRITON_INTERPRET": "1" if interpret else "0"}
+    )
 
 
 def test_smoke_run_times_the_linears_three_gemms_on_the_triton_kernel(tmp_path: Path) -> None:

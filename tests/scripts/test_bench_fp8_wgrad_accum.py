@@ -4,9 +4,7 @@ bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +12,18 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.script_run import run_module  # noqa: E402
 
 
-def _run(tmp_path: Path, *args: str, interpret: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.bench.fp8_wgrad_accum", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def _run(*args: str, interpret: bool = True) -> subprocess.CompletedProcess:
+    return run_module(
+        "scripts.bench.fp8_wgrad_accum", *args, env={"TRITON_INTERPRET": "1" if interpret else "0"}
+    )
 
 
 def test_smoke_run_adds_the_fp8_product_into_main_grad_on_every_path(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    done = _run(tmp_path, "--smoke", "--json", str(out))
+    done = _run("--smoke", "--json", str(out))
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["main_grad"] for r in rows] == ["float32", "bfloat16"]
@@ -45,7 +41,7 @@ def test_smoke_run_with_block_scales_adds_on_the_triton_gemm(tmp_path: Path) -> 
     """--blocks: the ROCm path (fp8_blockwise_triton's GEMM adding into main_grad) against
     fp32 math with the scales of each 128 tokens apart (80 tokens: one partial block)."""
     out = tmp_path / "r.json"
-    done = _run(tmp_path, "--smoke", "--blocks", "--json", str(out))
+    done = _run("--smoke", "--blocks", "--json", str(out))
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["blocks"] is True
@@ -56,7 +52,7 @@ def test_smoke_run_with_block_scales_adds_on_the_triton_gemm(tmp_path: Path) -> 
 
 
 def test_smoke_without_the_interpreter_is_a_usage_error(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--smoke", interpret=False)
+    done = _run("--smoke", interpret=False)
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "bench_fp8_wgrad_accum: --smoke runs the kernel on the CPU: set TRITON_INTERPRET=1"
@@ -64,7 +60,7 @@ def test_smoke_without_the_interpreter_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_a_bad_shape_is_a_usage_error_before_the_device_is_asked(tmp_path: Path) -> None:
-    done = _run(tmp_path, "--shapes", "bogus", interpret=False)
+    done = _run("--shapes", "bogus", interpret=False)
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "bench_fp8_wgrad_accum: bad shape 'bogus': expected MxNxK, 8b or 0.85b"
