@@ -12,14 +12,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_module(
-    module: str, *args: Path | str, env: dict[str, str] | None = None
+    module: str, *args: Path | str, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """``python -m module args...`` from the repository root, with ``env`` over this process's
-    environment; never raises on its exit code."""
+    environment; never raises on its exit code (a child past ``timeout`` seconds raises)."""
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],
         capture_output=True,
         text=True,
         cwd=REPO,
         env=None if env is None else {**os.environ, **env},
+        timeout=timeout,
     )

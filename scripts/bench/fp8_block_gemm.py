@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rocm.runtime.kernels import fp8
 from megatron_rocm.runtime.kernels import fp8_blockwise as bw
 from scripts.bench import timing as bench_timing
 from scripts.bench.fp8_cli import (
@@ -43,22 +44,24 @@ from scripts.bench.fp8_linear import SHAPES, parse_shapes
 
 PROG = "bench_fp8_block_gemm"
 SMOKE = [(96, 256, 300)]  # K past a multiple of 128, M past a tile
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _spread(rows: int, cols: int, low: float, device: str, g: torch.Generator) -> torch.Tensor:
+    """Normal values times magnitudes from 10^low to 100 times that, growing along the rows and
+    along the columns: every block and tile has a scale of its own."""
+    across = torch.logspace(low, low + 1, cols, device=device)
+    down = torch.logspace(0, 1, rows, device=device)[:, None]
+    return torch.randn(rows, cols, device=device, generator=g) * across * down
 
 
 def _operands(m: int, n: int, k: int, device: str) -> dict:
-    """Quantized operands of one linear: magnitudes that differ across rows and columns, so
-    the blocks' scales differ."""
+    """Quantized operands of one linear in the GPU's FP8 formats (``--fp8-format hybrid``:
+    OCP on CUDA and gfx950, fnuz on gfx942)."""
     g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(m, k, device=device, generator=g) * torch.logspace(-1, 1, k, device=device)
-    w = (
-        torch.randn(n, k, device=device, generator=g)
-        * torch.logspace(-3, -1, n, device=device)[:, None]
-    )
-    dy = torch.randn(m, n, device=device, generator=g) * 1e-3
-    x_rows, x_t = bw.quantize_rows(x.bfloat16(), E4M3, transposed=True)
-    dy_rows, dy_t = bw.quantize_rows(dy.bfloat16(), E5M2, transposed=True)
-    w_tiles, w_t = bw.quantize_tiles(w.bfloat16(), E4M3, transposed=True)
+    fmt = fp8.formats("hybrid")
+    x_rows, x_t = bw.quantize_rows(_spread(m, k, -1, device, g).bfloat16(), fmt.forward, True)
+    dy_rows, dy_t = bw.quantize_rows(_spread(m, n, -4, device, g).bfloat16(), fmt.backward, True)
+    w_tiles, w_t = bw.quantize_tiles(_spread(n, k, -3, device, g).bfloat16(), fmt.forward, True)
     return {
         "forward": (x_rows, w_tiles, True),
         "dgrad": (dy_rows, w_t, True),

@@ -56,9 +56,11 @@ def parse_shapes(text: str, prog: str = "bench_fp8_linear") -> list[tuple[int, i
             continue
         try:
             m, n, k = (int(v) for v in item.lower().split("x"))
+            if min(m, n, k) < 1:
+                raise ValueError(item)
         except ValueError:
             print(
-                f"{prog}: bad shape {item!r}: expected MxNxK, 8b or 0.85b",
+                f"{prog}: bad shape {item!r}: expected MxNxK (each at least 1), 8b or 0.85b",
                 file=sys.stderr,
             )
             raise SystemExit(2) from None

@@ -52,5 +52,5 @@ def test_a_bad_shape_is_a_usage_error_before_the_device_is_asked() -> None:
     assert done.returncode == 2
     assert (
         done.stderr.strip()
-        == "bench_fp8_block_gemm: bad shape 'bogus': expected MxNxK, 8b or 0.85b"
+        == "bench_fp8_block_gemm: bad shape 'bogus': expected MxNxK (each at least 1), 8b or 0.85b"
     )

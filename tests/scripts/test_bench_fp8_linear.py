@@ -20,10 +20,14 @@ def test_shapes_by_name_and_by_size() -> None:
     ]
 
 
-def test_a_bad_shape_is_a_usage_error(capsys) -> None:
+@pytest.mark.parametrize("bad", ["1x2", "0x16x16", "16x-1x16"])
+def test_a_bad_shape_is_a_usage_error(capsys, bad: str) -> None:
     with pytest.raises(SystemExit) as info:
-        bench_fp8_linear.main(["--shapes", "1x2"])
-    assert info.value.code == 2 and "bad shape '1x2'" in capsys.readouterr().err
+        bench_fp8_linear.main(["--shapes", bad])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"bench_fp8_linear: bad shape {bad!r}: expected MxNxK (each at least 1), 8b or 0.85b\n"
+    )
 
 
 def test_smoke_run_reports_every_column(tmp_path: Path) -> None:

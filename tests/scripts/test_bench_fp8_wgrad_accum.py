@@ -63,5 +63,5 @@ def test_a_bad_shape_is_a_usage_error_before_the_device_is_asked(tmp_path: Path)
     done = _run("--shapes", "bogus", interpret=False)
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "bench_fp8_wgrad_accum: bad shape 'bogus': expected MxNxK, 8b or 0.85b"
+        "bench_fp8_wgrad_accum: bad shape 'bogus': expected MxNxK (each at least 1), 8b or 0.85b"
     )

@@ -51,7 +51,7 @@ class GemmConfig(NamedTuple):
 
 
 # the GEMM's tiles, 128 columns wide (a weight tile's width: one scale per step of K), the
-# fastest of ten on an H200 at Llama-3 8B's and the 0.85B's shapes (.gpu probe, 2026-11-30:
+# fastest of ten on an H200 at Llama-3 8B's and the 0.85B's shapes (a probe, 2026-11-30:
 # 128 x 128 on 8 warps 676-794 TFLOP/s against 64 x 128 on 4 warps' 612-672 with tiles; with
 # 1 x 128 blocks on both sides 64 x 128 on 4 warps stays ahead). On ROCm one stage of 64 x
 # 128 (32 KiB of LDS; two stages spill registers on gfx950, the AMD compile gate), untimed there
@@ -205,6 +205,8 @@ def _block_mm(
         a_s = tl.load(sa_ptr + kb * s_sak)
         b_s = tl.load(sb_ptr + kb * s_sbk)
         if B_TILES:  # the row scales times the tile's: one multiply of the product, not two
+            # (the two powers of two multiplied first: below fp32's range only for block
+            # maxima whose product is under about 1e-30, far below any gradient's)
             acc += tl.dot(av, bv) * (a_s * b_s)[:, None]
         else:
             acc += tl.dot(av, bv) * a_s[:, None] * b_s[None, :]

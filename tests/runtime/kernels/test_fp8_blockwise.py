@@ -135,7 +135,12 @@ def test_triton_casts_match_the_oracle(monkeypatch, dtype) -> None:
 def _operands(m: int, n: int, k: int, device: str) -> tuple:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-3, -1, n)[:, None]  # tiles' own scales
+    # every weight tile its own scale, along the rows and along the columns
+    w = (
+        torch.randn(n, k, generator=g)
+        * torch.logspace(-3, -1, n)[:, None]
+        * torch.logspace(0, 2, k)
+    )
     return x.to(device), w.to(device)
 
 
@@ -179,17 +184,20 @@ def test_emulated_gemms_match_float64() -> None:
 
 
 @triton_test
-def test_triton_gemms_match_float64(monkeypatch) -> None:
+@pytest.mark.parametrize("hip", [False, True], ids=["cuda-tiles", "rocm-tiles"])
+def test_triton_gemms_match_float64(monkeypatch, hip: bool) -> None:
     monkeypatch.setattr(bw, "gemm_path", lambda a, problem=None: "triton")
     ran = []
     from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
 
+    monkeypatch.setattr(kernels, "is_hip", lambda: hip)  # the launch's tile and stages
     real = kernels.block_mm
     monkeypatch.setattr(kernels, "block_mm", lambda *a: ran.append(a[4]) or real(*a))
     _gemm_cases(TRITON_DEVICE)
     # K past a multiple of 128 (masked loads), M and N past the GEMM's tiles (wrapped loads)
     _gemm_cases(TRITON_DEVICE, 70, 200, 300)
-    assert ran == [True, False, True] * 2 and not bw._failed
+    _gemm_cases(TRITON_DEVICE, 70, 200, 256)  # unmasked K, wrapped M and N
+    assert ran == [True, False, True] * 3 and not bw._failed
 
 
 @pytest.mark.gpu
