@@ -24,3 +24,10 @@ def run_module(
         env=None if env is None else {**os.environ, **env},
         timeout=timeout,
     )
+
+
+def run_interpreted(
+    module: str, *args: Path | str, interpret: bool = True
+) -> subprocess.CompletedProcess:
+    """:func:`run_module` with Triton's CPU interpreter on (``TRITON_INTERPRET=1``) or off."""
+    return run_module(module, *args, env={"TRITON_INTERPRET": "1" if interpret else "0"})

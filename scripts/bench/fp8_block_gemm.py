@@ -69,11 +69,6 @@ def _operands(m: int, n: int, k: int, device: str) -> dict:
     }
 
 
-def _fp32(a: bw.Blocks, b: bw.Blocks, b_tiles: bool) -> torch.Tensor:
-    rhs = bw.dequantize_tiles(b) if b_tiles else bw.dequantize_rows(b)
-    return bw.dequantize_rows(a) @ rhs.t()
-
-
 def _paths(a: bw.Blocks, b: bw.Blocks, b_tiles: bool, out: torch.Tensor, device: str) -> dict:
     """name -> a call writing (or, for the wgrad, adding) ``a @ b^T`` into ``out``."""
     from megatron_rocm.runtime.kernels import fp8_blockwise_triton as kernels
@@ -87,7 +82,10 @@ def _paths(a: bw.Blocks, b: bw.Blocks, b_tiles: bool, out: torch.Tensor, device:
 
         def cublaslt() -> None:
             product = bw._scaled_mm(a, b, b_tiles, out.dtype)
-            out.add_(product) if add else out.copy_(product)
+            if add:
+                out.add_(product)
+            else:
+                out.copy_(product)
 
         paths["cublaslt"] = cublaslt
     if device == "cuda":
@@ -101,7 +99,7 @@ def bench_shape(shape: tuple[int, int, int], device: str) -> list[dict]:
     m, n, k = shape
     rows = []
     for gemm, (a, b, b_tiles) in _operands(m, n, k, device).items():
-        want = _fp32(a, b, b_tiles)
+        want = bw._emulated(a, b, b_tiles)  # fp32 math on the dequantized operands
         rows_out, cols_out = want.shape
         dtype = torch.float32 if not b_tiles else torch.bfloat16
         start = torch.zeros(rows_out, cols_out, device=device, dtype=dtype)

@@ -3,8 +3,8 @@ bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,13 +12,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from tests.script_run import run_module  # noqa: E402
+from tests.script_run import run_interpreted  # noqa: E402
 
-
-def _run(*args: str, interpret: bool = True) -> subprocess.CompletedProcess:
-    return run_module(
-        "scripts.bench.fp8_wgrad_accum", *args, env={"TRITON_INTERPRET": "1" if interpret else "0"}
-    )
+_run = functools.partial(run_interpreted, "scripts.bench.fp8_wgrad_accum")
 
 
 def test_smoke_run_adds_the_fp8_product_into_main_grad_on_every_path(tmp_path: Path) -> None:

@@ -20,9 +20,8 @@ except Exception as exc:  # noqa: BLE001 - any failure leaves the hook undone: s
         f"triton_block_gemm: cannot import megatron_rocm ({type(exc).__name__}: {exc})\n"
     )
     sys.stderr.flush()
-    os._exit(
-        3
-    )  # SystemExit here would be a fatal error of the interpreter's start, traceback and all
+    # SystemExit here would be a fatal error of the interpreter's start, traceback and all
+    os._exit(3)
 
 fp8_blockwise.cublaslt_takes = lambda problem: False  # cuBLASLt takes no problem: Triton serves
 sys.stderr.write("triton_block_gemm: every block-scaled FP8 GEMM on the Triton kernel\n")
