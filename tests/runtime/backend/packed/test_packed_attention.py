@@ -104,15 +104,16 @@ def oracle(batch: Batch, q, k, v, causal, scale=None, window=None):  # noqa: ANN
     heads, groups, dim_v = q.shape[1], k.shape[1], v.shape[-1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     left, right = window if window is not None else (-1, -1)
-    out = torch.zeros(q.shape[0], heads, dim_v, dtype=torch.float64)
+    dev = q.device  # the gpu tests' operands stay on the GPU, in float64 there
+    out = torch.zeros(q.shape[0], heads, dim_v, dtype=torch.float64, device=dev)
     for s, n, ks, kn in zip(batch.starts, batch.lens, batch.kv_starts, batch.kv_lens):
         if n == 0:
             continue
-        i = torch.arange(n)[:, None] + (kn - n)  # each query's diagonal key
-        j = torch.arange(kn)[None, :]
-        keep = torch.ones(n, kn, dtype=torch.bool)
+        i = torch.arange(n, device=dev)[:, None] + (kn - n)  # each query's diagonal key
+        j = torch.arange(kn, device=dev)[None, :]
+        keep = torch.ones(n, kn, dtype=torch.bool, device=dev)
         if causal:
-            keep &= j <= torch.arange(n)[:, None]
+            keep &= j <= torch.arange(n, device=dev)[:, None]
         if left >= 0:
             keep &= j >= i - left
         if right >= 0:
