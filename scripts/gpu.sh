@@ -50,9 +50,10 @@
 #            example; none: no trace) summarised with each kernel's launch site and each gap's
 #            host frame
 #   smoke    `megatron-rocm smoke` on the newest ref
-#   kernels  the GPU cases of the native backend's and kernels' tests, and the one-GPU kernel
-#            benchmarks (RoPE, SwiGLU, grouped GEMM, packed attention, the TE spec's attention
-#            kernels at the 0.85B's and the 8B's shapes)
+#   kernels  every GPU test of tests/runtime (scripts/gpu_tests.py: GPU_TESTS_PROCS processes
+#            side by side, GPU_TESTS_TIMEOUT seconds; it fails unless tests ran and none
+#            failed), and the one-GPU kernel benchmarks (RoPE, SwiGLU, grouped GEMM, packed
+#            attention, the TE spec's attention kernels at the 0.85B's and the 8B's shapes)
 #   cp2      context parallelism on 2 GPUs: CP=2 Llama at seq 8k and 16k (TE spec), CP=1 at 8k
 #            for the loss comparison, the GPU cases of test_context_parallel, bench/cp_attention
 #   moe2     EP=2 MoE, alltoall dispatcher, with and without --moe-grouped-gemm (2 GPUs)
@@ -528,9 +529,10 @@ stage_smoke() {
 }
 
 stage_kernels() {
-  (cd "$HERE" && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime \
-     > "$OUT/gpu-tests.txt" 2>&1)
-  log "gpu tests: $(tail -1 "$OUT/gpu-tests.txt")"
+  (cd "$HERE" && $PY -m scripts.gpu_tests --out "$W/gpu-tests" --procs "${GPU_TESTS_PROCS:-3}" \
+     --timeout "${GPU_TESTS_TIMEOUT:-480}" > "$OUT/gpu-tests.txt" 2>&1)
+  log "gpu tests: exit $? $(grep -E '^[0-9]+ passed' "$OUT/gpu-tests.txt")"
+  cp "$W/gpu-tests/summary.json" "$OUT/gpu-tests.json" 2>/dev/null
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.rope --json "$OUT/bench-rope.json" > "$OUT/bench-rope.txt" 2>&1)
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.swiglu --tree "$W/p-$NEWEST" \
      --json "$OUT/bench-swiglu.json" > "$OUT/bench-swiglu.txt" 2>&1)
