@@ -1,5 +1,5 @@
 """pytest plugin that scripts/upstream_unit_tests.py loads (``-p mrocm_ut_progress``) into runs
-of upstream Megatron-LM's own unit tests.
+of upstream Megatron-LM's own unit tests, and scripts/gpu_tests.py into runs of ours.
 
 Why: pytest writes its JUnit XML only when the session ends, so a rank that crashes (NCCL
 abort, segfault) or a test killed for hanging would lose every result of that process. This
