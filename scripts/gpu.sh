@@ -529,9 +529,10 @@ stage_smoke() {
 }
 
 stage_kernels() {
+  rm -f "$OUT/gpu-tests.json"
   (cd "$HERE" && $PY -m scripts.gpu_tests --out "$W/gpu-tests" --procs "${GPU_TESTS_PROCS:-3}" \
      --timeout "${GPU_TESTS_TIMEOUT:-480}" > "$OUT/gpu-tests.txt" 2>&1)
-  log "gpu tests: exit $? $(grep -E '^[0-9]+ passed' "$OUT/gpu-tests.txt")"
+  log "gpu tests: exit $? $(grep -E '^[0-9]+ passed' "$OUT/gpu-tests.txt") $(tail -1 "$OUT/gpu-tests.txt")"
   cp "$W/gpu-tests/summary.json" "$OUT/gpu-tests.json" 2>/dev/null
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.rope --json "$OUT/bench-rope.json" > "$OUT/bench-rope.txt" 2>&1)
   (cd "$HERE" && timeout 120 $PY -m scripts.bench.swiglu --tree "$W/p-$NEWEST" \

@@ -15,9 +15,9 @@ process's log and progress file and ``summary.json`` (counts, problems, each pro
 
 Exit: 0 every collected test has a result, none failed, and a test marked ``gpu`` passed;
 1 a test failed or errored, a process was killed at ``--timeout`` or crashed, a test has no
-result, or collection failed; 2 bad usage (a path, ``--out``, ``--marker``); 3 nothing ran:
+result, or collection or counting the GPUs failed; 2 bad usage (a path, ``--out``, ``--marker``); 3 nothing ran:
 no GPU visible, no test collected, or no test marked ``gpu`` passed (all skipped);
-130 interrupted (every pytest process is stopped first).
+130 interrupted by SIGINT, SIGTERM or SIGHUP (every pytest process is stopped first).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ DEFAULT_PATHS = ("tests/runtime",)
 DEFAULT_MARKER = "gpu or triton"
 PLUGIN_DIR = Path(__file__).resolve().parent / "upstream_tests" / "plugin"
 EXIT_PROBLEM, EXIT_USAGE, EXIT_NOTHING_RAN, EXIT_INTERRUPTED = 1, 2, 3, 130
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 COLLECT_TIMEOUT = 600.0  # seconds: an import that hangs on a GPU must not stall the run
 
 
@@ -80,11 +81,12 @@ def rotated(devices: list[str], index: int) -> str:
 
 
 def visible_devices() -> tuple[str, list[str]]:
-    """(the variable to rotate, its entries). A list the environment already gives is kept
-    (CUDA_VISIBLE_DEVICES; on ROCm HIP_VISIBLE_DEVICES, whose entries count within
-    ROCR_VISIBLE_DEVICES's); else torch counts the GPUs, in a child so this process stays
-    free of torch and of a GPU context."""
-    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+    """(the variable to rotate, its entries). A list the environment already gives is kept:
+    HIP_VISIBLE_DEVICES first (ROCm's torch and HIP prefer it; its entries count within
+    ROCR_VISIBLE_DEVICES's), then CUDA_VISIBLE_DEVICES. Else torch counts the GPUs, in a
+    child so this process stays free of torch and of a GPU context; a count that fails is
+    ``RuntimeError`` (a broken torch is no "nothing ran")."""
+    for var in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
         given = os.environ.get(var)
         if given is not None:
             return var, [d.strip() for d in given.split(",") if d.strip()]
@@ -93,9 +95,12 @@ def visible_devices() -> tuple[str, list[str]]:
     try:
         done = subprocess.run([sys.executable, "-c", count], capture_output=True, text=True,
                               timeout=COLLECT_TIMEOUT)  # fmt: skip
-        n = int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        n = 0
+        n = int(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"counting the GPUs took over {COLLECT_TIMEOUT:.0f} s") from None
+    except (ValueError, IndexError):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"torch could not count the GPUs: {tail}") from None
     return var, [str(i) for i in range(n)]
 
 
@@ -154,6 +159,7 @@ def _stop(popen: subprocess.Popen) -> None:
 
 
 def _interrupted(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does: through ``run_all``'s cleanup."""
     raise KeyboardInterrupt
 
 
@@ -161,7 +167,7 @@ def run_all(groups: list[list[str]], devices: tuple[str, list[str]], marker: str
             out: Path, timeout: float) -> list[Process]:  # fmt: skip
     """Start every group's pytest at once, each in a process group of its own; kill a group
     at ``timeout``, once its pytest has ended (what its tests left running), and every group
-    if this process is interrupted (SIGINT, or SIGTERM through ``_interrupted``)."""
+    if this process is interrupted (``STOP_SIGNALS``, through ``_interrupted``)."""
     var, ids = devices
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH")) if p)
@@ -193,8 +199,11 @@ def run_all(groups: list[list[str]], devices: tuple[str, list[str]], marker: str
                 print(f"process {i} ({len(p.files)} files): {end} after {p.seconds:.0f} s",
                       flush=True)  # fmt: skip
     finally:
+        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}  # no half-done kill
         for popen, _ in running.values():
             _stop(popen)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     return procs
 
 
@@ -267,6 +276,7 @@ def prepare(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         for old in (*out.glob("progress-*.jsonl"), *out.glob("log-*.txt"), out / "summary.json"):
             old.unlink(missing_ok=True)
+        write_summary(out, {"problems": ["the run did not end"]})  # also proves out writable
     except OSError as e:
         raise Usage(f"--out {out}: {e.strerror or e}") from None
 
@@ -280,9 +290,9 @@ def run(a: argparse.Namespace) -> tuple[int, dict]:
     summary: dict = {"problems": []}
     try:
         collected = collect(a.paths, a.marker)
+        var, devices = visible_devices()
     except RuntimeError as e:
         return EXIT_PROBLEM, {"problems": [str(e)]}
-    var, devices = visible_devices()
     if not devices:
         return EXIT_NOTHING_RAN, {**summary, "nothing_ran": "no GPU visible"}
     if not collected.ids:
@@ -307,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in a.paths if not Path(p).exists()]
     if missing:
         parser().error(f"no such test path: {missing[0]}")
-    signal.signal(signal.SIGTERM, _interrupted)  # a terminated run stops its pytest processes too
+    for s in STOP_SIGNALS:  # a stopped run stops its pytest processes too
+        signal.signal(s, _interrupted)
     try:
         code, summary = run(a)
     except Usage as e:
@@ -315,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpu_tests: interrupted; every pytest process was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    for s in STOP_SIGNALS:  # the run is over: what is left is printing
+        signal.signal(s, signal.SIG_DFL)
     write_summary(a.out, summary)
     if "counts" in summary:
         c = summary["counts"]

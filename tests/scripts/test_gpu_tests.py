@@ -81,6 +81,31 @@ def test_each_process_sees_every_gpu_from_a_different_first_one() -> None:
     assert gpu_tests.rotated(["3", "5", "7"], 4) == "5,7,3"
 
 
+def test_rocms_list_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,3")
+    assert gpu_tests.visible_devices() == ("HIP_VISIBLE_DEVICES", ["2", "3"])
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES")
+    assert gpu_tests.visible_devices() == ("CUDA_VISIBLE_DEVICES", ["0", "1"])
+
+
+def test_a_torch_that_cannot_count_the_gpus_fails_the_run(tmp_path: Path) -> None:
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    root = folder(tmp_path, test_a=PASS_TWO)
+    env = {"PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}"}
+    done = run_module("scripts.gpu_tests", "--out", tmp_path / "out", "--marker", "gpu", root,
+                      env=env)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "torch could not count the GPUs: ImportError: no torch in this test" in done.stdout
+
+
+def test_a_rank_in_the_environment_does_not_hide_the_results(tmp_path: Path) -> None:
+    done, summary = run(folder(tmp_path, test_a=PASS_TWO), tmp_path / "out", env={"RANK": "1"})
+    assert done.returncode == 0 and summary["counts"]["passed"] == 2, done.stdout + done.stderr
+
+
 def test_a_failure_fails_the_run_and_is_named(tmp_path: Path) -> None:
     root = folder(tmp_path, test_a=PASS_TWO, test_b=FAIL, test_c=SKIP, test_d=UNMARKED)
     done, summary = run(root, tmp_path / "out", "--procs", "2")
@@ -150,7 +175,7 @@ def test_bad_usage_is_one_line_and_exit_2(tmp_path: Path) -> None:
         ["--out", tmp_path / "o", "no/such/path"],
         ["--out", a_file, root],
         ["--out", tmp_path / "o", "--marker", "gpu or", root],
-    )
+    ) + ((["--out", "/proc/self", root],) if Path("/proc/self").is_dir() else ())  # unwritable
     for args in cases:
         done = run_module("scripts.gpu_tests", *args, env=ONE_GPU)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
@@ -192,7 +217,8 @@ def test_what_a_passing_test_leaves_running_is_stopped(tmp_path: Path) -> None:
 
 @pytest.mark.full
 @NEEDS_PROC
-def test_a_terminated_run_stops_its_pytest_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stopped_run_stops_its_pytest_processes(tmp_path: Path, stop: signal.Signals) -> None:
     slow = LEAVES_A_CHILD.replace("test_leaves_a_child", "test_slow") + "    time.sleep(60)\n"
     pids, out = tmp_path / "pids", tmp_path / "out"
     pids.mkdir()
@@ -204,7 +230,7 @@ def test_a_terminated_run_stops_its_pytest_processes(tmp_path: Path) -> None:
     deadline = time.monotonic() + 60
     while not any(pids.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    tool.send_signal(signal.SIGTERM)
+    tool.send_signal(stop)
     _, err = tool.communicate(timeout=30)
     assert tool.returncode == 130 and err.strip().splitlines() == [
         "gpu_tests: interrupted; every pytest process was stopped"
