@@ -15,8 +15,9 @@ process's log and progress file and ``summary.json`` (counts, problems, each pro
 
 Exit: 0 every collected test has a result, none failed, and a test marked ``gpu`` passed;
 1 a test failed or errored, a process was killed at ``--timeout`` or crashed, a test has no
-result, or collection or counting the GPUs failed; 2 bad usage (a path, ``--out``, ``--marker``); 3 nothing ran:
-no GPU visible, no test collected, or no test marked ``gpu`` passed (all skipped);
+result, or collection or counting the GPUs failed; 2 bad usage (a path, ``--out``,
+``--marker``); 3 nothing ran: no GPU visible, no test collected, or no test marked ``gpu``
+passed (all skipped);
 130 interrupted by SIGINT, SIGTERM or SIGHUP (every pytest process is stopped first).
 """
 
@@ -54,7 +55,7 @@ class Process:
 
     index: int
     files: list[str]
-    devices: str | None  # the value given to ``device_variable``; None: the environment's own
+    devices: str  # its GPU list: the visible one, rotated
     returncode: int | None = None
     timed_out: bool = False
     seconds: float = 0.0
@@ -171,9 +172,9 @@ def run_all(groups: list[list[str]], devices: tuple[str, list[str]], marker: str
     var, ids = devices
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH")) if p)
+    env.pop("RANK", None)  # the progress plugin names its file after RANK: rank0 here
     args = [sys.executable, "-m", "pytest", *_pytest_args(marker), "-p", "mrocm_ut_progress",
             f"--rootdir={root}", "-q", "-rfE"]  # fmt: skip
-    env.pop("RANK", None)  # the progress plugin names its file after RANK: rank0 here
     procs: list[Process] = []
     running: dict[int, tuple[subprocess.Popen, float]] = {}
     try:
@@ -188,10 +189,11 @@ def run_all(groups: list[list[str]], devices: tuple[str, list[str]], marker: str
         while running:
             time.sleep(0.2)
             for i, (popen, started) in list(running.items()):
-                p, late = procs[i], time.monotonic() - started > timeout
-                if popen.poll() is None and not late:
+                alive = popen.poll() is None
+                if alive and time.monotonic() - started <= timeout:
                     continue
-                p.timed_out = popen.poll() is None
+                p = procs[i]
+                p.timed_out = alive
                 _stop(popen)
                 p.returncode, p.seconds = popen.wait(), round(time.monotonic() - started, 1)
                 del running[i]
@@ -287,16 +289,16 @@ def write_summary(out: Path, summary: dict) -> None:
 
 def run(a: argparse.Namespace) -> tuple[int, dict]:
     prepare(a.out)
-    summary: dict = {"problems": []}
     try:
         collected = collect(a.paths, a.marker)
         var, devices = visible_devices()
     except RuntimeError as e:
         return EXIT_PROBLEM, {"problems": [str(e)]}
     if not devices:
-        return EXIT_NOTHING_RAN, {**summary, "nothing_ran": "no GPU visible"}
+        return EXIT_NOTHING_RAN, {"problems": [], "nothing_ran": "no GPU visible"}
     if not collected.ids:
-        return EXIT_NOTHING_RAN, {**summary, "nothing_ran": f"no test matches -m {a.marker!r}"}
+        why = f"no test matches -m {a.marker!r}"
+        return EXIT_NOTHING_RAN, {"problems": [], "nothing_ran": why}
     sizes = Counter(str(collected.root / n.split("::", 1)[0]) for n in collected.ids)
     groups = share_out(sizes, a.procs)
     print(f"{len(collected.ids)} tests in {len(groups)} processes on {len(devices)} GPUs",
